@@ -1,0 +1,693 @@
+"""Typed configuration and the small YAML loader that replaces Hydra.
+
+A run's configuration is built in three layers, later layers winning:
+
+    1. config/config.yaml               every top-level default, with a one-line comment each
+    2. config/<group>/<choice>.yaml     group files picked on the command line: model=pythia28 loss=dpo
+    3. key=value overrides              dotted keys, values parsed as YAML: loss.beta=0.1 datasets=[hh,shp]
+
+`--key=value` means the same as `key=value` (W&B sweep agents pass that form). The result is a frozen
+`Config` dataclass that also reads like a dict (`cfg.loss.beta`, `cfg["loss"]["beta"]`, `cfg.get(...)`),
+so code written against the original DictConfig keeps working.
+
+Every problem (unknown key, wrong type, value out of range, ...) is collected and reported at once by
+`ConfigError`, each naming the key, the bad value and what was expected. Nothing heavy is imported here:
+`python train.py --help` and `--cfg` answer without importing torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+GROUPS = ("model", "loss")  # `model=X` picks config/model/X.yaml, `loss=X` picks config/loss/X.yaml
+REQUIRED = "???"  # a YAML value that the user must override (as in Hydra/OmegaConf)
+
+
+def param(default: Any, doc: str, **kwargs) -> Any:
+    """A dataclass field with a one-line doc, shown by `train.py --help`."""
+    if isinstance(default, BaseConfig):
+        return field(default_factory=type(default), metadata={"doc": doc}, **kwargs)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kwargs)
+    return field(default=default, metadata={"doc": doc}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# BaseConfig: a frozen dataclass with a dict-like interface (verl's BaseConfig interface)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class BaseConfig:
+    """A dataclass that reads like a dict and is frozen after construction.
+
+    Fields named in the class attribute `_mutable_fields` stay assignable; subclasses extend the set with
+    `_mutable_fields = Parent._mutable_fields | {"name"}`. Assigning any other field after `__post_init__`
+    raises `dataclasses.FrozenInstanceError`.
+    """
+
+    _mutable_fields: ClassVar[frozenset] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False) and name not in self._mutable_fields:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}' of frozen {type(self).__name__}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field '{name}' of {type(self).__name__}")
+
+    # --- the dict interface ---
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in {f.name for f in dataclasses.fields(self)}
+
+    def __iter__(self):
+        return iter(f.name for f in dataclasses.fields(self))
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+    def keys(self):
+        return list(self)
+
+    def values(self):
+        return [getattr(self, k) for k in self]
+
+    def items(self):
+        return [(k, getattr(self, k)) for k in self]
+
+    def to_dict(self) -> dict:
+        """A plain nested dict (sub-configs converted too); safe to dump as YAML."""
+        return {k: (v.to_dict() if isinstance(v, BaseConfig) else _plain(v)) for k, v in self.items()}
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine config: verl's FSDPEngineConfig fields and defaults
+# ---------------------------------------------------------------------------------------------------------
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}  # accepted spellings -> torch attribute name
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+WRAP_POLICY_KEYS = ("transformer_layer_cls_to_wrap", "min_num_params")
+DICT_FIELDS = ("fsdp.wrap_policy", "fsdp.mixed_precision")  # dict-valued fields whose sub-keys can be overridden
+
+
+@dataclass
+class EngineConfig(BaseConfig):
+    """Fields every training engine shares (verl's EngineConfig)."""
+
+    param_offload: bool = param(False, "keep parameters on CPU between compute phases (moved to the device only for forward/backward)")
+    optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
+    seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (one source of truth, both set and different is an error)")
+    full_determinism: bool = param(False, "deterministic algorithms everywhere (torch.use_deterministic_algorithms); slower, for debugging")
+    dtype: str = param("bfloat16", "dtype of mixed-precision compute; used for any dtype that fsdp.mixed_precision leaves out")
+    forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
+
+
+@dataclass
+class FSDPEngineConfig(EngineConfig):
+    """Configuration of the FSDP engine (verl's FSDPEngineConfig; every field is live or raises).
+
+    `model.block_name`, `model.policy_dtype` and `model.fsdp_policy_mp` are the original code's names for
+    `wrap_policy.transformer_layer_cls_to_wrap`, `model_dtype` and `mixed_precision`: they are aliases,
+    resolved once in `_resolve_aliases`.
+    """
+
+    # ulysses_sequence_parallel_size is mutable for backward compatibility (as in verl)
+    _mutable_fields: ClassVar[frozenset] = EngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}
+
+    wrap_policy: dict = param({}, "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block")
+    offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU); pinned memory only with a GPU")
+    reshard_after_forward: bool = param(True, "free gathered params after forward (FULL_SHARD); false keeps them until backward (SHARD_GRAD_OP)")
+    fsdp_size: int = param(-1, "ranks per shard group; -1 = all ranks; 1 < fsdp_size < world = hybrid (replicate x shard)")
+    forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
+    model_dtype: str = param("fp32", "dtype of the master weights the model is loaded in (alias: model.policy_dtype)")
+    use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (needed for per-parameter optimizer groups)")
+    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
+    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism; > 1 is not supported yet")
+    entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
+    use_torch_compile: bool = param(True, "torch.compile the entropy kernel")
+    entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
+    strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.strategy in ["fsdp", "fsdp2"], f"strategy {self.strategy} not supported"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run config: the original DPO keys plus what later features need
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class WandbConfig(BaseConfig):
+    enabled: bool = param(True, "log to Weights & Biases (online with an API key, else offline)")
+    entity: Optional[str] = param(None, "W&B entity (team or user); null = your default")
+    project: str = param("direct-preference-optimization", "W&B project")
+
+
+@dataclass
+class ModelConfig(BaseConfig):
+    name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
+    tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
+    archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
+    block_name: Optional[str] = param(None, "transformer block class name for FSDP wrapping (alias of fsdp.wrap_policy); null = from _no_split_modules")
+    policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)")
+    fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision); null = none")
+    reference_dtype: str = param("float16", "dtype of the frozen reference model (the original's float16; use float32 on CPU)")
+    trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
+
+
+@dataclass
+class LossConfig(BaseConfig):
+    name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`")
+    weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0")
+    beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical")
+    label_smoothing: float = param(0.0, "assumed fraction of flipped labels (cDPO / robust DPO epsilon), in [0, 0.5)")
+    reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
+    average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
+    gamma: float = param(1.0, "SimPO target reward margin gamma")
+    rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
+    orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
+    f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence")
+    f_alpha: float = param(0.5, "alpha of the alpha-divergence (f-DPO)")
+    discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
+
+
+@dataclass
+class Config(BaseConfig):
+    seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
+    exp_name: Optional[str] = param(None, "name of the run (directory and W&B); null = '<loss>_<model>'")
+    batch_size: int = param(4, "pairs per optimizer step, over all ranks and accumulation steps")
+    eval_batch_size: int = param(16, "pairs per evaluation step, over all ranks")
+    debug: bool = param(False, "debug mode: no W&B and no checkpoints")
+    fsdp_port: Optional[int] = param(None, "port of the rendezvous for the single-node FSDP launcher; null = a free port")
+    datasets: list = param(["toy"], "dataset names (hh, shp, se, ultrafeedback, toy) or paths to .jsonl/.json files")
+    wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
+    local_dirs: list = param([".cache"], "directories for caches and runs; the first one that exists or can be made is used")
+    sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
+    n_eval_model_samples: int = param(16, "prompts sampled at each evaluation")
+    do_first_eval: bool = param(True, "evaluate before the first training step")
+    lr: float = param(5e-7, "peak learning rate (the DPO paper's 1e-6 at batch 64; the original config's 5e-7)")
+    gradient_accumulation_steps: int = param(1, "micro-batches per optimizer step")
+    max_grad_norm: float = param(10.0, "clip the gradient norm to this (the pre-clip norm is logged as grad_norm)")
+    max_length: int = param(512, "max tokens of prompt + response")
+    max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)")
+    truncation_mode: Optional[str] = param(None, "keep_start | keep_end for prompts; null = each source's default (hh: keep_end)")
+    n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)")
+    n_examples: Optional[int] = param(None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)")
+    n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)")
+    trainer: str = param("BasicTrainer", "BasicTrainer (one process) or FSDPTrainer (sharded, one process per device)")
+    optimizer: str = param("RMSprop", "RMSprop (the original's choice) or AdamW")
+    weight_decay: float = param(0.0, "AdamW decoupled weight decay")
+    scheduler: str = param("constant", "after warmup: constant (the original), linear or cosine decay to 0")
+    warmup_steps: int = param(150, "linear warmup, in optimizer steps")
+    activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
+    eval_every: int = param(20_000, "evaluate (and checkpoint) every this many training pairs; a multiple of batch_size")
+    minimum_log_interval_secs: float = param(1.0, "log training metrics at most this often")
+    max_new_tokens: int = param(64, "tokens generated per sample during evaluation")
+    temperature: float = param(1.0, "sampling temperature during evaluation")
+    top_p: float = param(1.0, "nucleus sampling threshold during evaluation")
+    resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
+    run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
+    max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")
+    collective_timeout_secs: int = param(600, "a distributed collective waiting longer than this raises (a dead rank ends the job)")
+    n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU")
+    model: ModelConfig = param(ModelConfig(), "the policy model")
+    loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
+    fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
+
+    @property
+    def loss_names(self) -> list:
+        return [self.loss.name] if isinstance(self.loss.name, str) else list(self.loss.name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """All problems of one configuration, each a line naming the key, the bad value and what was expected."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(f"{n} configuration problem{'s' if n > 1 else ''}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schema helpers: the dotted keys, their types and docs, derived from the dataclasses
+# ---------------------------------------------------------------------------------------------------------
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _is_config(t) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseConfig)
+
+
+def schema(cls=Config, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: (type hint, default, doc)} for every leaf field, e.g. 'loss.beta'."""
+    out = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        t, key = hints[f.name], prefix + f.name
+        if _is_config(t):
+            out.update(schema(t, key + "."))
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[key] = (t, default, f.metadata.get("doc", ""))
+    return out
+
+
+def _type_name(t) -> str:
+    args = typing.get_args(t)
+    if typing.get_origin(t) in (Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    return getattr(t, "__name__", str(t))
+
+
+def _is_text(t) -> bool:
+    """True for `str` and `Optional[str]`: a value typed on the command line is then taken as text."""
+    return {a for a in (typing.get_args(t) or (t,)) if a is not type(None)} == {str}
+
+
+def _coerce(value: Any, t) -> tuple[bool, Any]:
+    """Check `value` against the type hint `t`; returns (ok, value converted where lossless).
+
+    YAML 1.1 reads `1e-6` as a string, so numeric strings are accepted for floats; an int is a float.
+    """
+    if t is Any:
+        return True, value
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            return type(None) in args, None
+        for a in args:
+            if a is type(None):
+                continue
+            ok, v = _coerce(value, a)
+            if ok:
+                return True, v
+        return False, value
+    if t is bool:
+        return isinstance(value, bool), value
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if t is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if t is str:
+        return isinstance(value, str), value
+    if t is list or origin is list:
+        return isinstance(value, list), value
+    if t is dict or origin is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, t), value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: YAML files + command line -> nested dict -> Config
+# ---------------------------------------------------------------------------------------------------------
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: expected a mapping of keys to values, got {type(data).__name__}"])
+    return data
+
+
+def _group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _suggest(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _parse_cli_value(text: str) -> Any:
+    """Values are YAML (`[hh,shp]`, `null`, `true`, `0.1`); text that is not valid YAML stays a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
+    """Split the command line into group choices, overrides (key, value, raw text) and flags.
+
+    Returns (choices, overrides, flags, problems).
+    """
+    choices, overrides, flags, problems = {}, [], set(), []
+    for arg in argv:
+        if arg in ("--cfg", "--help", "-h"):
+            flags.add("--help" if arg == "-h" else arg)
+            continue
+        token = arg[2:] if arg.startswith("--") else arg
+        if "=" not in token:
+            problems.append(f"argument '{arg}': expected key=value (e.g. loss.beta=0.1), --cfg or --help")
+            continue
+        key, raw = token.split("=", 1)
+        if key in GROUPS:
+            choices[key] = raw
+        else:
+            overrides.append((key, _parse_cli_value(raw), raw))
+    return choices, overrides, flags, problems
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
+    keys = schema()
+    out = {}
+    for k, v in tree.items():
+        key = prefix + k
+        if isinstance(v, dict) and key not in keys:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
+    """Compose config.yaml, the chosen group files and the overrides into {dotted key: value}.
+
+    Returns (values, keys set explicitly by group files or the command line, flags). Raises ConfigError.
+    """
+    choices, overrides, flags, problems = parse_argv(argv)
+    keys = schema()
+    base = _read_yaml(CONFIG_DIR / "config.yaml")
+    defaults = base.pop("defaults", [])
+    chosen = {}
+    for entry in defaults:
+        chosen.update(entry if isinstance(entry, dict) else {})
+    chosen.update(choices)
+
+    # explicit: key -> layer that set it (1 = a group file, 2 = the command line); aliases resolve by it
+    values = {k: d for k, (_, d, _) in keys.items()}
+    explicit: dict[str, int] = {}
+
+    def apply(origin: str, flat: dict, layer: int) -> None:
+        for key, value in flat.items():
+            field_key = key.rsplit(".", 1)[0]
+            if key not in keys and field_key in DICT_FIELDS and layer == 2:  # fsdp.mixed_precision.param_dtype=bf16
+                key, value = field_key, dict(values[field_key] or {}, **{key.rsplit(".", 1)[1]: value})
+            if key not in keys:
+                problems.append(f"{origin}: unknown key '{key}'" + _suggest(key, keys))
+                continue
+            values[key] = value
+            if layer:
+                explicit[key] = layer
+
+    apply("config/config.yaml", _flatten(base), 0)
+    for group in GROUPS:
+        name = chosen.get(group)
+        if name is None:
+            continue
+        path = CONFIG_DIR / group / f"{name}.yaml"
+        if not path.exists():
+            problems.append(f"{group}={name}: no such choice; expected one of {', '.join(_group_choices(group))}"
+                            + _suggest(name, _group_choices(group)))
+            continue
+        apply(f"config/{group}/{name}.yaml", _flatten(_read_yaml(path), f"{group}."), 1)
+    for key, value, raw in overrides:
+        if key in keys and _is_text(keys[key][0]) and raw not in ("null", "~"):
+            value = raw  # exp_name=123 is the name "123", not a number
+        apply("command line", {key: value}, 2)
+    if problems:
+        raise ConfigError(problems)
+    return values, explicit, flags
+
+
+def _build(cls, values: dict, prefix: str, problems: list[str]):
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        t, key = hints[f.name], prefix + f.name
+        if _is_config(t):
+            kwargs[f.name] = _build(t, values, key + ".", problems)
+            continue
+        value = values[key]
+        if value == REQUIRED:
+            problems.append(f"{key}: a value is required (set it on the command line: {key}=...)")
+            value = None
+        ok, value = _coerce(value, t)
+        if not ok:
+            problems.append(f"{key}={values[key]!r}: expected {_type_name(t)}, got {type(values[key]).__name__}")
+        kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except AssertionError as e:
+        problems.append(f"{prefix.rstrip('.')}: {e}")
+        object_kwargs = dict(kwargs, strategy="fsdp") if cls is FSDPEngineConfig else kwargs
+        return cls(**object_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aliases and cross-field validation
+# ---------------------------------------------------------------------------------------------------------
+def _alias(values: dict, explicit: dict[str, int], problems: list[str], alias: str, source: str,
+           to_source, from_source, same) -> None:
+    """Resolve one alias pair: `source` (an fsdp.* field) is the truth, `alias` (an original key) follows it.
+
+    The one set by the later layer (command line > group file > config.yaml) wins; set by the same layer
+    to different values is an error.
+    """
+    a, s = values[alias], values[source]
+    la, ls = explicit.get(alias, 0), explicit.get(source, 0)
+    if la == ls > 0 and not same(a, s):
+        problems.append(f"{alias}={a!r} and {source}={s!r} set the same knob to different values; set only {source}")
+        return
+    if la > ls:
+        values[source] = to_source(a)
+    values[alias] = from_source(values[source])
+
+
+def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]) -> None:
+    """Make each original-DPO key agree with the FSDPEngineConfig field that names the same knob.
+
+    The fsdp.* field is the source of truth; the original key is an alias. Setting only one of the two
+    (in a group file or on the command line) sets both; setting both to different values is an error.
+    (`activation_checkpointing` has no FSDPEngineConfig twin, so it stays the one key for that knob.)
+    """
+    n_before = len(problems)
+    for key in ("model.policy_dtype", "fsdp.model_dtype", "model.fsdp_policy_mp", "model.reference_dtype", "fsdp.dtype"):
+        if values[key] is not None and values[key] not in DTYPES:
+            problems.append(f"{key}={values[key]!r}: expected a dtype, one of {', '.join(DTYPES)}")
+    mp, wp = values["fsdp.mixed_precision"], values["fsdp.wrap_policy"]
+    for name, d, allowed in (("mixed_precision", mp, MIXED_PRECISION_KEYS), ("wrap_policy", wp, WRAP_POLICY_KEYS)):
+        for k, v in (d.items() if isinstance(d, dict) else ()):
+            if k not in allowed:
+                problems.append(f"fsdp.{name}.{k}: unknown key; expected one of {', '.join(allowed)}" + _suggest(k, allowed))
+            elif name == "mixed_precision" and v not in DTYPES:
+                problems.append(f"fsdp.mixed_precision.{k}={v!r}: expected a dtype, one of {', '.join(DTYPES)}")
+    if len(problems) > n_before or not isinstance(wp, dict) or not (mp is None or isinstance(mp, dict)):
+        return  # types are reported by _build; aliases need valid values
+
+    dtype = lambda v: DTYPES.get(v) if v is not None else None  # noqa: E731
+    _alias(values, explicit, problems, "model.policy_dtype", "fsdp.model_dtype",
+           to_source=lambda a: a, from_source=dtype, same=lambda a, s: dtype(a) == dtype(s))
+
+    mp_dtype = lambda s: None if s is None else dtype(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
+    _alias(values, explicit, problems, "model.fsdp_policy_mp", "fsdp.mixed_precision",
+           to_source=lambda a: None if a is None else {k: a for k in MIXED_PRECISION_KEYS},
+           from_source=mp_dtype, same=lambda a, s: dtype(a) == mp_dtype(s))
+
+    layers = wp.get("transformer_layer_cls_to_wrap")
+    if isinstance(layers, str):
+        values["fsdp.wrap_policy"] = wp = dict(wp, transformer_layer_cls_to_wrap=[layers])
+    _alias(values, explicit, problems, "model.block_name", "fsdp.wrap_policy",
+           to_source=lambda a: dict(wp, transformer_layer_cls_to_wrap=[a]) if a else wp,
+           from_source=lambda s: s["transformer_layer_cls_to_wrap"][0] if len(s.get("transformer_layer_cls_to_wrap") or []) == 1 else None,
+           same=lambda a, s: a is None or s.get("transformer_layer_cls_to_wrap") in (None, [a]))
+
+    if values["fsdp.seed"] is None:  # null = the top-level seed
+        values["fsdp.seed"] = values["seed"]
+        explicit["fsdp.seed"] = explicit.get("seed", 0)
+    _alias(values, explicit, problems, "seed", "fsdp.seed", to_source=lambda a: a, from_source=lambda s: s,
+           same=lambda a, s: a == s)
+
+
+# Enumerated string keys: one table instead of scattered checks.
+CHOICES = {
+    "trainer": ("BasicTrainer", "FSDPTrainer"),
+    "optimizer": ("RMSprop", "AdamW"),
+    "scheduler": ("constant", "linear", "cosine"),
+    "truncation_mode": (None, "keep_start", "keep_end"),
+    "loss.f_divergence": ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),
+    "fsdp.strategy": ("fsdp", "fsdp2"),
+}
+
+
+# Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
+FSDP_ONLY = ("wrap_policy", "offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch",
+             "use_orig_params", "strategy", "param_offload", "optimizer_offload")
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
+    """Cross-field checks. `world_size` = processes that will train (None = not known yet)."""
+    p = []
+    for key, allowed in CHOICES.items():
+        v = cfg
+        for part in key.split("."):
+            v = v[part]
+        if v not in allowed:
+            p.append(f"{key}={v!r}: expected one of {', '.join(str(a) for a in allowed)}" + _suggest(str(v), [str(a) for a in allowed]))
+    positive = ["batch_size", "eval_batch_size", "gradient_accumulation_steps", "max_length", "max_prompt_length",
+                "n_eval_examples", "eval_every", "max_new_tokens"]
+    for key in positive:
+        if cfg[key] <= 0:
+            p.append(f"{key}={cfg[key]}: expected a positive number")
+    for key in ("lr", "max_grad_norm", "temperature"):
+        if not cfg[key] > 0:
+            p.append(f"{key}={cfg[key]}: expected > 0")
+    if not 0 < cfg.top_p <= 1:
+        p.append(f"top_p={cfg.top_p}: expected 0 < top_p <= 1")
+    for key in ("collective_timeout_secs",):
+        if cfg[key] <= 0:
+            p.append(f"{key}={cfg[key]}: expected a positive number")
+    for key in ("warmup_steps", "n_eval_model_samples", "max_nonfinite_steps", "weight_decay", "minimum_log_interval_secs"):
+        if cfg[key] < 0:
+            p.append(f"{key}={cfg[key]}: expected >= 0")
+    if cfg.max_prompt_length >= cfg.max_length:
+        p.append(f"max_prompt_length={cfg.max_prompt_length}: expected < max_length={cfg.max_length} (room for the response)")
+    if (cfg.n_epochs is None) == (cfg.n_examples is None):
+        p.append(f"n_epochs={cfg.n_epochs}, n_examples={cfg.n_examples}: expected exactly one of them set (the other null)")
+    for key in ("n_epochs", "n_examples"):
+        if cfg[key] is not None and cfg[key] <= 0:
+            p.append(f"{key}={cfg[key]}: expected a positive number or null")
+    if cfg.eval_every > 0 and cfg.batch_size > 0 and cfg.eval_every % cfg.batch_size:
+        p.append(f"eval_every={cfg.eval_every}: expected a multiple of batch_size={cfg.batch_size} (evaluation happens between steps)")
+    ws = world_size or 1
+    if cfg.batch_size > 0 and cfg.gradient_accumulation_steps > 0 and cfg.batch_size % (cfg.gradient_accumulation_steps * ws):
+        p.append(f"batch_size={cfg.batch_size}: expected divisible by gradient_accumulation_steps={cfg.gradient_accumulation_steps}"
+                 f" x world size={ws}")
+    if cfg.eval_batch_size > 0 and cfg.eval_batch_size % ws:
+        p.append(f"eval_batch_size={cfg.eval_batch_size}: expected divisible by world size={ws}")
+    if not cfg.datasets:
+        p.append("datasets=[]: expected at least one dataset name or path")
+    elif not all(isinstance(d, str) for d in cfg.datasets):
+        p.append(f"datasets={cfg.datasets!r}: expected a list of names or paths (strings)")
+    if not cfg.local_dirs:
+        p.append("local_dirs=[]: expected at least one directory")
+    # loss
+    loss = cfg.loss
+    if not loss.beta > 0:
+        p.append(f"loss.beta={loss.beta}: expected > 0")
+    if not 0 <= loss.label_smoothing < 0.5:
+        p.append(f"loss.label_smoothing={loss.label_smoothing}: expected 0 <= label_smoothing < 0.5")
+    names = cfg.loss_names
+    if not names or not all(isinstance(n, str) for n in names):
+        p.append(f"loss.name={loss.name!r}: expected a loss name or a list of names")
+    else:
+        known = _group_choices("loss")
+        for n in names:
+            if n not in known:
+                p.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + _suggest(n, known))
+    if loss.weights is not None:
+        if len(loss.weights) != len(names):
+            p.append(f"loss.weights={loss.weights}: expected one weight per loss name ({len(names)})")
+        elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in loss.weights):
+            p.append(f"loss.weights={loss.weights}: expected numbers")
+    if loss.f_alpha <= 0 and loss.f_divergence == "alpha_divergence":
+        p.append(f"loss.f_alpha={loss.f_alpha}: expected > 0")
+    if loss.discopop_tau <= 0:
+        p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
+    # model and engine
+    if cfg.fsdp.fsdp_size == 0 or cfg.fsdp.fsdp_size < -1:
+        p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected -1 (all ranks) or a positive number")
+    elif world_size and cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:
+        p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected a divisor of the world size {world_size}")
+    if cfg.fsdp.ulysses_sequence_parallel_size != 1:
+        p.append(f"fsdp.ulysses_sequence_parallel_size={cfg.fsdp.ulysses_sequence_parallel_size}: not supported yet"
+                 " (Ulysses sequence parallelism is not built); expected 1")
+
+    mnp = cfg.fsdp.wrap_policy.get("min_num_params")
+    if mnp is not None and (not isinstance(mnp, int) or isinstance(mnp, bool) or mnp < 0):
+        p.append(f"fsdp.wrap_policy.min_num_params={mnp!r}: expected a non-negative integer")
+    if cfg.n_workers is not None and cfg.n_workers < 1:
+        p.append(f"n_workers={cfg.n_workers}: expected a positive number or null")
+    return p
+
+
+def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> tuple[Config, set[str]]:
+    """Compose, type-check, resolve aliases and validate. Returns (config, flags). Raises ConfigError."""
+    argv = sys.argv[1:] if argv is None else argv
+    values, explicit, flags = compose(argv)
+    problems: list[str] = []
+    _resolve_aliases(values, explicit, problems)
+    bs, every = values["batch_size"], values["eval_every"]
+    if "eval_every" not in explicit and isinstance(bs, int) and isinstance(every, int) and bs > 0:
+        # The default (20000, the original's) adapts to the batch size: evaluation happens between steps,
+        # and the original's `example_counter % eval_every` never fired when batch_size did not divide it.
+        values["eval_every"] = max(bs, every // bs * bs)
+    cfg = _build(Config, values, "", problems)
+    if problems:  # types must be right before cross-field checks can be read
+        raise ConfigError(problems)
+    if world_size is None and os.environ.get("WORLD_SIZE"):
+        world_size = int(os.environ["WORLD_SIZE"])
+    problems = validate(cfg, world_size)
+    if cfg.trainer == "BasicTrainer":  # a sharding knob typed on the command line would be silently ignored
+        problems += [f"fsdp.{key}={cfg.fsdp[key]!r}: only applies to trainer=FSDPTrainer (this run uses BasicTrainer)"
+                     for key in FSDP_ONLY if explicit.get(f"fsdp.{key}") == 2 and cfg.fsdp[key] != FSDPEngineConfig()[key]]
+    if problems:
+        raise ConfigError(problems)
+    if cfg.exp_name is None:
+        model_choice = Path(cfg.model.name_or_path).name
+        cfg = dataclasses.replace(cfg, exp_name=f"{'+'.join(cfg.loss_names)}_{model_choice}")
+    return cfg, flags
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def help_text() -> str:
+    """Every key with its type, default and one-line doc, grouped by config class."""
+    lines = ["usage: python -u train.py [group=choice ...] [key=value ...] [--cfg] [--help]", "",
+             "groups:"]
+    for g in GROUPS:
+        lines.append(f"  {g}=  one of: {', '.join(_group_choices(g))}")
+    lines += ["", "keys (key: type = default  # doc):"]
+    sections: dict[str, list[str]] = {}
+    for key, (t, default, doc) in schema().items():
+        head = key.rsplit(".", 1)[0] if "." in key else "Config"
+        sections.setdefault(head, []).append(f"  {key}: {_type_name(t)} = {default!r}  # {doc}")
+    for head, rows in sections.items():
+        lines += [f"  [{head}]", *rows]
+    lines += ["", "--cfg prints the resolved config as YAML and exits; values are YAML: datasets=[hh,shp] lr=1e-6 n_epochs=null"]
+    return "\n".join(lines)

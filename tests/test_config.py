@@ -1,0 +1,208 @@
+"""config.py: the dict-like frozen dataclasses, the YAML loader, overrides, aliases and every error."""
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import config
+from config import (BaseConfig, Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config,
+                    schema)
+
+REPO = Path(__file__).resolve().parent.parent
+ORIGINAL_COMMAND = ("model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1 exp_name=anthropic_dpo_pythia28 "
+                    "gradient_accumulation_steps=2 batch_size=64 eval_batch_size=32 trainer=FSDPTrainer "
+                    "sample_during_eval=false model.fsdp_policy_mp=bfloat16 model.archive=/path/to/LATEST/policy.pt").split()
+
+
+def run_train(*args, timeout=30):
+    return subprocess.run([sys.executable, "-u", str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# BaseConfig
+# ---------------------------------------------------------------------------------------------------------
+def test_base_config_reads_like_a_dict():
+    cfg = FSDPEngineConfig()
+    assert cfg.strategy == cfg["strategy"] == cfg.get("strategy") == "fsdp"
+    assert cfg.get("no_such_key", 7) == 7
+    assert "fsdp_size" in cfg and "no_such_key" not in cfg
+    assert list(cfg) == [f.name for f in dataclasses.fields(FSDPEngineConfig)]
+    assert len(cfg) == len(dataclasses.fields(FSDPEngineConfig))
+    with pytest.raises(KeyError):
+        cfg["no_such_key"]
+    d = Config().to_dict()
+    assert d["loss"]["beta"] == 0.1 and d["fsdp"]["wrap_policy"] == {} and isinstance(d["wandb"], dict)
+
+
+def test_base_config_is_frozen_except_mutable_fields():
+    cfg = FSDPEngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.fsdp_size = 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.strategy = "fsdp2"
+    cfg.ulysses_sequence_parallel_size = 2  # in _mutable_fields, as in verl
+    assert cfg.ulysses_sequence_parallel_size == 2
+
+
+def test_mutable_fields_are_inherited_and_extended():
+    assert "ulysses_sequence_parallel_size" in FSDPEngineConfig._mutable_fields
+    assert EngineConfig._mutable_fields <= FSDPEngineConfig._mutable_fields
+
+    @dataclasses.dataclass
+    class Child(FSDPEngineConfig):
+        _mutable_fields = FSDPEngineConfig._mutable_fields | {"fsdp_size"}
+
+    child = Child()
+    child.fsdp_size = 4
+    child.ulysses_sequence_parallel_size = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        child.strategy = "fsdp2"
+
+
+def test_fsdp_engine_config_has_exactly_the_seed_fields_and_defaults():
+    expected = dict(wrap_policy={}, offload_policy=False, reshard_after_forward=True, fsdp_size=-1, forward_prefetch=False,
+                    model_dtype="fp32", use_orig_params=False, mixed_precision=None, ulysses_sequence_parallel_size=1,
+                    entropy_from_logits_with_chunking=False, use_torch_compile=True, entropy_checkpointing=False,
+                    strategy="fsdp", param_offload=False, optimizer_offload=False, full_determinism=False,
+                    dtype="bfloat16", forward_only=False, seed=None)
+    assert FSDPEngineConfig().to_dict() == expected
+    with pytest.raises(AssertionError, match="strategy fsdp3 not supported"):
+        FSDPEngineConfig(strategy="fsdp3")
+
+
+def test_config_yaml_holds_every_default_of_the_dataclasses():
+    """config/config.yaml and the dataclass defaults are two views of one set of defaults: they must agree."""
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    base.pop("defaults")
+    flat = config._flatten(base)
+    keys = schema()
+    assert set(flat) == set(keys), set(flat) ^ set(keys)
+    for key, (t, default, _) in keys.items():
+        ok, value = config._coerce(flat[key], t)
+        assert ok and value == default, (key, flat[key], default)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+def test_the_original_long_command_resolves_to_typed_values():
+    result = run_train(*ORIGINAL_COMMAND, "--cfg")
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["model"]["name_or_path"] == "EleutherAI/pythia-2.8b"
+    assert cfg["model"]["block_name"] == "GPTNeoXLayer"
+    assert cfg["fsdp"]["wrap_policy"] == {"transformer_layer_cls_to_wrap": ["GPTNeoXLayer"]}
+    assert cfg["datasets"] == ["hh"]
+    assert cfg["loss"]["name"] == "dpo" and cfg["loss"]["beta"] == 0.1
+    assert cfg["exp_name"] == "anthropic_dpo_pythia28"
+    assert (cfg["gradient_accumulation_steps"], cfg["batch_size"], cfg["eval_batch_size"]) == (2, 64, 32)
+    assert cfg["trainer"] == "FSDPTrainer" and cfg["sample_during_eval"] is False
+    assert cfg["model"]["fsdp_policy_mp"] == "bfloat16"
+    assert cfg["fsdp"]["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "buffer_dtype": "bfloat16"}
+    assert cfg["model"]["archive"] == "/path/to/LATEST/policy.pt"
+
+
+def test_group_selection_and_override_precedence():
+    cfg, _ = load_config([])
+    assert cfg.model.name_or_path == "toy/tiny-llama" and cfg.loss.name == "sft"  # the defaults list
+    cfg, _ = load_config(["loss=dpo"])
+    assert cfg.loss.name == "dpo" and cfg.loss.beta == yaml.safe_load((REPO / "config/loss/dpo.yaml").read_text())["beta"]
+    cfg, _ = load_config(["loss=dpo", "loss.beta=0.3"])  # command line beats the group file
+    assert cfg.loss.beta == 0.3
+    cfg, _ = load_config(["loss.beta=0.3", "loss=dpo"])  # whatever the order on the line
+    assert cfg.loss.beta == 0.3
+    cfg, _ = load_config(["model=pythia28", "model.name_or_path=/local/pythia"])
+    assert cfg.model.name_or_path == "/local/pythia" and cfg.model.block_name == "GPTNeoXLayer"
+
+
+def test_yaml_typed_values_and_double_dash_form():
+    cfg, _ = load_config(["--datasets=[hh,shp]", "lr=1e-6", "n_epochs=null", "n_examples=64", "--debug=true"])
+    assert cfg.datasets == ["hh", "shp"] and cfg.lr == 1e-6 and isinstance(cfg.lr, float)
+    assert cfg.n_epochs is None and cfg.n_examples == 64 and cfg.debug is True
+    cfg, _ = load_config(["exp_name=123", "max_grad_norm=1"])  # a string key keeps its text; an int is a float
+    assert cfg.exp_name == "123" and cfg.max_grad_norm == 1.0
+
+
+def test_aliases_resolve_in_both_directions():
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bfloat16"])
+    assert cfg.fsdp.model_dtype == "bfloat16" and cfg.model.policy_dtype == "bfloat16"
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.model_dtype=bf16"])  # the source of truth drives the alias
+    assert cfg.model.policy_dtype == "bfloat16"
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision={param_dtype: bf16}"])
+    assert cfg.model.fsdp_policy_mp == "bfloat16"
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "fsdp.wrap_policy={min_num_params: 1000}"])
+    assert cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None  # command line wins over the group file
+    cfg, _ = load_config(["seed=5"])
+    assert cfg.fsdp.seed == 5
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"])  # same knob, same value
+    assert cfg.fsdp.model_dtype == "bfloat16"
+
+
+def test_exp_name_is_derived_when_null():
+    cfg, _ = load_config(["loss=dpo"])
+    assert cfg.exp_name == "dpo_tiny-llama"
+
+
+def test_world_size_enters_the_divisibility_check():
+    with pytest.raises(ConfigError, match="world size=4"):
+        load_config(["batch_size=8", "gradient_accumulation_steps=4"], world_size=4)
+    load_config(["batch_size=8", "gradient_accumulation_steps=4"], world_size=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------
+def bad_configs():
+    rows = []
+    for line in (REPO / "tests" / "data" / "bad_configs.tsv").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            args, fragment = line.split("\t")
+            rows.append(pytest.param(args.split(), fragment, id=args))
+    return rows
+
+
+@pytest.mark.parametrize("args,fragment", bad_configs())
+def test_bad_config_is_reported_with_key_value_and_expectation(args, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    assert fragment in str(info.value)
+
+
+def test_there_are_at_least_twenty_bad_configs():
+    assert len(bad_configs()) >= 20
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(["loss.betaa=1", "batchsize=3", "lr=x"])
+    assert len(info.value.problems) == 2  # unknown keys stop before type checks; both reported
+    with pytest.raises(ConfigError) as info:
+        load_config(["lr=x", "batch_size=y", "debug=z"])
+    assert len(info.value.problems) == 3
+
+
+def test_bad_config_exits_2_fast_without_traceback():
+    start = time.time()
+    result = run_train("loss.betaa=1", "--cfg")
+    elapsed = time.time() - start
+    assert result.returncode == 2
+    assert "loss.beta" in result.stderr and "Traceback" not in result.stderr
+    assert elapsed < 3.0, f"took {elapsed:.2f}s"
+
+
+def test_help_lists_every_field_of_every_config_class_fast():
+    start = time.time()
+    result = run_train("--help")
+    elapsed = time.time() - start
+    assert result.returncode == 0 and elapsed < 3.0, f"rc {result.returncode}, {elapsed:.2f}s"
+    for key in schema():
+        assert f"  {key}:" in result.stdout, key
+    for cls in (Config, config.ModelConfig, config.LossConfig, config.WandbConfig, FSDPEngineConfig, EngineConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+    assert help_text().count("\n") > len(schema())

@@ -1,0 +1,188 @@
+"""Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, run directories,
+atomic writes and the few distributed helpers (all torch.distributed calls outside trainers.py live here).
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import random
+import socket
+from contextlib import closing
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+# --------------------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------------------
+def get_rank() -> int:
+    """This process's global rank: from torch.distributed when initialized, else the RANK env var, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def rank0_print(*args, **kwargs) -> None:
+    """print() on global rank 0 only, so that N ranks do not print every line N times."""
+    if get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------
+def get_block_class_from_model(model: torch.nn.Module, block_class_name: str) -> type:
+    """The class of the first submodule whose class is named `block_class_name` (e.g. 'GPTNeoXLayer').
+
+    Raises ValueError listing the model's module class names when there is none, so a typo is obvious.
+    """
+    for module in model.modules():
+        if type(module).__name__ == block_class_name:
+            return type(module)
+    names = sorted({type(m).__name__ for m in model.modules()})
+    raise ValueError(f"no module of class '{block_class_name}' in {type(model).__name__}; "
+                     f"its module classes are: {', '.join(names)}")
+
+
+def find_block_class_names(model: torch.nn.Module) -> list[str]:
+    """Transformer block class names for FSDP wrapping: the model's `_no_split_modules` present in it."""
+    present = {type(m).__name__ for m in model.modules()}
+    return [n for n in (getattr(model, "_no_split_modules", None) or []) if n in present]
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0: DPO's log-ratios must be deterministic functions of the weights."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+            setattr(model.config, key, 0.0)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """'bf16' / 'bfloat16' / 'fp32' / ... -> torch dtype (the config module validated the spelling)."""
+    from config import DTYPES
+    return getattr(torch, DTYPES[name])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Seeding and state
+# --------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int, full_determinism: bool = False) -> None:
+    """Seed python, torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if full_determinism:
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def get_rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------------
+def first_usable_dir(dirs: Iterable[str]) -> Path:
+    """The first of `dirs` that exists or can be created (the original's get_local_dir)."""
+    tried = []
+    for d in dirs:
+        path = Path(d).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        except OSError as e:
+            tried.append(f"{d} ({e.strerror})")
+    raise OSError(f"none of local_dirs is usable: {', '.join(tried)}")
+
+
+def get_local_run_dir(exp_name: str, local_dirs: Iterable[str]) -> Path:
+    """<first usable local dir>/runs/<exp_name>_<timestamp>; the timestamp has microseconds so two runs never collide."""
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    run_dir = first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader (or a crash) sees the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a rename is only on disk once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def get_open_port() -> int:
+    """A free TCP port on this machine, for the single-node rendezvous."""
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return "user"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Distributed helpers (the single-process path never calls these with world_size > 1)
+# --------------------------------------------------------------------------------------------------------
+def all_gather_if_needed(values: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Concatenate `values` (same shape on every rank) across ranks along dim 0; a no-op in one process."""
+    if world_size == 1:
+        return values
+    gathered = [torch.empty_like(values) for _ in range(world_size)]
+    dist.all_gather(gathered, values)
+    return torch.cat(gathered, dim=0)
+
+
+def formatted_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """Floats rounded to 5 significant digits, for printing metrics."""
+    return {k: (float(f"{v:.5g}") if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (e.g. the run directory, whose name holds rank 0's timestamp)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
