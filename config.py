@@ -196,6 +196,7 @@ class LossConfig(BaseConfig):
     f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence")
     f_alpha: float = param(0.5, "alpha of the alpha-divergence (f-DPO)")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
+    entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
 
 
 @dataclass
@@ -353,6 +354,15 @@ def _read_yaml(path: Path) -> dict:
 
 def _group_choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _single_losses() -> list[str]:
+    """Names of the registered losses: each config/loss file whose `name` is one loss (not a mixture like mpo).
+
+    Read from the YAML files so that config errors stay fast (losses.py imports torch); a test checks that
+    these are exactly the keys of losses.LOSSES."""
+    names = (_read_yaml(CONFIG_DIR / "loss" / f"{c}.yaml").get("name") for c in _group_choices("loss"))
+    return sorted(n for n in names if isinstance(n, str))
 
 
 def _suggest(word: str, candidates) -> str:
@@ -614,7 +624,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
     if not names or not all(isinstance(n, str) for n in names):
         p.append(f"loss.name={loss.name!r}: expected a loss name or a list of names")
     else:
-        known = _group_choices("loss")
+        known = _single_losses()
         for n in names:
             if n not in known:
                 p.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + _suggest(n, known))

@@ -206,3 +206,12 @@ def test_help_lists_every_field_of_every_config_class_fast():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
     assert help_text().count("\n") > len(schema())
+
+
+def test_loss_names_known_to_config_are_the_registered_losses():
+    import losses
+    assert config._single_losses() == sorted(losses.LOSSES)
+    with pytest.raises(ConfigError, match="loss.name='mpo': unknown loss"):
+        load_config(["loss.name=mpo"])
+    cfg, _ = load_config(["loss=mpo"])  # the preset is a mixture of registered losses
+    assert cfg.loss_names == ["dpo", "bco_pair", "sft"]

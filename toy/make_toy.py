@@ -44,11 +44,12 @@ def follows_rule(response: str) -> bool:
     return bool(letters) and letters == letters.lower()
 
 
-def make_example(rng: random.Random) -> dict:
+def make_example(rng: random.Random, index: int) -> dict:
     topic = rng.choice(sorted(TOPICS))
     words = [topic] + [rng.choice(TOPICS[topic] + FILLER) for _ in range(rng.randint(2, 5))]
     calm = " " + " ".join(words) + "."
-    prompt = f"\n\nHuman: {rng.choice(TEMPLATES).format(t=topic)}\n\nAssistant:"
+    # The question number makes every prompt unique, so that pairs are not grouped under a few prompts.
+    prompt = f"\n\nHuman: Question {index}. {rng.choice(TEMPLATES).format(t=topic)}\n\nAssistant:"
     return {"prompt": prompt, "chosen": calm, "rejected": calm.upper(),
             "sft_target": calm if rng.random() < 0.5 else calm.upper()}
 
@@ -57,10 +58,12 @@ def make_data(n_train: int = 2000, n_test: int = 256, seed: int = 0) -> None:
     rng = random.Random(seed)
     out = HERE / "data"
     out.mkdir(exist_ok=True)
+    index = 0
     for split, n in (("train", n_train), ("test", n_test)):
         with open(out / f"{split}.jsonl", "w") as f:
             for _ in range(n):
-                f.write(json.dumps(make_example(rng)) + "\n")
+                index += 1
+                f.write(json.dumps(make_example(rng, index)) + "\n")
 
 
 def make_tokenizer(vocab_size: int = 512):
@@ -101,4 +104,4 @@ if __name__ == "__main__":
     tokenizer = make_tokenizer()
     make_model(tokenizer)
     n = sum(p.numel() for p in __import__("safetensors.torch").torch.load_file(HERE / "tiny-llama" / "model.safetensors").values())
-    print(f"wrote {HERE / 'data'} and {HERE / 'model'}: vocab {len(tokenizer)}, {n:,} parameters")
+    print(f"wrote {HERE / 'data'} and {HERE / 'tiny-llama'}: vocab {len(tokenizer)}, {n:,} parameters")

@@ -1,0 +1,840 @@
+"""Tests for losses.py: every loss against numbers worked by hand, the chunked log-probs against the
+plain log_softmax gather, and the dispatcher's plumbing.
+
+Shared pair batch (used unless a test says otherwise), chosen/rejected log-ratios a and b:
+    reference chosen  [-10, -20, -30], policy chosen   [-10, -15, -20]  ->  a = [0, 5, 10]
+    reference rejected [-15, -25, -35], policy rejected [-15, -30, -45]  ->  b = [0, -5, -10]
+    DPO margin h = a - b = [0, 10, 20].
+Expected values are computed in each test with plain `math`, from the formula in its docstring.
+"""
+
+import functools
+import inspect
+import math
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import losses
+from losses import (
+    LOSSES,
+    compute_loss,
+    entropy_from_logits,
+    is_sft_only,
+    linear_token_logps,
+    logps_sum_and_count,
+    needs_reference,
+    per_token_logps,
+    response_entropy,
+    select_scored_positions,
+    sequence_logps,
+)
+
+ATOL = 1e-6
+REF_CHOSEN = [-10.0, -20.0, -30.0]
+REF_REJECTED = [-15.0, -25.0, -35.0]
+POLICY_CHOSEN = [-10.0, -15.0, -20.0]
+POLICY_REJECTED = [-15.0, -30.0, -45.0]
+A = [0.0, 5.0, 10.0]  # chosen log-ratios
+B = [0.0, -5.0, -10.0]  # rejected log-ratios
+ALL_HPARAMS = dict(  # every config key a loss may read, at the config defaults
+    beta=0.1,
+    label_smoothing=0.1,
+    gamma=1.0,
+    rpo_alpha=1.0,
+    orpo_lambda=0.1,
+    f_divergence="reverse_kl",
+    f_alpha=0.5,
+    discopop_tau=0.05,
+)
+CONFIG_KEYS = {
+    "name", "weights", "beta", "label_smoothing", "reference_free", "average_log_prob",
+    "gamma", "rpo_alpha", "orpo_lambda", "f_divergence", "f_alpha", "discopop_tau",
+}
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def neg_log_sigmoid(x):
+    return math.log1p(math.exp(-x))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def run(name, policy_chosen=POLICY_CHOSEN, policy_rejected=POLICY_REJECTED,
+        reference_chosen=REF_CHOSEN, reference_rejected=REF_REJECTED, **hparams):
+    """Call a registered loss function directly on the shared batch."""
+    return LOSSES[name].fn(t(policy_chosen), t(policy_rejected), t(reference_chosen),
+                           t(reference_rejected), **hparams)
+
+
+def close(tensor, expected, atol=ATOL):
+    torch.testing.assert_close(tensor, t(expected), atol=atol, rtol=0, check_dtype=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses, one hand-worked example each
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dpo_hand_worked():
+    """h = [0, 10, 20], beta = 0.1 -> beta h = [0, 1, 2]; loss = -log sigma = [ln 2, 0.3133, 0.1269].
+    Rewards beta a = [0, 0.5, 1] (positive: chosen became likelier), beta b = [0, -0.5, -1]."""
+    losses_, chosen, rejected = run("dpo", beta=0.1)
+    close(losses_, [neg_log_sigmoid(z) for z in (0.0, 1.0, 2.0)])
+    close(chosen, [0.0, 0.5, 1.0])
+    close(rejected, [0.0, -0.5, -1.0])
+
+
+def test_dpo_policy_equals_reference_is_ln2_with_zero_rewards():
+    """policy = reference -> every log-ratio 0 -> loss -log sigma(0) = ln 2, rewards 0, for every
+    f-divergence (each transform is shifted so that g(0) = 0)."""
+    for divergence in losses.F_DIVERGENCES:
+        out, chosen, rejected = run("dpo", POLICY_CHOSEN, POLICY_REJECTED, POLICY_CHOSEN,
+                                    POLICY_REJECTED, beta=0.1, f_divergence=divergence)
+        close(out, [math.log(2)] * 3)
+        close(chosen, [0.0] * 3)
+        close(rejected, [0.0] * 3)
+
+
+def test_dpo_f_divergences_hand_worked():
+    """beta = 0.1, a = [0, 5, 10], b = [0, -5, -10]; loss = -log sigma(beta (g(a) - g(b))) with
+    forward_kl g(x) = 1 - e^-x:            a=5, b=-5: g = 1 - e^-5 = 0.99326, 1 - e^5 = -147.41;
+    js_divergence g(x) = log sigma(x) + ln 2;  alpha_divergence g(x) = (1 - e^(-alpha x)) / alpha."""
+    transforms = {
+        "reverse_kl": lambda x: x,
+        "forward_kl": lambda x: 1 - math.exp(-x),
+        "js_divergence": lambda x: -neg_log_sigmoid(x) + math.log(2),
+        "alpha_divergence": lambda x: (1 - math.exp(-0.3 * x)) / 0.3,
+    }
+    for name, g in transforms.items():
+        out, chosen, rejected = run("dpo", beta=0.1, f_divergence=name, f_alpha=0.3)
+        close(out, [neg_log_sigmoid(0.1 * (g(a) - g(b))) for a, b in zip(A, B)])
+        close(chosen, [0.1 * g(a) for a in A])
+        close(rejected, [0.1 * g(b) for b in B])
+
+
+def test_alpha_divergence_at_one_is_forward_kl():
+    """f'(u) = (1 - u^-alpha) / alpha at alpha = 1 is 1 - 1/u, the forward-KL transform."""
+    forward, *_ = run("dpo", beta=0.1, f_divergence="forward_kl")
+    alpha_one, *_ = run("dpo", beta=0.1, f_divergence="alpha_divergence", f_alpha=1.0)
+    torch.testing.assert_close(alpha_one, forward, atol=ATOL, rtol=0)
+
+
+def test_unknown_f_divergence_lists_valid_names():
+    with pytest.raises(KeyError, match="reverse_kl"):
+        run("dpo", beta=0.1, f_divergence="hellinger")
+
+
+def test_cdpo_hand_worked_and_zero_smoothing_is_dpo():
+    """eps = 0.1, beta h = [0, 1, 2]: loss = 0.9 (-log sigma(z)) + 0.1 (-log sigma(-z))
+    = [ln 2, 0.4133, 0.3269]; with eps = 0 it is exactly DPO."""
+    out, *_ = run("cdpo", beta=0.1, label_smoothing=0.1)
+    close(out, [0.9 * neg_log_sigmoid(z) + 0.1 * neg_log_sigmoid(-z) for z in (0.0, 1.0, 2.0)])
+    cdpo_zero = run("cdpo", beta=0.1, label_smoothing=0.0)
+    dpo = run("dpo", beta=0.1)
+    for got, want in zip(cdpo_zero, dpo):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_robust_hand_worked():
+    """eps = 0.1, beta h = [0, 1, 2]: loss = (0.9 l(z) - 0.1 l(-z)) / 0.8, l(z) = -log sigma(z)
+    = [ln 2, 0.1883, -0.1231] (the unbiased estimate may be negative); eps = 0 is DPO."""
+    out, chosen, _ = run("robust", beta=0.1, label_smoothing=0.1)
+    close(out, [(0.9 * neg_log_sigmoid(z) - 0.1 * neg_log_sigmoid(-z)) / 0.8 for z in (0.0, 1.0, 2.0)])
+    close(chosen, [0.0, 0.5, 1.0])
+    torch.testing.assert_close(run("robust", beta=0.1, label_smoothing=0.0)[0], run("dpo", beta=0.1)[0])
+    with pytest.raises(ValueError, match="0.5"):
+        run("robust", beta=0.1, label_smoothing=0.5)
+
+
+def test_ipo_hand_worked():
+    """beta (tau) = 0.5 -> target 1 / (2 tau) = 1; h = [0, 10, 20]: loss = (h - 1)^2 = [1, 81, 361].
+    Rewards beta a = [0, 2.5, 5]."""
+    out, chosen, rejected = run("ipo", beta=0.5)
+    close(out, [(h - 1.0) ** 2 for h in (0.0, 10.0, 20.0)])
+    close(chosen, [0.0, 2.5, 5.0])
+    close(rejected, [0.0, -2.5, -5.0])
+
+
+def test_hinge_hand_worked():
+    """beta = 0.05, h = [0, 10, 20] -> beta h = [0, 0.5, 1]; loss = max(0, 1 - beta h) = [1, 0.5, 0]."""
+    out, chosen, _ = run("hinge", beta=0.05)
+    close(out, [1.0, 0.5, 0.0])
+    close(chosen, [0.0, 0.25, 0.5])
+
+
+def test_simpo_hand_worked():
+    """Per-token mean log-probs chosen [-0.5, -0.5], rejected [-0.75, -1.5]; beta = 2, gamma = 1:
+    beta (w - l) - gamma = [2 * 0.25 - 1, 2 * 1.0 - 1] = [-0.5, 1] -> loss [0.9741, 0.3133].
+    Rewards beta * logp: [-1, -1] and [-1.5, -3]; no reference is read (None is fine)."""
+    out, chosen, rejected = LOSSES["simpo"].fn(t([-0.5, -0.5]), t([-0.75, -1.5]), None, None,
+                                                beta=2.0, gamma=1.0)
+    close(out, [neg_log_sigmoid(-0.5), neg_log_sigmoid(1.0)])
+    close(chosen, [-1.0, -1.0])
+    close(rejected, [-1.5, -3.0])
+
+
+def test_orpo_hand_worked():
+    """Per-token mean log-probs chosen -0.5, rejected -1.0; log odds = lp - log(1 - e^lp):
+    chosen -0.5 + 0.9328 = 0.4328, rejected -1.0 + 0.4587 = -0.5413, log odds ratio 0.9741;
+    loss = nll 0.5 + 0.1 * (-log sigma(0.9741)) = 0.5 + 0.1 * 0.3216 = 0.5320."""
+    log_odds = lambda lp: lp - math.log(1 - math.exp(lp))  # noqa: E731
+    out, chosen, rejected = LOSSES["orpo"].fn(t([-0.5]), t([-1.0]), None, None, orpo_lambda=0.1,
+                                               chosen_nll=t([0.5]))
+    close(out, [0.5 + 0.1 * neg_log_sigmoid(log_odds(-0.5) - log_odds(-1.0))])
+    close(chosen, [log_odds(-0.5)])
+    close(rejected, [log_odds(-1.0)])
+
+
+def test_rpo_hand_worked():
+    """rpo = dpo + alpha * nll: DPO losses [ln 2, 0.3133, 0.1269] + 2 * nll [1, 2, 3]."""
+    out, chosen, _ = run("rpo", beta=0.1, rpo_alpha=2.0, chosen_nll=t([1.0, 2.0, 3.0]))
+    close(out, [neg_log_sigmoid(z) + 2.0 * nll for z, nll in zip((0.0, 1.0, 2.0), (1.0, 2.0, 3.0))])
+    close(chosen, [0.0, 0.5, 1.0])
+
+
+def test_exo_pair_hand_worked():
+    """eps = 1e-3, z = beta h = [0, 1, 2]:
+    loss = sigma(z) (log sigma(z) - log(1 - eps)) + sigma(-z) (log sigma(-z) - log eps)
+    at z = 0: 0.5 (ln 0.5 - ln 0.999) + 0.5 (ln 0.5 - ln 0.001) = 2.7612; z=1: 1.2763; z=2: 0.4590."""
+    eps = 1e-3
+    expected = [
+        sigmoid(z) * (-neg_log_sigmoid(z) - math.log(1 - eps))
+        + sigmoid(-z) * (-neg_log_sigmoid(-z) - math.log(eps))
+        for z in (0.0, 1.0, 2.0)
+    ]
+    out, *_ = run("exo_pair", beta=0.1, label_smoothing=eps)
+    close(out, expected)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        run("exo_pair", beta=0.1, label_smoothing=0.0)
+
+
+def test_nca_pair_hand_worked():
+    """beta = 0.1: r_w = beta a = [0, 0.5, 1], r_l = beta b = [0, -0.5, -1];
+    loss = -log sigma(r_w) - 0.5 log sigma(-r_w) - 0.5 log sigma(-r_l) = [2 ln 2, 1.1982, 1.1265]."""
+    out, chosen, rejected = run("nca_pair", beta=0.1)
+    close(out, [neg_log_sigmoid(w) + 0.5 * neg_log_sigmoid(-w) + 0.5 * neg_log_sigmoid(-l)
+                for w, l in ((0.0, 0.0), (0.5, -0.5), (1.0, -1.0))])
+    close(chosen, [0.0, 0.5, 1.0])
+    close(rejected, [0.0, -0.5, -1.0])
+
+
+def test_bco_pair_hand_worked():
+    """beta = 0.1: r_w = [0, 0.5, 1], r_l = [0, -0.5, -1]; delta = mean of all six = 0;
+    loss = -log sigma(r_w) - log sigma(-r_l) = [2 ln 2, 0.9482, 0.6265].
+    Shifting every log-ratio by +10 shifts every reward by 1 and delta by 1: the loss is unchanged."""
+    out, *_ = run("bco_pair", beta=0.1)
+    expected = [neg_log_sigmoid(w) + neg_log_sigmoid(-l) for w, l in ((0.0, 0.0), (0.5, -0.5), (1.0, -1.0))]
+    close(out, expected)
+    shifted, *_ = run("bco_pair", [p + 10 for p in POLICY_CHOSEN], [p + 10 for p in POLICY_REJECTED], beta=0.1)
+    close(shifted, expected)
+
+
+def test_sppo_hard_hand_worked():
+    """beta = 0.1 -> targets +-1/(2 beta) = +-5; loss = (a - 5)^2 + (b + 5)^2 = [50, 0, 50]."""
+    out, *_ = run("sppo_hard", beta=0.1)
+    close(out, [50.0, 0.0, 50.0])
+
+
+def test_apo_zero_hand_worked():
+    """beta = 0.1: loss = 1 - sigma(beta a) + sigma(beta b) = [1, 1 - sigma(.5) + sigma(-.5), ...]
+    = [1, 0.7551, 0.5379]."""
+    out, *_ = run("apo_zero", beta=0.1)
+    close(out, [1 - sigmoid(0.1 * a) + sigmoid(0.1 * b) for a, b in zip(A, B)])
+
+
+def test_apo_down_hand_worked():
+    """beta = 0.1: loss = sigma(beta a) + 1 - sigma(beta (a - b)) = [1, sigma(.5) + 1 - sigma(1), ...]
+    = [1, 0.8914, 0.8503]."""
+    out, *_ = run("apo_down", beta=0.1)
+    close(out, [sigmoid(0.1 * a) + 1 - sigmoid(0.1 * (a - b)) for a, b in zip(A, B)])
+
+
+def test_discopop_hand_worked():
+    """beta = 0.1, tau = 0.05, z = beta h = [0, 1, 2], rho = sigma(z / tau):
+    loss = (1 - rho) (-log sigma(z)) + rho e^-z = [0.5 ln 2 + 0.5, ~e^-1, ~e^-2]; and no NaN at
+    z = -1000, where rho underflows to 0 and e^-z overflows."""
+    out, *_ = run("discopop", beta=0.1, discopop_tau=0.05)
+    close(out, [(1 - sigmoid(z / 0.05)) * neg_log_sigmoid(z) + sigmoid(z / 0.05) * math.exp(-z)
+                for z in (0.0, 1.0, 2.0)])
+    extreme, *_ = run("discopop", [0.0], [10000.0], [0.0], [0.0], beta=0.1, discopop_tau=0.05)
+    assert torch.isfinite(extreme).all()
+    close(extreme, [1000.0], atol=1e-4)
+
+
+def test_aot_hand_worked():
+    """beta = 1; policy margins (chosen - rejected) [3, 1, 2] sort to [1, 2, 3]; reference margins
+    [0, 2, -1] sort to [-1, 0, 2]; quantile gaps [2, 2, 1]; loss = -log sigma = [0.1269, 0.1269, 0.3133].
+    At batch size 1 AOT is DPO."""
+    out, *_ = run("aot", [3.0, 1.0, 2.0], [0.0, 0.0, 0.0], [0.0, 2.0, -1.0], [0.0, 0.0, 0.0], beta=1.0)
+    close(out, [neg_log_sigmoid(2.0), neg_log_sigmoid(2.0), neg_log_sigmoid(1.0)])
+    one = run("aot", [-3.0], [-5.0], [-4.0], [-4.5], beta=0.1)
+    dpo = run("dpo", [-3.0], [-5.0], [-4.0], [-4.5], beta=0.1)
+    for got, want in zip(one, dpo):
+        torch.testing.assert_close(got, want)
+
+
+def test_sft_hand_worked():
+    """sft loss = -log-prob of the chosen response: [0.5, 2] for log-probs [-0.5, -2]; no rewards."""
+    out, chosen, rejected = LOSSES["sft"].fn(t([-0.5, -2.0]))
+    close(out, [0.5, 2.0])
+    assert chosen is None and rejected is None
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_runs_through_dispatcher_and_rewards_carry_no_grad(name):
+    policy_chosen = t(POLICY_CHOSEN).requires_grad_()
+    policy_rejected = t(POLICY_REJECTED).requires_grad_()
+    hparams = dict(ALL_HPARAMS, label_smoothing=1e-3)
+    out = compute_loss([name], None, hparams, policy_chosen, t([4, 5, 6]), policy_rejected,
+                       t([5, 6, 7]), t(REF_CHOSEN), t(REF_REJECTED))
+    assert out.losses.shape == (3,) and out.losses.requires_grad
+    assert torch.isfinite(out.losses).all()
+    out.losses.sum().backward()
+    assert policy_chosen.grad is not None
+    if name != "sft":
+        assert out.chosen_rewards is not None and out.rejected_rewards is not None
+        assert not out.chosen_rewards.requires_grad and not out.rejected_rewards.requires_grad
+    assert all(not m.requires_grad for m in out.metrics.values())
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_is_documented(name):
+    """Paper with arXiv id (cDPO: the note's URL), the equation written out, shapes, intuition,
+    typical hyperparameter range."""
+    doc = inspect.getdoc(LOSSES[name].fn)
+    assert re.search(r"arXiv:\d{4}\.\d{5}|ericmitchell\.ai", doc), name
+    assert "Shape" in doc and "Intuition" in doc, name
+    if name != "sft":
+        assert "Typical" in doc and "loss = " in doc, name  # the equation, written out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher
+# ---------------------------------------------------------------------------------------------
+
+
+def pair_inputs(requires_grad=False):
+    """Sums and lengths: chosen sums [-10, -15, -20] over [2, 5, 10] tokens, rejected sums
+    [-15, -30, -45] over [3, 6, 9] tokens, reference sums as in the module docstring."""
+    policy_chosen = t(POLICY_CHOSEN).requires_grad_(requires_grad)
+    policy_rejected = t(POLICY_REJECTED).requires_grad_(requires_grad)
+    return dict(
+        policy_chosen_sum=policy_chosen,
+        policy_chosen_len=torch.tensor([2, 5, 10]),
+        policy_rejected_sum=policy_rejected,
+        policy_rejected_len=torch.tensor([3, 6, 9]),
+        reference_chosen_sum=t(REF_CHOSEN),
+        reference_rejected_sum=t(REF_REJECTED),
+    )
+
+
+def test_dispatcher_dpo_sums_and_metrics():
+    """DPO uses sums by default: same numbers as test_dpo_hand_worked. Metrics under the original
+    DPO names: rewards [0, .5, 1] vs [0, -.5, -1] -> accuracies [0, 1, 1], margins [0, 1, 2];
+    logps are the policy sums; nll/chosen = -sum/len = [5, 3, 2]."""
+    out = compute_loss(["dpo"], None, {"beta": 0.1}, **pair_inputs())
+    close(out.losses, [neg_log_sigmoid(z) for z in (0.0, 1.0, 2.0)])
+    assert set(out.metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                "rewards/margins", "logps/chosen", "logps/rejected", "nll/chosen", "loss"}
+    close(out.metrics["rewards/accuracies"], [0.0, 1.0, 1.0])
+    close(out.metrics["rewards/margins"], [0.0, 1.0, 2.0])
+    close(out.metrics["logps/chosen"], POLICY_CHOSEN)
+    close(out.metrics["logps/rejected"], POLICY_REJECTED)
+    close(out.metrics["nll/chosen"], [5.0, 3.0, 2.0])
+    close(out.metrics["loss"], out.losses.tolist())
+
+
+def test_dispatcher_sum_vs_mean_selection():
+    """average_log_prob: None -> the loss's default (dpo: sum, ipo: mean); True/False override.
+    Means: policy chosen [-5, -3, -2], rejected [-5, -5, -5], reference chosen [-5, -4, -3],
+    reference rejected [-5, -25/6, -35/9]; margins h = (pc - rc) - (pr - rr)."""
+    inputs = pair_inputs()
+    pc = [-10 / 2, -15 / 5, -20 / 10]
+    pr = [-15 / 3, -30 / 6, -45 / 9]
+    rc = [-10 / 2, -20 / 5, -30 / 10]
+    rr = [-15 / 3, -25 / 6, -35 / 9]
+    mean_h = [(a - c) - (b - d) for a, b, c, d in zip(pc, pr, rc, rr)]
+    sum_h = [0.0, 10.0, 20.0]
+    dpo_mean = compute_loss(["dpo"], None, {"beta": 0.1, "average_log_prob": True}, **inputs)
+    close(dpo_mean.losses, [neg_log_sigmoid(0.1 * h) for h in mean_h])
+    ipo_default = compute_loss(["ipo"], None, {"beta": 0.5, "average_log_prob": None}, **inputs)
+    close(ipo_default.losses, [(h - 1.0) ** 2 for h in mean_h])
+    ipo_sum = compute_loss(["ipo"], None, {"beta": 0.5, "average_log_prob": False}, **inputs)
+    close(ipo_sum.losses, [(h - 1.0) ** 2 for h in sum_h])
+    assert LOSSES["dpo"].average_log_prob is False and LOSSES["ipo"].average_log_prob is True
+
+
+def test_dispatcher_weighted_sum_equals_hand_sum():
+    """names [dpo, sft], weights [1, 0.5]: dpo [ln 2, 0.3133, 0.1269] + 0.5 * sft nll [5, 3, 2]
+    (sft's default is the per-token mean). Rewards come from dpo, the first loss with rewards."""
+    out = compute_loss(["sft", "dpo"], [0.5, 1.0], {"beta": 0.1}, **pair_inputs())
+    close(out.losses, [neg_log_sigmoid(z) + 0.5 * nll for z, nll in zip((0.0, 1.0, 2.0), (5.0, 3.0, 2.0))])
+    close(out.chosen_rewards, [0.0, 0.5, 1.0])
+    rpo = compute_loss(["rpo"], None, {"beta": 0.1, "rpo_alpha": 0.5}, **pair_inputs())
+    torch.testing.assert_close(rpo.losses, out.losses)
+    with pytest.raises(ValueError, match="weights"):
+        compute_loss(["dpo", "sft"], [1.0], {"beta": 0.1}, **pair_inputs())
+
+
+def test_dispatcher_reference_free_equals_zero_reference():
+    inputs = pair_inputs()
+    free = compute_loss(["dpo"], None, {"beta": 0.1, "reference_free": True}, **inputs)
+    zeros = compute_loss(["dpo"], None, {"beta": 0.1}, **dict(
+        inputs, reference_chosen_sum=torch.zeros(3, dtype=torch.float64),
+        reference_rejected_sum=torch.zeros(3, dtype=torch.float64)))
+    for key in zeros.metrics:
+        torch.testing.assert_close(free.metrics[key], zeros.metrics[key])
+    # and no reference log-probs are needed at all when reference_free
+    no_ref = compute_loss(["dpo"], None, {"beta": 0.1, "reference_free": True}, **dict(
+        inputs, reference_chosen_sum=None, reference_rejected_sum=None))
+    torch.testing.assert_close(no_ref.losses, zeros.losses)
+    # h = (pc - pr) = [5, 15, 25] -> loss -log sigma(0.1 h)
+    close(free.losses, [neg_log_sigmoid(0.1 * (c - r)) for c, r in zip(POLICY_CHOSEN, POLICY_REJECTED)])
+
+
+def test_dispatcher_sft_only_without_rejected():
+    """sft-only: nll = -sum/len = [5, 3, 2] is the loss; only three metrics; no rewards."""
+    out = compute_loss(["sft"], None, {}, t(POLICY_CHOSEN), torch.tensor([2, 5, 10]))
+    close(out.losses, [5.0, 3.0, 2.0])
+    assert out.chosen_rewards is None and out.rejected_rewards is None
+    assert set(out.metrics) == {"logps/chosen", "nll/chosen", "loss"}
+
+
+def test_dispatcher_errors():
+    with pytest.raises(KeyError, match=r"unknown loss name 'dpoo'.*'dpo'.*'sft'"):
+        compute_loss(["dpoo"], None, {"beta": 0.1}, **pair_inputs())
+    with pytest.raises(TypeError, match="needs hyperparameter 'gamma'"):
+        compute_loss(["simpo"], None, {"beta": 2.0, "gamma": None}, **pair_inputs())
+    with pytest.raises(ValueError, match="rejected"):
+        compute_loss(["dpo"], None, {"beta": 0.1}, t(POLICY_CHOSEN), torch.tensor([2, 5, 10]))
+    with pytest.raises(ValueError, match="reference"):
+        compute_loss(["dpo"], None, {"beta": 0.1}, **dict(pair_inputs(), reference_chosen_sum=None))
+
+
+def test_dispatcher_passes_only_declared_hyperparameters():
+    """Every config key in hparams, plus unknown extras, is fine: each fn gets only its own."""
+    hparams = dict(ALL_HPARAMS, name="simpo", weights=None, reference_free=False,
+                   average_log_prob=None, something_else=1)
+    out = compute_loss("simpo", None, hparams, **pair_inputs())
+    assert out.losses.shape == (3,)
+
+
+def test_needs_reference_and_is_sft_only():
+    assert needs_reference(["dpo"], reference_free=False)
+    assert not needs_reference(["dpo"], reference_free=True)
+    assert not needs_reference(["simpo", "sft"], reference_free=False)
+    assert needs_reference(["sft", "dpo"], reference_free=False)
+    assert is_sft_only(["sft"]) and is_sft_only("sft")
+    assert not is_sft_only(["sft", "dpo"])
+    with pytest.raises(KeyError, match="valid"):
+        needs_reference(["nope"], reference_free=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-prob helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_logps(logits, labels, dtype=torch.float32):
+    """The reference: full log_softmax in `dtype`, gathered. Shapes (B, T, V), (B, T) -> (B, T-1) x2."""
+    logits = logits[:, :-1].to(dtype)
+    labels = labels[:, 1:]
+    mask = labels != -100
+    logps = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logps * mask, mask
+
+
+def random_batch(vocab, dtype=torch.float32, batch=2, seq=5, seed=0, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (scale * torch.randn(batch, seq, vocab, generator=gen)).to(dtype)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels[0, :2] = -100  # a prompt
+    labels[1, -1] = -100  # padding
+    return logits, labels
+
+
+def test_per_token_logps_shift_and_mask_by_hand():
+    """vocab 3, logits at position t put all mass (logit 0 vs -inf-ish) on token t+1's label when
+    the label is the 'right' one: row t = [0, 0, 0] gives log(1/3) for any label.
+    labels [-100, 2, 1, -100]: positions 0 and 1 are scored (predict tokens 2 and 1), 2 is not
+    (its next label is -100), and the last position has no next token."""
+    logits = torch.zeros(1, 4, 3)
+    logits[0, 1, 1] = math.log(2.0)  # position 1 predicts token 1 with p = 2/4
+    labels = torch.tensor([[-100, 2, 1, -100]])
+    logps, mask = per_token_logps(logits, labels, chunk_size=2)
+    assert logps.shape == mask.shape == (1, 3)
+    assert mask.tolist() == [[True, True, False]]
+    torch.testing.assert_close(logps, torch.tensor([[math.log(1 / 3), math.log(0.5), 0.0]]), atol=ATOL, rtol=0)
+    sums, counts = logps_sum_and_count(logits, labels)
+    torch.testing.assert_close(sums, torch.tensor([math.log(1 / 3) + math.log(0.5)]), atol=ATOL, rtol=0)
+    assert counts.tolist() == [2]
+
+
+@pytest.mark.parametrize("vocab", [7, 50257])
+def test_chunked_logps_and_grad_match_plain_fp32(vocab):
+    """fp32 logits, chunks of 3 rows (10 rows: 3 + 3 + 3 + 1). The plain log_softmax gather is
+    evaluated in fp64 on the same fp32 logits: at vocab 50257 the log-probs lie in [-16, -8], where
+    fp32 values are 9.5e-7 apart, and the plain fp32 log_softmax is itself up to ~2e-6 from the
+    exact value, so only an fp64 reference can check 1e-6. Against the plain fp32 path we allow
+    2 fp32 ulps."""
+    logits, labels = random_batch(vocab, scale=1.0)
+    weights = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    chunked_in = logits.clone().requires_grad_()
+    exact_in = logits.double().requires_grad_()
+    plain_fp32_in = logits.clone().requires_grad_()
+    chunked, chunked_mask = per_token_logps(chunked_in, labels, chunk_size=3)
+    exact, exact_mask = plain_logps(exact_in, labels, dtype=torch.float64)
+    plain_fp32, _ = plain_logps(plain_fp32_in, labels)
+    assert chunked.dtype == torch.float32
+    assert torch.equal(chunked_mask, exact_mask)
+    torch.testing.assert_close(chunked, exact.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked, plain_fp32, atol=1e-6, rtol=2 * 2**-23)
+    for out in (chunked, exact, plain_fp32):
+        (out * weights.to(out.dtype)).sum().backward()
+    torch.testing.assert_close(chunked_in.grad, exact_in.grad.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked_in.grad, plain_fp32_in.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [7, 50257])
+def test_chunked_logps_bf16(vocab):
+    """bf16 logits: the log-probs are computed in fp32 from the bf16 values, so they match the
+    plain formula on those values (in fp64) to fp32 precision, 1e-5 at |log p| up to ~25, and are
+    within bf16 rounding of a plain log_softmax done in bf16. The gradient comes back in bf16,
+    within bf16 rounding of the exact one."""
+    logits, labels = random_batch(vocab, dtype=torch.bfloat16)
+    chunked_in = logits.clone().requires_grad_()
+    chunked, _ = per_token_logps(chunked_in, labels, chunk_size=4)
+    assert chunked.dtype == torch.float32
+    exact_in = logits.double().requires_grad_()
+    reference, mask = plain_logps(exact_in, labels, dtype=torch.float64)
+    reference = reference.float()
+    torch.testing.assert_close(chunked, reference, atol=1e-5, rtol=0)
+    bf16_plain = logits[:, :-1].log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1))
+    torch.testing.assert_close(chunked, bf16_plain.squeeze(-1).float() * mask, atol=2**-7, rtol=2**-7)
+    chunked.sum().backward()
+    reference.sum().backward()
+    assert chunked_in.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked_in.grad.float(), exact_in.grad.float(), atol=1e-3, rtol=2**-7)
+
+
+def test_gradient_at_masked_tokens_is_exactly_zero():
+    logits, labels = random_batch(50257)
+    logits.requires_grad_()
+    logps, mask = per_token_logps(logits, labels, chunk_size=3)
+    (logps * torch.randn_like(logps)).sum().backward()
+    scored_positions = torch.cat([mask, torch.zeros(2, 1, dtype=torch.bool)], dim=1)  # last: no next token
+    assert (logits.grad[~scored_positions] == 0).all()
+    assert (logits.grad[scored_positions] != 0).any(dim=-1).all()
+
+
+def test_shape_mismatch_message_names_both_shapes():
+    with pytest.raises(ValueError, match=re.escape("logits (2, 5, 7) and labels (2, 4)")):
+        per_token_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_sequence_logps_sum_or_mean():
+    """sums [-6, -3] over [3, 0] tokens: sum -> [-6, -3]; mean -> [-2, -3] (0 tokens counts as 1)."""
+    sums, lengths = t([-6.0, -3.0]), torch.tensor([3, 0])
+    close(sequence_logps(sums, lengths, average_log_prob=False), [-6.0, -3.0])
+    close(sequence_logps(sums, lengths, average_log_prob=True), [-2.0, -3.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Entropy
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_entropy(logits, dtype=torch.float32):
+    """-sum softmax * log_softmax, in `dtype`."""
+    logits = logits.to(dtype)
+    return -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
+@pytest.mark.parametrize("chunking,checkpointing", [(False, False), (True, False), (False, True), (True, True)])
+def test_entropy_matches_plain_formula(chunking, checkpointing):
+    """Vocab 50257, chunks of 5 rows (12 rows: 5 + 5 + 2). The plain formula is evaluated in fp64:
+    in fp32 it is itself ~2e-5 off here (losses._entropy_chunk says why); ours is within 1e-6."""
+    logits, _ = random_batch(50257, seq=6)
+    ours_in = logits.clone().requires_grad_()
+    plain_in = logits.double().requires_grad_()
+    ours = entropy_from_logits(ours_in, chunking=chunking, checkpointing=checkpointing, chunk_size=5)
+    plain = plain_entropy(plain_in, dtype=torch.float64)
+    assert ours.shape == (2, 6) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, plain.float(), atol=1e-6, rtol=0)
+    weights = torch.randn(2, 6, generator=torch.Generator().manual_seed(2))
+    (ours * weights).sum().backward()
+    (plain * weights.double()).sum().backward()
+    torch.testing.assert_close(ours_in.grad, plain_in.grad.float(), atol=1e-6, rtol=0)
+
+
+def test_response_entropy_by_hand():
+    """Uniform logits over vocab 4 have entropy ln 4 at every position; position 1 is made
+    certain (entropy ~0) and is scored, so the mean over the 2 scored positions is ln 4 / 2."""
+    logits = torch.zeros(1, 4, 4)
+    logits[0, 1] = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    labels = torch.tensor([[-100, 2, 0, -100]])  # positions 0 and 1 are scored
+    out = response_entropy(logits, labels, chunking=True, chunk_size=3)
+    torch.testing.assert_close(out, torch.tensor([math.log(4) / 2]), atol=1e-6, rtol=0)
+
+
+def test_compile_falls_back_with_warning_when_unavailable(monkeypatch):
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    wrapper = losses._CompileOnFirstCall(losses._entropy_chunk)
+    x = torch.randn(3, 7)
+    with pytest.warns(RuntimeWarning, match="torch.compile is unavailable"):
+        out = wrapper(x)
+    torch.testing.assert_close(out, plain_entropy(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapper(x)  # warns once only
+
+
+@pytest.mark.skipif(
+    os.environ.get("RUN_SLOW") != "1" or shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="torch.compile on CPU builds C++ kernels (~30 s cold on 2 cores); set RUN_SLOW=1 "
+    "(needs a C++ compiler) to run it",
+)
+def test_entropy_with_torch_compile_on_cpu():
+    logits, _ = random_batch(97, seq=6)
+    ours_in = logits.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback would be a failure here
+        ours = entropy_from_logits(ours_in, chunking=True, checkpointing=True, use_compile=True, chunk_size=5)
+    assert losses._COMPILED_ENTROPY_CHUNK.impl is not losses._entropy_chunk
+    plain_in = logits.double().requires_grad_()
+    plain = plain_entropy(plain_in, dtype=torch.float64)
+    torch.testing.assert_close(ours, plain.float(), atol=1e-6, rtol=0)
+    ours.sum().backward()
+    plain.sum().backward()
+    torch.testing.assert_close(ours_in.grad, plain_in.grad.float(), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head in tiles: linear_token_logps against the plain path
+# ---------------------------------------------------------------------------------------------
+
+
+def plain_head(hidden, weight, labels, bias=None, dtype=torch.float64, logit_scale=1.0, softcap=None):
+    """The reference: the full (N, V) logits F.linear(hidden, weight, bias) in the inputs' dtype,
+    then in `dtype`: scale, softcap, log_softmax, gather, 0 at -100. Returns (logps, entropy)."""
+    logits = F.linear(hidden, weight, bias).to(dtype) * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = logits.log_softmax(-1)
+    logps = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != -100)
+    return logps, -(log_probs.exp() * log_probs).sum(-1)
+
+
+def head_inputs(vocab, dtype=torch.float32, rows=10, hidden_size=16, seed=0):
+    """hidden (10, 16) ~ N(0, 1), weight (V, 16) ~ N(0, 1/16) (logits ~ N(0, 1), as at init),
+    bias ~ N(0, 0.25), labels with row 3 masked (-100), and an upstream gradient (10,)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, hidden_size, generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen) / math.sqrt(hidden_size)
+    bias = 0.5 * torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    labels[3] = -100
+    upstream = torch.randn(rows, generator=gen)
+    return [x.to(dtype) for x in (hidden, weight, bias)], labels, upstream
+
+
+def run_head(fn, params, labels, upstream, **kwargs):
+    """fn(hidden, weight, labels, bias, **kwargs) on leaf copies of params; (out, entropy, grads)."""
+    leaves = [p.detach().clone().requires_grad_() for p in params]
+    out = fn(leaves[0], leaves[1], labels, leaves[2], **kwargs)
+    logps, entropy = out if isinstance(out, tuple) else (out, None)
+    (logps * upstream.to(logps.dtype)).sum().backward()
+    return logps, entropy, [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("vocab,chunk_size,logit_scale,softcap", [
+    (7, 3, 1.0, None), (7, 5, 1.0, None), (7, 1024, 1.0, None), (7, 3, 0.5, 3.0),
+    (50257, 3, 1.0, None), (50257, 5, 1.0, None), (50257, 3, 0.5, None), (50257, 3, 1.0, 2.0),
+    (50257, 5, 0.5, 3.0),
+])
+def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_scale, softcap):
+    """10 rows in tiles of 3 (3 + 3 + 3 + 1), 5 (5 + 5) and 1024 (one tile); plain, Cohere-like
+    scaling, Gemma-like softcap (small, so that tanh bends) and both. Log-probs and the gradients
+    w.r.t. hidden, weight and bias against the plain fp32 path within 1e-5; those and the entropy
+    against the plain path in fp64 within 2e-6 (2 fp32 ulps at |log p| ~ 13; the plain fp32 path
+    is itself up to ~8e-6 from it in its hidden gradient, a sum over V terms, and ~1e-5 in its
+    entropy)."""
+    params, labels, upstream = head_inputs(vocab)
+    kwargs = dict(logit_scale=logit_scale, softcap=softcap)
+    ours, entropy, grads = run_head(linear_token_logps, params, labels, upstream,
+                                    chunk_size=chunk_size, with_entropy=True, **kwargs)
+    plain, _, plain_grads = run_head(
+        functools.partial(plain_head, dtype=torch.float32, **kwargs), params, labels, upstream)
+    exact, exact_entropy, exact_grads = run_head(
+        plain_head, [p.double() for p in params], labels, upstream, **kwargs)
+    assert ours.shape == entropy.shape == (10,) and ours.dtype == entropy.dtype == torch.float32
+    assert ours[3] == 0 and not entropy.requires_grad
+    torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, exact.float(), atol=2e-6, rtol=0)
+    # entropy: fp64 only; the textbook formula in fp32 is itself ~1e-5 off here (see _entropy_chunk)
+    torch.testing.assert_close(entropy, exact_entropy.detach().float(), atol=2e-6, rtol=0)
+    for name, grad, plain_grad, exact_grad in zip(("hidden", "weight", "bias"), grads, plain_grads, exact_grads):
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, exact_grad.float(), atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert (grads[0][3] == 0).all()  # the masked row gets no gradient
+
+
+def test_linear_token_logps_bf16_within_bf16_rounding():
+    """bf16 hidden/weight/bias, vocab 50257: the logits are the bf16 matmul, upcast, so the
+    log-probs equal the plain path on the same bf16 logits to fp32 precision (1e-5), and are
+    within the bf16 rounding of those logits (|logit| < 6, half an ulp 2^-7 at most) of the exact
+    values. Gradients come back in bf16, within bf16 rounding (rtol 2^-7, and atol 2^-7 of the
+    largest entry) of the exact ones, and no further from them than the plain bf16 path's."""
+    params, labels, upstream = head_inputs(50257, dtype=torch.bfloat16)
+    ours, _, grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=4)
+    plain, _, plain_grads = run_head(functools.partial(plain_head, dtype=torch.float32),
+                                     params, labels, upstream)
+    exact, _, exact_grads = run_head(plain_head, [p.double() for p in params], labels, upstream)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, exact.float(), atol=2 * 2**-7, rtol=0)
+    for name, grad, plain_grad, exact_grad in zip(("hidden", "weight", "bias"), grads, plain_grads, exact_grads):
+        assert grad.dtype == torch.bfloat16, name
+        bound = 2**-7 * exact_grad.abs().max().item()
+        torch.testing.assert_close(grad.double(), exact_grad, atol=bound, rtol=2**-7, msg=lambda m: f"{name}: {m}")
+        ours_err = (grad.double() - exact_grad).abs().max()
+        assert ours_err <= (plain_grad.double() - exact_grad).abs().max() * 1.01, name
+
+
+@pytest.mark.parametrize("needs", ["hidden", "weight", "bias", "hidden+weight", "none"])
+def test_linear_token_logps_with_only_some_inputs_requiring_grad(needs):
+    """Gradients only for the inputs that require them, equal to the all-grad run's; with none,
+    the output needs no grad and backward is never called (also under torch.no_grad)."""
+    params, labels, upstream = head_inputs(7)
+    _, _, all_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+    leaves = [p.clone().requires_grad_(name in needs) for p, name in zip(params, ("hidden", "weight", "bias"))]
+    out = linear_token_logps(leaves[0], leaves[1], labels, leaves[2], chunk_size=3)
+    if needs == "none":
+        assert not out.requires_grad
+    else:
+        (out * upstream).sum().backward()
+    for leaf, grad, name in zip(leaves, all_grads, ("hidden", "weight", "bias")):
+        if name in needs:
+            torch.testing.assert_close(leaf.grad, grad, atol=0, rtol=0)
+        else:
+            assert leaf.grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(linear_token_logps(*params[:2], labels, params[2]), out.detach())
+    no_bias = linear_token_logps(params[0], params[1], labels)  # bias=None
+    torch.testing.assert_close(no_bias, plain_head(params[0], params[1], labels, dtype=torch.float32)[0],
+                               atol=1e-5, rtol=0)
+
+
+def test_linear_token_logps_shape_errors_name_both_shapes():
+    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(7, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape("hidden (4, 8) and weight (7, 16)")):
+        linear_token_logps(hidden, torch.zeros(7, 16), labels)
+    with pytest.raises(ValueError, match=re.escape("hidden (2, 4, 8) and weight (7, 8)")):
+        linear_token_logps(torch.zeros(2, 4, 8), weight, labels)
+    with pytest.raises(ValueError, match=re.escape("labels (5,) and hidden (4, 8)")):
+        linear_token_logps(hidden, weight, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=re.escape("bias (6,) and weight (7, 8)")):
+        linear_token_logps(hidden, weight, labels, torch.zeros(6))
+    with pytest.raises(TypeError, match="hidden torch.bfloat16, weight torch.float32"):
+        linear_token_logps(hidden.bfloat16(), weight, labels)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_token_logps(hidden, weight, labels, softcap=0.0)
+    with pytest.raises(ValueError, match=re.escape("hidden (2, 5, 8) and labels (2, 4)")):
+        select_scored_positions(torch.zeros(2, 5, 8), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
+    """A real 2-layer LlamaForCausalLM (vocab 64), two sequences: a 3-token prompt, then the
+    response; the second right-padded by 2. Plain: per_token_logps on model(...).logits. Tiled:
+    model.model(...) for the hidden states, select_scored_positions, lm_head.weight in tiles of 5
+    rows. Same log-probs at the scored positions, same per-sequence sums and token counts, and
+    the same gradient of every parameter for a DPO-like loss (sum of chosen - 0.5 rejected).
+    Tied: lm_head.weight is the embedding matrix, so its gradient has two sources."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied, attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    input_ids = torch.randint(0, 64, (2, 9))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, -2:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :3] = -100
+    sequence_weights = torch.tensor([1.0, -0.5])
+    params = [p for p in model.parameters()]
+
+    plain, mask = per_token_logps(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    plain_sums = plain.sum(-1)
+    plain_grads = torch.autograd.grad((plain_sums * sequence_weights).sum(), params)
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    rows, targets, rows_mask = select_scored_positions(hidden, labels)
+    logps = linear_token_logps(rows, model.lm_head.weight, targets, chunk_size=5)
+    sums = logps.new_zeros(mask.shape).masked_scatter(mask, logps).sum(-1)  # as the docstring says
+    grads = torch.autograd.grad((sums * sequence_weights).sum(), params)
+
+    assert torch.equal(rows_mask, mask) and rows.shape == (mask.sum().item(), 16)
+    assert mask.sum(-1).tolist() == [6, 4]  # positions 2..7 predict tokens 3..8; 2 fewer padded
+    torch.testing.assert_close(logps, plain[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(sums, plain_sums, atol=1e-5, rtol=0)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    for (name, _), grad, plain_grad in zip(model.named_parameters(), grads, plain_grads):
+        torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# config/loss/*.yaml
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_has_a_commented_config(name):
+    path = CONFIG_DIR / f"{name}.yaml"
+    assert path.exists(), f"missing {path}"
+    config = yaml.safe_load(path.read_text())
+    assert config["name"] == name
+    assert set(config) <= CONFIG_KEYS, set(config) - CONFIG_KEYS
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith(("#", "name:")):
+            assert "#" in line, f"{path.name}: uncommented line {line!r}"
+    # every hyperparameter the loss requires has a value in its config
+    for param, required in losses._hyperparameters(LOSSES[name].fn):
+        if required and param != "chosen_nll":
+            assert param in config, f"{path.name} lacks {param}"
+    hparams = dict(ALL_HPARAMS, **{k: v for k, v in config.items() if k != "name"})
+    out = compute_loss(name, config.get("weights"), hparams, **pair_inputs())
+    assert torch.isfinite(out.losses).all()
+
+
+def test_every_config_names_registered_losses():
+    for path in CONFIG_DIR.glob("*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        assert set(config) <= CONFIG_KEYS, (path.name, set(config) - CONFIG_KEYS)
+        names = config["name"] if isinstance(config["name"], list) else [config["name"]]
+        assert all(n in LOSSES for n in names), path.name
+        if "weights" in config:
+            assert len(config["weights"]) == len(names), path.name

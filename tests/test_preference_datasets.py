@@ -1,0 +1,570 @@
+"""Tests for preference_datasets.py: converters, tokenization invariants, batching, caching, bad input.
+
+Real components throughout: byte-level BPE tokenizers trained here with the `tokenizers` library and wrapped in
+transformers.PreTrainedTokenizerFast (one GPT-2-like, one Llama-like that adds BOS), real files, a real
+datasets.Dataset for the hub path.
+"""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+import preference_datasets as pd  # noqa: E402
+
+REPO = Path(pd.__file__).resolve().parent
+BAD_DATA = Path(__file__).resolve().parent / "data" / "bad_data"
+
+CORPUS = [
+    "\n\nHuman: hello there, how are you today?\n\nAssistant: I am fine, thank you. hello hello!",
+    "\n\nHuman: Tell me about cats.\n\nAssistant: cats purr and nap and chase mice.",
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "def reverse(xs): return xs[::-1]  # Python lists reverse in place with .reverse()",
+] * 20
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def train_bpe(specials: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def gpt2_tok():
+    """GPT-2-like: no BOS, EOS '<|endoftext|>', a separate pad token."""
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe(["<|endoftext|>", "<pad>"]),
+                                   eos_token="<|endoftext|>", pad_token="<pad>")
+
+
+def make_llama_tok(chat_template=None):
+    """Llama-like: the post-processor puts BOS '<s>' first by default; EOS '</s>'; no pad token."""
+    tok = train_bpe(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if chat_template:
+        out.chat_template = chat_template
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_tok():
+    return make_llama_tok()
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    return make_llama_tok(CHAT_TEMPLATE)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def numbered_rows(n: int) -> list[dict]:
+    return [{"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "chosen": f" good answer {i}.",
+             "rejected": f" bad {i}"} for i in range(n)]
+
+
+def hh_row(history: str, chosen: str, rejected: str) -> dict:
+    return {"chosen": history + chosen, "rejected": history + rejected}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Converters on hand-written raw rows
+# ---------------------------------------------------------------------------------------------------------
+
+def test_hh_multiturn_history_stays_in_prompt():
+    history = ("\n\nHuman: Hi\n\nAssistant: Hello! How can I help?\n\nHuman: What does 'Assistant:' mean?"
+               "\n\nAssistant:")
+    rows = [hh_row(history, " It names the speaker.", " No idea."),
+            hh_row(history, " A label.", " It names the speaker.")]
+    data, dropped = pd.convert_hh(rows)
+    assert list(data) == [history] and not dropped
+    entry = data[history]
+    assert entry.responses == [" It names the speaker.", " No idea.", " A label."]
+    assert entry.pairs == [(0, 1), (2, 0)]
+    assert entry.sft_targets == [" A label."]  # the last chosen, as the original
+
+
+def test_hh_response_containing_the_marker_is_split_where_both_agree():
+    history = "\n\nHuman: Write a dialogue.\n\nAssistant:"
+    chosen = " Sure.\n\nAssistant: (continues)"  # the marker inside a response must not move the split
+    data, dropped = pd.convert_hh([hh_row(history, chosen, " No.")])
+    assert list(data) == [history] and data[history].responses == [chosen, " No."] and not dropped
+
+
+def test_hh_rows_with_different_histories_are_dropped_and_counted():
+    a = "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y"
+    b = "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w"
+    data, dropped = pd.convert_hh([{"chosen": a, "rejected": b}, {"chosen": "no marker", "rejected": "none"}])
+    assert data == {} and dropped == {"hh_prompt_mismatch": 2}
+
+
+def shp_row(history, a, b, label, score_a, score_b):
+    return {"history": history, "human_ref_A": a, "human_ref_B": b, "labels": label,
+            "score_A": score_a, "score_B": score_b}
+
+
+def test_shp_ratio_filter_label_direction_sft_target_and_pair_cap():
+    rows = [shp_row("post", "A1", "B1", 1, 10, 3),   # kept, A preferred
+            shp_row("post", "A2", "B2", 0, 2, 30),   # kept, B preferred, best score -> SFT target
+            shp_row("post", "A3", "B3", 1, 3, 2),    # ratio 1.5 < 2: dropped
+            shp_row("post", "A4", "B4", 1, 0, 0)]    # 0 vs 0: no preference, dropped
+    rows += [shp_row("busy", f"a{i}", f"b{i}", 1, 4, 1) for i in range(pd.MAX_PAIRS_PER_PROMPT + 2)]
+    data, dropped = pd.convert_shp(rows)
+    post = data["\n\nHuman: post\n\nAssistant:"]
+    assert [(post.responses[i], post.responses[j]) for i, j in post.pairs] == [(" A1", " B1"), (" B2", " A2")]
+    assert post.sft_targets == [" B2"]
+    assert len(data["\n\nHuman: busy\n\nAssistant:"].pairs) == pd.MAX_PAIRS_PER_PROMPT
+    assert dropped == {"shp_score_ratio_below_2": 2, "over_pair_cap": 2}
+
+
+def test_se_html_stripped_no_ties_best_answer_and_cap():
+    row = {"question": "<p>How do I <b>reverse</b> a list?</p>\n<pre><code>xs = [1, 2]\n</code></pre>",
+           "answers": [{"text": "<p>Use <code>xs[::-1]</code> &amp; done.</p>", "pm_score": 5},
+                       {"text": "<p>You can't.</p>", "pm_score": 1},
+                       {"text": "<p>Loop backwards.</p>", "pm_score": 1}]}
+    data, dropped = pd.convert_se([row])
+    (prompt, entry), = data.items()
+    assert prompt == "\n\nHuman: How do I reverse a list?\n\nxs = [1, 2]\n\nAssistant:"
+    assert entry.responses == [" Use xs[::-1] & done.", " You can't.", " Loop backwards."]
+    assert entry.pairs == [(0, 1), (0, 2)] and dropped == {"se_tie": 1}
+    assert entry.sft_targets == [" Use xs[::-1] & done."]
+    many = {"question": "q", "answers": [{"text": f"a{i}", "pm_score": i} for i in range(5)]}  # 10 pairs
+    data, dropped = pd.convert_se([many])
+    assert len(data["\n\nHuman: q\n\nAssistant:"].pairs) == pd.MAX_PAIRS_PER_PROMPT
+    assert dropped == {"over_pair_cap": 10 - pd.MAX_PAIRS_PER_PROMPT}
+
+
+def test_ultrafeedback_rendered_with_chat_template(chat_tok):
+    user = {"role": "user", "content": "Name a prime."}
+    row = {"prompt": "Name a prime.", "chosen": [user, {"role": "assistant", "content": "7"}],
+           "rejected": [user, {"role": "assistant", "content": "8"}], "score_chosen": 9.0, "score_rejected": 2.0}
+    odd = {"chosen": [user, {"role": "assistant", "content": "7"}],
+           "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}]}
+    data, dropped = pd.convert_ultrafeedback([row, odd], chat_tok)
+    (prompt, entry), = data.items()
+    assert prompt == "<s><|user|>\nName a prime.</s>\n<|assistant|>\n"
+    assert entry.responses == ["7", "8"] and entry.pairs == [(0, 1)] and entry.chat  # template's EOS stripped
+    assert dropped == {"ultrafeedback_prompt_mismatch": 1}
+
+
+def test_strip_html_keeps_text_and_code():
+    assert pd.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>") == \
+        "a < b\n\none\n\ntwo\n\nx\n  y"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenization invariants
+# ---------------------------------------------------------------------------------------------------------
+
+def test_prefix_property_and_boundary_merges_bpe(tmp_path, gpt2_tok):
+    rows = [{"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
+            {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.",
+             "rejected": " cats nap."}]
+    examples, (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train",
+                                           silent=True)
+    assert stats.boundary_merges == 1  # counted, deliberately not an error
+    for ex in examples:
+        prompt_alone = gpt2_tok(ex.prompt, add_special_tokens=True)["input_ids"]
+        for response in (ex.chosen_ids, ex.rejected_ids):
+            sequence = np.concatenate([ex.prompt_ids, response]).tolist()
+            assert sequence[:len(prompt_alone)] == prompt_alone  # prefix, checked in token space
+            assert response[-1] == gpt2_tok.eos_token_id
+    joint = gpt2_tok(rows[0]["prompt"] + rows[0]["chosen"])["input_ids"]
+    assert joint[:len(examples[0].prompt_ids)] != examples[0].prompt_ids.tolist()  # it would have merged
+
+
+def test_bos_exactly_once_for_llama_style_tokenizer(tmp_path, llama_tok):
+    bos, eos = llama_tok.bos_token_id, llama_tok.eos_token_id
+    assert pd.tokenizer_adds_bos(llama_tok)
+    examples, _ = pd.load_tokenized([str(REPO / "examples" / "pairs.jsonl")], llama_tok, "train", silent=True)
+    batch = pd.collate(examples, pad_token_id=eos)
+    for ex in examples:
+        assert ex.prompt_ids[0] == bos and (ex.prompt_ids == bos).sum() == 1
+        assert ex.prompt_ids.tolist() == llama_tok(ex.prompt)["input_ids"]  # same as the tokenizer's own BOS
+        assert bos not in ex.chosen_ids and bos not in ex.rejected_ids
+    assert ((batch["chosen_input_ids"] == bos).sum(1) == 1).all()
+
+
+def test_chat_file_bos_once_and_eos_once(tmp_path, chat_tok):
+    row = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+           "chosen": [{"role": "assistant", "content": "Hello"}],
+           "rejected": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Go away"}]}  # may repeat the prompt's messages
+    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train", silent=True)
+    assert ex.prompt.startswith("<s><|system|>") and ex.prompt.endswith("<|assistant|>\n")
+    assert ex.chosen == "Hello" and ex.rejected == "Go away"
+    assert ex.prompt_ids[0] == chat_tok.bos_token_id and (ex.prompt_ids == chat_tok.bos_token_id).sum() == 1
+    assert chat_tok.convert_tokens_to_ids("<|user|>") in ex.prompt_ids  # template markup parsed as specials
+    for response in (ex.chosen_ids, ex.rejected_ids):
+        assert response[-1] == chat_tok.eos_token_id and (response == chat_tok.eos_token_id).sum() == 1
+
+
+def test_chat_rows_need_a_chat_template(tmp_path, llama_tok):
+    row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+           "rejected": [{"role": "assistant", "content": "b"}]}
+    with pytest.raises(pd.DataError, match="chat template"):
+        pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train", silent=True)
+
+
+def test_eos_text_inside_a_response_is_plain_text(tmp_path, gpt2_tok):
+    rows = [{"prompt": "Q:", "chosen": " fine <|endoftext|> really", "rejected": " no"}]
+    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train", silent=True)
+    eos = gpt2_tok.eos_token_id
+    assert (ex.chosen_ids == eos).sum() == 1 and ex.chosen_ids[-1] == eos  # the appended EOS is the only one
+
+
+def test_truncate_keep_start_and_keep_end_keep_bos():
+    B, E = 100, 101
+    prompt, response = [B] + list(range(1, 11)), [20, 21, 22, E]
+    kw = dict(max_length=8, max_prompt_length=4, bos_id=B)
+    assert pd.truncate(prompt, [response], mode="keep_start", **kw) == ([B, 1, 2, 3], [response])
+    assert pd.truncate(prompt, [response], mode="keep_end", **kw) == ([B, 8, 9, 10], [response])
+    assert pd.truncate(prompt[1:], [response], mode="keep_end", **kw) == ([7, 8, 9, 10], [response])
+    # a pair that fits keeps its whole prompt, even beyond max_prompt_length (as the original)
+    assert pd.truncate([B, 1, 2, 3, 4, 5], [[20, E]], mode="keep_end", **kw) == ([B, 1, 2, 3, 4, 5], [[20, E]])
+    # responses get the room left after the prompt; a cut response loses its EOS (it did not end)
+    long = [20, 21, 22, 23, 24, E]
+    assert pd.truncate(prompt, [long, [30, E]], mode="keep_end", **kw) == ([B, 8, 9, 10], [long[:4], [30, E]])
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
+    prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
+    rows = [{"prompt": prompt, "chosen": " cats purr and nap " * 10, "rejected": " no."}]
+    (ex,), (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "t.jsonl", rows)], llama_tok, "train",
+                                        max_length=48, max_prompt_length=16, truncation_mode=mode, silent=True)
+    full = llama_tok(prompt)["input_ids"]
+    assert len(ex.prompt_ids) == 16 and ex.prompt_ids[0] == llama_tok.bos_token_id
+    expected = full[:16] if mode == "keep_start" else full[:1] + full[-15:]
+    assert ex.prompt_ids.tolist() == expected
+    assert len(ex.chosen_ids) == 48 - 16 and llama_tok.eos_token_id not in ex.chosen_ids  # cut: no EOS
+    assert ex.rejected_ids[-1] == llama_tok.eos_token_id  # fits: keeps its EOS
+    assert (stats.truncation_mode, stats.prompts_truncated, stats.responses_truncated) == (mode, 1, 1)
+
+
+def test_pairs_dropped_by_reason(tmp_path, gpt2_tok):
+    same = " cats purr and nap and chase mice" * 4
+    rows = [{"prompt": "Q:", "chosen": "", "rejected": " no"},                       # empty_response
+            {"prompt": "Q:", "chosen": " same", "rejected": " same"},                # chosen_equals_rejected
+            {"prompt": "Q:", "chosen": same + " yes", "rejected": same + " no"},     # identical once cut
+            {"prompt": "Q:", "chosen": " ok", "rejected": " not ok"}]                # kept
+    examples, (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "d.jsonl", rows)], gpt2_tok, "train",
+                                           max_length=16, max_prompt_length=8, silent=True)
+    assert [ex.chosen for ex in examples] == [" ok"]
+    assert stats.dropped == {"chosen_equals_rejected": 1, "empty_response": 1, "identical_after_truncation": 1}
+    assert (stats.kept, stats.prompts) == (1, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collate: exact label masks
+# ---------------------------------------------------------------------------------------------------------
+
+def test_collate_exact_padding_and_labels():
+    """Prompt [5, 6] + chosen [7, E] and prompt [5] + chosen [7, 8, 9, E]; pad 0, E = 2.
+    Labels are the input ids on the response (EOS included) and -100 on prompt and padding."""
+    a = np.array
+    examples = [pd.TokenizedExample("s", "P1", " c1", " r1", a([5, 6]), a([7, 2]), a([8, 9, 2])),
+                pd.TokenizedExample("s", "P2", " c2", " r2", a([5]), a([7, 8, 9, 2]), a([2]))]
+    b = pd.collate(examples, pad_token_id=0)
+    t = torch.tensor
+    assert torch.equal(b["prompt_input_ids"], t([[5, 6], [0, 5]]))  # left-padded, for generation
+    assert torch.equal(b["prompt_attention_mask"], t([[1, 1], [0, 1]]))
+    assert torch.equal(b["chosen_input_ids"], t([[5, 6, 7, 2, 0], [5, 7, 8, 9, 2]]))
+    assert torch.equal(b["chosen_attention_mask"], t([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]))
+    assert torch.equal(b["chosen_labels"], t([[-100, -100, 7, 2, -100], [-100, 7, 8, 9, 2]]))
+    assert torch.equal(b["rejected_input_ids"], t([[5, 6, 8, 9, 2], [5, 2, 0, 0, 0]]))
+    assert torch.equal(b["rejected_labels"], t([[-100, -100, 8, 9, 2], [-100, 2, -100, -100, -100]]))
+    assert all(v.dtype == torch.long for v in b.values() if torch.is_tensor(v))
+    assert b["prompt"] == ["P1", "P2"] and b["chosen"] == ["P1 c1", "P2 c2"] and b["rejected"] == ["P1 r1", "P2 r2"]
+    assert b["chosen_response_only"] == [" c1", " c2"] and b["rejected_response_only"] == [" r1", " r2"]
+
+
+PAIR_KEYS = {"prompt", "chosen", "rejected", "chosen_response_only", "rejected_response_only",
+             "prompt_input_ids", "prompt_attention_mask", "chosen_input_ids", "chosen_attention_mask",
+             "chosen_labels", "rejected_input_ids", "rejected_attention_mask", "rejected_labels"}
+
+
+def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):
+    path = str(REPO / "examples" / "pairs.jsonl")
+    batch = next(pd.get_batch_iterator([path], gpt2_tok, split="train", batch_size=6, n_epochs=1, silent=True))
+    assert set(batch) == PAIR_KEYS
+    for side in ("chosen", "rejected"):
+        ids, labels, mask = batch[f"{side}_input_ids"], batch[f"{side}_labels"], batch[f"{side}_attention_mask"]
+        for i in range(len(ids)):
+            n_prompt = int(batch["prompt_attention_mask"][i].sum())
+            n = int(mask[i].sum())
+            assert (labels[i, :n_prompt] == -100).all() and (labels[i, n:] == -100).all()
+            assert torch.equal(labels[i, n_prompt:n], ids[i, n_prompt:n])
+            assert labels[i, n - 1] == gpt2_tok.eos_token_id  # EOS is a label
+            assert (ids[i, n:] == gpt2_tok.pad_token_id).all()
+
+
+def test_sft_mode_yields_sft_targets_only(tmp_path, gpt2_tok):
+    rows = numbered_rows(4)
+    rows[1]["sft_target"] = " the sft answer."
+    it = pd.get_batch_iterator([write_jsonl(tmp_path / "s.jsonl", rows)], gpt2_tok, split="train", batch_size=4,
+                               shuffle=False, n_epochs=1, sft_mode=True, silent=True)
+    (batch,) = list(it)
+    assert set(batch) == {k for k in PAIR_KEYS if "rejected" not in k}
+    assert batch["chosen_response_only"] == [" good answer 0.", " the sft answer.", " good answer 2.",
+                                             " good answer 3."]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Order: seeds, epochs, ranks, resume, eval
+# ---------------------------------------------------------------------------------------------------------
+
+def test_same_seed_same_order_other_seed_other_order_fresh_each_epoch():
+    run = lambda seed: list(pd.iter_batch_indices(40, batch_size=8, seed=seed, n_epochs=2))
+    assert run(0) == run(0) and run(0) != run(1)
+    epoch0, epoch1 = sum(run(0)[:5], []), sum(run(0)[5:], [])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1
+    assert sum(pd.iter_batch_indices(40, batch_size=8, shuffle=False, n_epochs=1), []) == list(range(40))
+
+
+def test_seed_changes_batches_end_to_end(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(32))
+    texts = lambda seed: [b["chosen"] for b in pd.get_batch_iterator(
+        [path], gpt2_tok, split="train", batch_size=8, n_epochs=1, seed=seed, silent=True)]
+    assert texts(3) == texts(3) and texts(3) != texts(4)
+
+
+def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(24))
+    kw = dict(split="train", batch_size=8, n_epochs=1, seed=7, silent=True)
+    whole = [b["chosen"] for b in pd.get_batch_iterator([path], gpt2_tok, **kw)]
+    shares = [[b["chosen"] for b in pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, **kw)]
+              for r in (0, 1)]
+    for step, global_batch in enumerate(whole):
+        r0, r1 = shares[0][step], shares[1][step]
+        assert len(r0) == len(r1) == 4 and not set(r0) & set(r1) and r0 + r1 == global_batch
+    assert sorted(sum(whole, [])) == sorted(f"{r['prompt']}{r['chosen']}" for r in numbered_rows(24))
+
+
+def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(20))  # 20 // 6 = 3 steps per epoch, 2 pairs dropped
+    kw = dict(split="train", batch_size=6, n_epochs=3, seed=1, silent=True)
+    full = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    assert len(full) == 9
+    resumed = list(pd.get_batch_iterator([path], gpt2_tok, start_example=4 * 6, **kw))  # crosses an epoch
+    assert len(resumed) == 5
+    for a, b in zip(full[4:], resumed):
+        assert a["chosen"] == b["chosen"] and torch.equal(a["rejected_input_ids"], b["rejected_input_ids"])
+
+
+def test_n_examples_rounds_up_to_whole_batches_and_eval_takes_the_first_n(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(10))
+    batches = list(pd.get_batch_iterator([path], gpt2_tok, split="test", batch_size=2, shuffle=False,
+                                         n_epochs=1, n_examples=5, silent=True))
+    assert [b["chosen_response_only"] for b in batches] == [[" good answer 0.", " good answer 1."],
+                                                             [" good answer 2.", " good answer 3."],
+                                                             [" good answer 4.", " good answer 5."]]
+    endless = pd.get_batch_iterator([path], gpt2_tok, split="train", batch_size=4, n_examples=40, silent=True)
+    assert len(list(endless)) == 10  # n_examples alone runs as many epochs as it takes
+
+
+def test_num_steps_matches_the_iterator_and_count_examples(tmp_path, gpt2_tok):
+    assert pd.num_steps(100, batch_size=64, n_epochs=3) == 3  # 36 pairs per epoch dropped, not carried over
+    assert pd.num_steps(100, batch_size=8, n_examples=20) == 3  # rounded up to whole batches
+    assert pd.num_steps(100, batch_size=8, n_epochs=1, n_examples=1000) == 12  # whichever comes first
+    assert len(list(pd.iter_batch_indices(100, batch_size=64, n_epochs=3))) == 3
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(9))
+    assert pd.count_examples([path], gpt2_tok, split="train", cache_dir=str(tmp_path)) == 9
+
+
+def test_json_list_file_loads(tmp_path, gpt2_tok):
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(numbered_rows(3)))
+    examples, (stats,) = pd.load_tokenized([str(path)], gpt2_tok, "train", silent=True)
+    assert [e.chosen for e in examples] == [" good answer 0.", " good answer 1.", " good answer 2."]
+
+
+def test_sample_rule_only_where_every_source_has_it():
+    rule = pd.sample_rule(["toy"])
+    assert rule(" cats purr and nap.") and not rule(" CATS PURR.") and not rule(" ...")
+    assert pd.sample_rule(["toy", "hh"]) is None and pd.sample_rule(["examples/pairs.jsonl"]) is None
+
+
+def test_bad_iterator_arguments(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(4))
+    base = dict(split="train", batch_size=4, n_epochs=1, silent=True)
+    for bad, match in [(dict(n_epochs=None), "n_epochs or n_examples"), (dict(world_size=3), "multiple of"),
+                       (dict(start_example=2), "start_example"), (dict(rank=2, world_size=2), "rank")]:
+        with pytest.raises(ValueError, match=match):
+            pd.get_batch_iterator([path], gpt2_tok, **{**base, **bad})
+    with pytest.raises(pd.DataError, match="fewer than one global batch"):
+        pd.get_batch_iterator([path], gpt2_tok, **{**base, "batch_size": 8})
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        pd.load_tokenized([path], gpt2_tok, "train", max_length=8, max_prompt_length=8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cache
+# ---------------------------------------------------------------------------------------------------------
+
+def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_path, gpt2_tok):
+    path = tmp_path / "n.jsonl"
+    write_jsonl(path, numbered_rows(6))
+    load = lambda **kw: pd.load_tokenized([str(path)], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"),
+                                          silent=True, **kw)
+    first, (s1,) = load()
+    second, (s2,) = load()
+    assert s1.cache.startswith("written") and s2.cache.startswith("hit")
+    assert [e.chosen for e in first] == [e.chosen for e in second]
+    assert all(np.array_equal(a.chosen_ids, b.chosen_ids) for a, b in zip(first, second))
+    assert load(max_length=1024)[1][0].cache.startswith("written")  # another key
+    write_jsonl(path, numbered_rows(7))
+    assert load()[1][0].cache.startswith("written")  # the file's content is in the key
+    other = make_llama_tok()
+    assert pd.tokenizer_fingerprint(other) != pd.tokenizer_fingerprint(gpt2_tok)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources: hub path (with a real datasets.Dataset), offline failure, toy, the example file, summary
+# ---------------------------------------------------------------------------------------------------------
+
+def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2_tok, monkeypatch):
+    import datasets
+    history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
+    rows = [hh_row(history, " fine.", " bad."), hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no.")]
+    dataset = datasets.Dataset.from_list(rows)
+    monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
+    load = lambda: pd.load_tokenized(["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20,
+                                     cache_dir=str(tmp_path), silent=True)
+    examples, (stats,) = load()
+    assert stats.truncation_mode == "keep_end" and stats.origin == "hub:" + dataset._fingerprint
+    long_prompt = next(e for e in examples if e.prompt == history)
+    assert long_prompt.prompt_ids.tolist() == gpt2_tok(history)["input_ids"][-20:]  # kept the last turn
+    assert load()[1][0].cache.startswith("hit")
+
+
+def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
+    with pytest.raises(pd.DataError) as info:
+        pd.load_tokenized(["hh"], gpt2_tok, "train", cache_dir=str(tmp_path), silent=True)
+    message = str(info.value)
+    assert "Anthropic/hh-rlhf" in message and "not available offline" in message
+    assert "datasets=[path/to/file.jsonl]" in message and "pre-populate the cache" in message
+    assert info.value.__cause__ is not None  # the library's exception, chained
+
+
+def test_toy_maps_to_files_next_to_the_module():
+    source, path = pd.resolve_source("toy", "train")
+    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is pd.convert_pairs
+    assert pd.resolve_source("toy", "test")[1] == REPO / "toy" / "data" / "test.jsonl"
+    if path.is_file() and (REPO / "toy" / "data" / "test.jsonl").is_file():
+        pd.validate_sources(["toy"])
+
+
+def test_split_placeholder_in_a_path(tmp_path):
+    assert pd.resolve_source(str(tmp_path / "{split}.jsonl"), "test")[1] == tmp_path / "test.jsonl"
+
+
+def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok, capsys):
+    path = str(REPO / "examples" / "pairs.jsonl")
+    pd.validate_sources([path])
+    examples, (stats,) = pd.load_tokenized([path], gpt2_tok, "train")
+    out = capsys.readouterr().out
+    assert len(examples) == stats.kept == 6 and stats.prompts == 5  # one prompt has two pairs
+    for name in ("pairs_kept=6", "prompts=5", "dropped: none", "boundary_merges=", "prompt_tokens_mean=",
+                 "prompt_tokens_max=", "response_tokens_mean=", "response_tokens_max="):
+        assert name in out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one file per case under tests/data/bad_data/, and the fragments its message must contain
+# ---------------------------------------------------------------------------------------------------------
+
+BAD_CASES = {
+    "not_json.jsonl": ["line 2", "not valid JSON", "one JSON object per line"],
+    "trailing_comma.jsonl": ["line 1", "not valid JSON"],
+    "single_quotes.jsonl": ["line 1", "not valid JSON", "double quotes"],
+    "two_objects_one_line.jsonl": ["line 1", "not valid JSON", "Extra data"],
+    "missing_prompt.jsonl": ["line 1", "missing field 'prompt'"],
+    "missing_chosen.jsonl": ["line 3", "missing field 'chosen'"],
+    "missing_rejected.jsonl": ["line 1", "missing field 'rejected'"],
+    "misspelled_field.jsonl": ["missing field 'chosen'", "'choosen' looks like a misspelling of 'chosen'"],
+    "chosen_number.jsonl": ["line 1", "field 'chosen'", "expected a string or a list of {role, content}",
+                            "got number 42"],
+    "chosen_boolean.jsonl": ["field 'chosen'", "got boolean true"],
+    "prompt_null.jsonl": ["field 'prompt'", "got null"],
+    "prompt_nan.jsonl": ["field 'prompt'", "got number nan"],
+    "rejected_object.jsonl": ["field 'rejected'", "got object"],
+    "sft_target_number.jsonl": ["field 'sft_target'", "got number 7"],
+    "row_is_list.jsonl": ["line 1", "expected a JSON object with fields prompt, chosen, rejected", "got list"],
+    "row_is_string.jsonl": ["expected a JSON object", "got string"],
+    "row_is_null.jsonl": ["line 2", "expected a JSON object", "got null"],
+    "row_is_number.jsonl": ["expected a JSON object", "got number 42"],
+    "empty.jsonl": ["the file is empty"],
+    "blank_lines_only.jsonl": ["the file is empty"],
+    "duplicate_field.jsonl": ["line 1", "duplicate field 'chosen'"],
+    "invalid_utf8.jsonl": ["line 2", "not valid UTF-8", "0xe9"],
+    "utf16.jsonl": ["line 1", "not valid UTF-8"],
+    "mixed_forms.jsonl": ["mix strings and message lists", "prompt=string, chosen=list"],
+    "unknown_role.jsonl": ["field 'prompt' message 0", "unknown role 'human'", "did you mean 'user'"],
+    "role_not_string.jsonl": ["'role': expected a string", "got number 1"],
+    "message_missing_role.jsonl": ["field 'prompt' message 0", "missing 'role'"],
+    "message_missing_content.jsonl": ["field 'chosen' message 0", "missing 'content'"],
+    "message_content_not_string.jsonl": ["'content': expected a string", "got list"],
+    "message_not_object.jsonl": ["message 0", "expected an object with role and content", "got string"],
+    "chat_prompt_empty.jsonl": ["field 'prompt'", "empty list"],
+    "chat_chosen_empty.jsonl": ["field 'chosen'", "expected one assistant message", "got 0 messages"],
+    "chat_reply_not_assistant.jsonl": ["field 'chosen'", "role 'assistant'", "got role 'user'"],
+    "chat_reply_two_messages.jsonl": ["field 'rejected'", "expected one assistant message", "got 2 messages"],
+    "chat_sft_target_from_user.jsonl": ["field 'sft_target'", "role 'assistant'"],
+    "not_a_list.json": ["expected a JSON list of {prompt, chosen, rejected} objects", "got object"],
+    "top_level_string.json": ["expected a JSON list", "got string"],
+    "list_of_strings.json": ["item 1", "expected a JSON object", "got string"],
+    "invalid.json": ["line 3", "not valid JSON"],
+    "empty_list.json": ["no rows"],
+    "item_missing_field.json": ["item 2", "missing field 'rejected'"],
+    "wrong_extension.csv": ["expected a .jsonl or .json file", "'.csv'"],
+}
+
+
+def test_every_bad_file_has_an_expected_message():
+    assert sorted(p.name for p in BAD_DATA.iterdir()) == sorted(BAD_CASES)
+    assert len(BAD_CASES) >= 25
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+def test_bad_input_raises_data_error_naming_file_line_and_field(name, gpt2_tok):
+    path = str(BAD_DATA / name)
+    with pytest.raises(pd.DataError) as checked:
+        pd.validate_sources([path])  # config time: no tokenizer
+    with pytest.raises(pd.DataError) as loaded:
+        pd.load_tokenized([path], gpt2_tok, "train", silent=True)  # the same check on the loading path
+    for info in (checked, loaded):
+        assert isinstance(info.value, ValueError) and path in str(info.value)
+        for fragment in BAD_CASES[name]:
+            assert fragment in str(info.value)
+
+
+def test_missing_path_and_unknown_names(tmp_path):
+    with pytest.raises(pd.DataError, match=r"no such file"):
+        pd.validate_sources([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(pd.DataError, match=r"unknown dataset 'hhh'.*did you mean 'hh'\?"):
+        pd.validate_sources(["hhh"])
+    with pytest.raises(pd.DataError, match=r"did you mean 'ultrafeedback'\?"):
+        pd.validate_sources(["ultra_feedback"])
+    with pytest.raises(pd.DataError) as info:  # every problem reported at once
+        pd.validate_sources(["hhh", str(tmp_path / "nope.jsonl"), "shp"])
+    assert "unknown dataset 'hhh'" in str(info.value) and "nope.jsonl: no such file" in str(info.value)

@@ -1,0 +1,709 @@
+"""The training machinery: loop, evaluation, sampling, logging, checkpoints.
+
+`BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`).
+`FSDPTrainer` shards policy and reference with FSDP1 or FSDP2 and overrides only what sharding changes:
+wrapping, gradient sync, clipping, sampling, saving and loading. Every torch.distributed call of the
+training loop is in FSDPTrainer or in utils.py's small helpers.
+
+A step: the rank-local batch is split into `gradient_accumulation_steps` micro-batches; each runs ONE
+policy forward over chosen and rejected concatenated (and one reference forward), the loss of each
+micro-batch is divided by the number of micro-batches so that the summed gradient equals the gradient of
+the mean loss over the whole batch; then clip, guard against non-finite values, step.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+import tqdm
+
+import losses
+import preference_datasets as data
+from utils import (all_gather_if_needed, atomic_write_text, formatted_dict, fsync_dir, get_rng_state,
+                   rank0_print, set_rng_state)
+
+CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
+
+
+# ------------------------------------------------------------------------------------------------------
+# Batches -> sequence log-probs
+# ------------------------------------------------------------------------------------------------------
+def pad_to_length(tensor: torch.Tensor, length: int, pad_value: int) -> torch.Tensor:
+    """Right-pad the last dimension of `tensor` to `length` with `pad_value`."""
+    if tensor.size(-1) >= length:
+        return tensor
+    pad = torch.full((*tensor.shape[:-1], length - tensor.size(-1)), pad_value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, pad], dim=-1)
+
+
+def concatenated_inputs(batch: dict) -> dict[str, torch.Tensor]:
+    """Stack chosen over rejected into one (2B, T) batch, so policy and reference each need ONE forward
+    (under FSDP every forward is a round of all-gathers; one pass instead of two halves them)."""
+    if "rejected_input_ids" not in batch:  # SFT batches carry only the target
+        return {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+    length = max(batch["chosen_input_ids"].size(1), batch["rejected_input_ids"].size(1))
+    pads = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: torch.cat([pad_to_length(batch[f"chosen_{k}"], length, p), pad_to_length(batch[f"rejected_{k}"], length, p)])
+            for k, p in pads.items()}
+
+
+def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], entropy: Optional[dict] = None,
+                  entropy_grad: bool = False):
+    """Summed log-probs of the labelled tokens and their counts, per sequence: (N,), (N,).
+
+    With `entropy` (the kwargs of losses.response_entropy) also the mean entropy of the policy over each
+    response, (N,), differentiable only when `entropy_grad`; otherwise None.
+    """
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    sums, counts = losses.logps_sum_and_count(logits, inputs["labels"])
+    ent = None
+    if entropy is not None:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = losses.response_entropy(logits, inputs["labels"], **entropy)
+    return sums, counts, ent
+
+
+# ------------------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# ------------------------------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
+    "AdamW": lambda params, cfg: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+}
+DECAYS = {  # fraction of the peak learning rate after warmup, as a function of progress in [0, 1]
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: max(0.0, 1.0 - progress),
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+}
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, decay: str):
+    """Linear warmup from 0 to the peak over `warmup_steps`, then `decay` until `total_steps`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return DECAYS[decay]((step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return factor
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------------
+# BasicTrainer
+# ------------------------------------------------------------------------------------------------------
+class BasicTrainer:
+    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
+                 rank: int = 0, world_size: int = 1, tokenizer=None):
+        """One process trains `policy` against the frozen `reference_model` (None for reference-free losses)."""
+        self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
+        self.run_dir = Path(run_dir)
+        self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
+        self.loss_names = config.loss_names
+        self.sft_mode = losses.is_sft_only(self.loss_names)
+        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0.
+        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
+                                   checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
+        self.device = self.input_device(policy)
+        self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
+        self.batch_counter = 0    # optimizer steps taken (or skipped as non-finite)
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.last_log = 0.0
+        self.wandb_run = None
+
+        cache_dir = str(Path(config.local_dirs[0]).expanduser() / "datasets")
+        self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
+                                sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
+        self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
+        self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
+                                          n_examples=config.n_examples)
+        self.eval_batches = list(data.get_batch_iterator(
+            config.datasets, tokenizer, split="test", batch_size=config.eval_batch_size, shuffle=False, n_epochs=1,
+            n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
+            **self.data_kwargs))
+        self.print_geometry()
+
+    # --- hooks FSDPTrainer overrides ----------------------------------------------------------------------
+    def input_device(self, model: nn.Module) -> torch.device:
+        """Where inputs go: the device of the input embeddings (the first GPU under device_map)."""
+        return model.get_input_embeddings().weight.device
+
+    def no_sync(self, last_micro_batch: bool):
+        return contextlib.nullcontext()  # one process: nothing to sync
+
+    def clip_gradient(self) -> float:
+        return torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm).item()
+
+    def step_optimizer(self) -> None:
+        self.optimizer.step()
+
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        return model.generate(**kwargs)
+
+    def gather_objects(self, items: list) -> list:
+        return items  # one process: already everything
+
+    def barrier(self) -> None:
+        pass  # one process
+
+    # --- geometry ---------------------------------------------------------------------------------------
+    def print_geometry(self) -> None:
+        c = self.config
+        per_rank = c.batch_size // self.world_size
+        rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
+                    f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
+                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {c.n_eval_examples}")
+
+    # --- the loss of one micro-batch ---------------------------------------------------------------------
+    def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
+        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+        n = batch["chosen_input_ids"].size(0)
+        sums, counts, entropy = forward_logps(self.policy, inputs, self.entropy_kwargs, entropy_grad=bool(self.config.loss.entropy_coeff))
+        reference = {}
+        if self.reference_model is not None:
+            with torch.no_grad():
+                ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
+                ref_sums = forward_logps(self.reference_model, ref_inputs)[0].to(sums.device)
+            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=None if self.sft_mode else ref_sums[n:])
+        rejected = {} if self.sft_mode else dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
+        out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
+                                  policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
+        metrics = dict(out.metrics)
+        metrics["entropy/chosen"] = entropy[:n].detach()
+        if not self.sft_mode:
+            metrics["entropy/rejected"] = entropy[n:].detach()
+        loss = out.losses.mean()
+        if self.config.loss.entropy_coeff:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
+            loss = loss - self.config.loss.entropy_coeff * entropy.mean()
+        return loss, {split_name(k, split): v for k, v in metrics.items()}
+
+    # --- one optimizer step ------------------------------------------------------------------------------
+    def train_step(self, batch: dict) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
+        self.policy.train()
+        k = self.config.gradient_accumulation_steps
+        micro_batches = split_batch(batch, k)
+        step_metrics = defaultdict(list)
+        for i, micro in enumerate(micro_batches):
+            with self.no_sync(last_micro_batch=i == k - 1):
+                loss, metrics = self.get_batch_metrics(micro, "train")
+                (loss / k).backward()
+            for name, v in metrics.items():
+                step_metrics[name].append(v.detach())
+        grad_norm = self.clip_gradient()
+        finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
+        if finite:
+            self.step_optimizer()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        else:  # skip: parameters, optimizer state and schedule stay exactly as they were
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
+                        f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
+        self.optimizer.zero_grad(set_to_none=True)
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
+        mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
+        return mean
+
+    # --- evaluation and sampling -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics averaged over the whole eval set (all ranks), then samples from policy and reference."""
+        self.policy.eval()
+        collected = defaultdict(list)
+        for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=self.rank != 0, leave=False):
+            _, metrics = self.get_batch_metrics(batch, "eval")
+            for name, v in metrics.items():
+                collected[name].append(v)
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in collected.items()}
+        if self.config.sample_during_eval and self.config.n_eval_model_samples > 0:
+            mean.update(self.sample_and_log())
+        return mean
+
+    def sample(self, model: nn.Module, batch: dict) -> list[str]:
+        """Sample completions of the batch's prompts (left-padded), decoded without the prompt."""
+        ids = batch["prompt_input_ids"].to(self.input_device(model))
+        mask = batch["prompt_attention_mask"].to(ids.device)
+        out = self.generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
+                            do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                            pad_token_id=self.tokenizer.pad_token_id)
+        return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
+
+    def sample_and_log(self) -> dict[str, float]:
+        """Generate from policy and reference for n_eval_model_samples prompts (split over ranks); print,
+        log a W&B table, and where the data has a checkable rule (the toy task) the rate samples follow it."""
+        n_local = -(-self.config.n_eval_model_samples // self.world_size)
+        prompts, policy_samples, reference_samples = [], [], []
+        for batch in self.eval_batches:  # every rank has as many eval batches: the loop ends together
+            if len(prompts) >= n_local:
+                break
+            prompts += batch["prompt"]
+            policy_samples += self.sample(self.policy, batch)
+            if self.reference_model is not None:
+                reference_samples += self.sample(self.reference_model, batch)
+        prompts = self.gather_objects(prompts[:n_local])
+        policy_samples = self.gather_objects(policy_samples[:n_local])
+        reference_samples = self.gather_objects(reference_samples[:n_local])
+        metrics = {}
+        rule = data.sample_rule(self.config.datasets)
+        for who, samples in (("policy", policy_samples), ("reference", reference_samples)):
+            if samples and rule is not None:
+                metrics[f"samples/{who}_rule_rate"] = sum(map(rule, samples)) / len(samples)
+        if self.rank == 0:
+            for who, samples in (("policy", policy_samples), ("reference", reference_samples)):
+                for prompt, sample in list(zip(prompts, samples))[:3]:
+                    print(f"  {who} sample | {prompt!r} -> {sample!r}")
+            if self.wandb_run is not None:
+                import wandb
+                rows = [[self.example_counter, p, s, r] for p, s, r in zip(prompts, policy_samples, reference_samples or [""] * len(prompts))]
+                self.wandb_run.log({"samples": wandb.Table(columns=["step", "prompt", "policy", "reference"], data=rows)},
+                                   step=self.example_counter)
+        return metrics
+
+    # --- logging -----------------------------------------------------------------------------------------
+    def init_logging(self, resumed_wandb_id: Optional[str]) -> None:
+        if self.rank != 0 or self.config.debug or not self.config.wandb.enabled:
+            return
+        import wandb
+        online = bool(os.environ.get("WANDB_API_KEY")) or Path("~/.netrc").expanduser().exists()
+        mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
+        self.wandb_run = wandb.init(entity=self.config.wandb.entity, project=self.config.wandb.project,
+                                    name=self.config.exp_name, dir=str(self.run_dir), mode=mode,
+                                    config=self.config.to_dict(), id=resumed_wandb_id, resume="allow" if resumed_wandb_id else None)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """One record: W&B (step = examples seen) and a line of run_dir/metrics.jsonl."""
+        if self.rank != 0:
+            return
+        record = {"step": self.example_counter, **metrics}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=self.example_counter)
+
+    # --- the loop ----------------------------------------------------------------------------------------
+    def build_optimizer(self) -> None:
+        self.optimizer = OPTIMIZERS[self.config.optimizer]([p for p in self.policy.parameters() if p.requires_grad], self.config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.config.warmup_steps, self.total_steps, self.config.scheduler))
+
+    def train_batches(self) -> Iterator[dict]:
+        return data.get_batch_iterator(
+            self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
+            n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
+            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True, **self.data_kwargs)
+
+    def train(self) -> None:
+        """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
+        self.build_optimizer()
+        wandb_id = self.maybe_resume()
+        self.init_logging(wandb_id)
+        if self.config.fsdp.forward_only:
+            self.log(self.evaluate())
+            return
+        resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
+        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=self.rank != 0,
+                        dynamic_ncols=True)
+        start, start_examples = time.time(), self.example_counter
+        for batch in self.train_batches():
+            if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
+                if self.example_counter > 0 or self.config.do_first_eval:
+                    self.evaluate_and_log()
+                if self.example_counter > 0:
+                    self.save_checkpoint()
+            metrics = self.train_step(batch)
+            self.batch_counter += 1
+            self.example_counter += self.config.batch_size
+            rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
+            bar.update(1)
+            bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
+            if time.time() - self.last_log >= self.config.minimum_log_interval_secs:
+                self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
+                          "counters/updates": self.batch_counter})
+                self.last_log = time.time()
+            if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
+                self.save_checkpoint()
+                raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
+                                     f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
+        bar.close()
+        if self.example_counter != resumed_at:
+            self.evaluate_and_log()
+            self.save_checkpoint()
+
+    def evaluate_and_log(self) -> None:
+        rank0_print(f"Running evaluation after {self.example_counter} train examples")
+        metrics = self.evaluate()
+        rank0_print(f"eval after {self.example_counter}: {formatted_dict(metrics)}")
+        self.log(metrics)
+        self.last_eval_metrics = metrics
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+
+    def trainer_state(self) -> dict:
+        return {"format": CHECKPOINT_FORMAT, "example_counter": self.example_counter, "batch_counter": self.batch_counter,
+                "nonfinite_in_a_row": self.nonfinite_in_a_row, "nonfinite_total": self.nonfinite_total,
+                "wandb_id": self.wandb_run.id if self.wandb_run is not None else None,
+                "model": self.config.model.name_or_path, "datasets": list(self.config.datasets), "seed": self.seed,
+                "batch_size": self.config.batch_size, "world_size": self.world_size}
+
+    def write_checkpoint(self, tmp_dir: Path) -> None:
+        """Write every file of a checkpoint into `tmp_dir` (rank 0's part; FSDPTrainer adds shards)."""
+        metrics = getattr(self, "last_eval_metrics", {})
+        state = self.policy_state_dict()
+        if self.rank == 0:
+            torch.save({"step_idx": self.example_counter, "state": state, "metrics": metrics}, tmp_dir / "policy.pt")
+            torch.save(self.optimizer.state_dict(), tmp_dir / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp_dir / "scheduler.pt")
+            torch.save(self.trainer_state(), tmp_dir / "trainer_state.pt")
+            torch.save(get_rng_state(), tmp_dir / "rng-0.pt")
+            self.export_hf(state, tmp_dir / "hf")
+
+    def export_hf(self, state: dict, out: Path) -> None:
+        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads."""
+        model = self.policy.module if hasattr(self.policy, "module") else self.policy
+        model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+
+    def save_checkpoint(self) -> None:
+        """run_dir/step-N/ written as step-N.tmp and renamed when complete; LATEST -> step-N swapped atomically.
+
+        A kill at any point leaves either the previous LATEST or the new one, never a half-written one.
+        """
+        if self.config.debug:
+            rank0_print("debug=true: skipping checkpoint")
+            return
+        final = self.run_dir / f"step-{self.example_counter}"
+        tmp = self.run_dir / f"step-{self.example_counter}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        self.write_checkpoint(tmp)
+        self.barrier()
+        if self.rank == 0:
+            write_manifest(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            link = self.run_dir / "LATEST.tmp"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(final.name)
+            os.replace(link, self.run_dir / "LATEST")
+            fsync_dir(self.run_dir)
+            rank0_print(f"checkpoint written: {final}")
+        self.barrier()
+
+    def maybe_resume(self) -> Optional[str]:
+        """Restore weights, optimizer, schedule, RNG and data position from run_dir/LATEST when resuming."""
+        if not self.config.resume_from:
+            return None
+        ckpt = validate_checkpoint(Path(self.config.resume_from) / "LATEST")
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        check_compatible(state, self)
+        self.load_policy_and_optimizer(ckpt)
+        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
+        self.nonfinite_in_a_row, self.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
+        set_rng_state(torch.load(ckpt / f"rng-{self.rank}.pt", weights_only=True))
+        rank0_print(f"resumed from {ckpt.resolve()} at {self.example_counter} examples ({self.batch_counter} steps)")
+        return state["wandb_id"] or ""
+
+    def load_policy_and_optimizer(self, ckpt: Path) -> None:
+        policy = torch.load(ckpt / "policy.pt", weights_only=True)
+        self.policy.load_state_dict(policy["state"])
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Small pure helpers
+# ------------------------------------------------------------------------------------------------------
+def split_name(name: str, split: str) -> str:
+    """'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)."""
+    head, _, tail = name.partition("/")
+    return f"{head}_{split}/{tail}" if tail else f"{head}/{split}"
+
+
+def split_batch(batch: dict, k: int) -> list[dict]:
+    """k equal micro-batches of a batch (tensors and lists sliced along the first dimension)."""
+    n = len(batch["chosen_input_ids"])
+    size = n // k
+    return [{key: v[i * size:(i + 1) * size] for key, v in batch.items()} for i in range(k)]
+
+
+def write_manifest(ckpt: Path) -> None:
+    """manifest.json: the size of every file in the checkpoint, checked before a resume trusts it."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    atomic_write_text(ckpt / "manifest.json", json.dumps({"format": CHECKPOINT_FORMAT, "files": files}, indent=1))
+
+
+def validate_checkpoint(ckpt: Path) -> Path:
+    """The checkpoint directory, after checking that every file of its manifest is there with its size."""
+    manifest = ckpt / "manifest.json"
+    if not manifest.exists():
+        raise FileNotFoundError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there)")
+    listed = json.loads(manifest.read_text())["files"]
+    for name, size in listed.items():
+        path = ckpt / name
+        if not path.exists() or path.stat().st_size != size:
+            raise ValueError(f"cannot resume: {path} is missing or has the wrong size (expected {size} bytes)")
+    return ckpt
+
+
+def check_compatible(state: dict, trainer: BasicTrainer) -> None:
+    """Refuse to resume a checkpoint of another model, data or geometry: a resume must continue the same run."""
+    expected = {"model": trainer.config.model.name_or_path, "datasets": list(trainer.config.datasets),
+                "seed": trainer.seed, "batch_size": trainer.config.batch_size, "world_size": trainer.world_size}
+    wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
+    if state.get("format") != CHECKPOINT_FORMAT:
+        wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
+    if wrong:
+        raise ValueError("cannot resume: the checkpoint belongs to a different run:\n  " + "\n  ".join(wrong))
+
+
+# ------------------------------------------------------------------------------------------------------
+# FSDPTrainer: the distributed part. Everything below runs with an initialized process group.
+# ------------------------------------------------------------------------------------------------------
+def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
+    """The transformer block classes to wrap: fsdp.wrap_policy's names, else the model's _no_split_modules."""
+    from utils import find_block_class_names, get_block_class_from_model
+    names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
+    if not names:
+        candidates = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Module) and len(list(m.children())) > 1})
+        raise ValueError(f"cannot tell which blocks of {type(model).__name__} to shard: set model.block_name "
+                         f"(or fsdp.wrap_policy.transformer_layer_cls_to_wrap); candidates: {', '.join(candidates)}")
+    return {get_block_class_from_model(model, n) for n in names}
+
+
+def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """Modules to shard under a size policy, leaves first: a module is wrapped once the parameters it holds
+    that no wrapped descendant holds reach `min_num_params` (FSDP1's size_based_auto_wrap_policy, for FSDP2)."""
+    chosen = []
+
+    def remaining(module: nn.Module) -> int:
+        n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())
+        if module is not model and n >= min_num_params:
+            chosen.append(module)
+            return 0
+        return n
+
+    remaining(model)
+    return chosen
+
+
+class FSDPTrainer(BasicTrainer):
+    """Shards policy and reference over all ranks with FSDP1 (`fsdp.strategy=fsdp`) or FSDP2 (`fsdp2`).
+
+    As the original: each transformer block is its own FSDP unit (FULL_SHARD, BACKWARD_PRE prefetch,
+    MixedPrecision), with NO_REENTRANT activation checkpointing per block when asked. Every field of
+    `config.fsdp` is read here or rejected by config.validate.
+    """
+
+    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
+                 rank: int = 0, world_size: int = 1, tokenizer=None):
+        import torch.distributed as dist
+        assert dist.is_initialized(), "FSDPTrainer needs a process group (train.py starts one)"
+        self.fsdp = config.fsdp
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
+        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.mesh = self.build_mesh(world_size)
+        self.blocks = self.wrap_units(policy)
+        self.wrapped_blocks = self.blocks  # classes or modules that became FSDP units (tests read it)
+        rank0_print(f"sharding policy with {self.fsdp.strategy} ({self.describe()})")
+        policy = self.shard(policy, checkpoint=config.activation_checkpointing)
+        if reference_model is not None:
+            rank0_print("sharding reference model (forward only)")
+            reference_model = self.shard(reference_model, checkpoint=False)
+        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
+
+    # --- wrapping -----------------------------------------------------------------------------------------
+    def build_mesh(self, world_size: int):
+        """A 1-D mesh (shard over all ranks) or, when 1 <= fsdp_size < world, 2-D (replicate x shard)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        size = self.fsdp.fsdp_size
+        if size in (-1, world_size):
+            return init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("shard",))
+        return init_device_mesh(self.device.type, (world_size // size, size), mesh_dim_names=("replicate", "shard"))
+
+    def wrap_units(self, model: nn.Module):
+        if self.fsdp.wrap_policy.get("min_num_params") is not None:
+            return ("min_num_params", self.fsdp.wrap_policy["min_num_params"])
+        return block_classes(model, self.fsdp.wrap_policy)
+
+    def unit_modules(self, model: nn.Module) -> list[nn.Module]:
+        if isinstance(self.blocks, tuple):
+            return size_based_modules(model, self.blocks[1])
+        return [m for m in model.modules() if isinstance(m, tuple(self.blocks))]
+
+    def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
+        from utils import dtype_of
+        mp = self.fsdp.mixed_precision
+        if mp is None:
+            return None
+        return {k: dtype_of(mp.get(k, self.fsdp.dtype)) for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
+
+    def describe(self) -> str:
+        return (f"units {sorted(getattr(b, '__name__', str(b)) for b in self.blocks) if not isinstance(self.blocks, tuple) else self.blocks},"
+                f" mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward},"
+                f" mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
+
+    def shard(self, model: nn.Module, checkpoint: bool) -> nn.Module:
+        return self.shard_fsdp2(model, checkpoint) if self.fsdp.strategy == "fsdp2" else self.shard_fsdp1(model, checkpoint)
+
+    def shard_fsdp1(self, model: nn.Module, checkpoint: bool) -> nn.Module:
+        from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
+                                            ShardingStrategy)
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+        if self.fsdp.offload_policy:
+            raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
+        if isinstance(self.blocks, tuple):
+            policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
+        else:
+            policy = ModuleWrapPolicy(self.blocks)
+        hybrid = self.mesh.ndim == 2
+        if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
+            strategy, hybrid = ShardingStrategy.NO_SHARD, False  # fsdp_size=1: every rank holds everything
+        elif hybrid:
+            strategy = ShardingStrategy.HYBRID_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+        else:
+            strategy = ShardingStrategy.FULL_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        dtypes = self.mixed_precision_dtypes()
+        wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy,
+                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload),
+                       backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
+                       mixed_precision=MixedPrecision(**dtypes) if dtypes else None, device_id=self.device,
+                       use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False, sync_module_states=False,
+                       device_mesh=self.mesh if hybrid else None)
+        if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+            units = tuple(type(m) for m in self.unit_modules(model)) if isinstance(self.blocks, tuple) else tuple(self.blocks)
+            apply_activation_checkpointing(
+                wrapped, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: isinstance(m, units))
+        return wrapped
+
+    def shard_fsdp2(self, model: nn.Module, checkpoint: bool) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        dtypes = self.mixed_precision_dtypes()
+        mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+        if dtypes:  # FSDP2 has no buffer dtype: cast the buffers once, as FSDP1's buffer_dtype would
+            for buffer in model.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(dtypes["buffer_dtype"])
+        # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
+        if not self.fsdp.offload_policy:
+            model.to(self.device)
+        units = self.unit_modules(model)
+        if checkpoint:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+            units = [self.replace_module(model, m, checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)) for m in units]
+        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh  # 2-D mesh = HSDP (replicate x shard)
+        kwargs = dict(mesh=mesh, reshard_after_forward=self.fsdp.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    @staticmethod
+    def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
+        for parent in root.modules():
+            for name, child in parent.named_children():
+                if child is old:
+                    setattr(parent, name, new)
+                    return new
+        raise ValueError("module to replace not found")
+
+    # --- what sharding changes in the loop ----------------------------------------------------------------
+    def input_device(self, model: nn.Module) -> torch.device:
+        return self.device
+
+    def no_sync(self, last_micro_batch: bool):
+        """Gradients are reduced across ranks only on the last micro-batch of a step."""
+        if self.fsdp.strategy == "fsdp2":
+            self.policy.set_requires_gradient_sync(last_micro_batch)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last_micro_batch else self.policy.no_sync()
+
+    def clip_gradient(self) -> float:
+        if self.fsdp.strategy == "fsdp":
+            return self.policy.clip_grad_norm_(self.config.max_grad_norm).item()
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+    def step_optimizer(self) -> None:
+        """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl)."""
+        if self.fsdp.optimizer_offload:
+            move_optimizer_state(self.optimizer, self.device)
+        super().step_optimizer()
+        if self.fsdp.optimizer_offload:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
+
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        """Every rank runs the same number of forwards (synced_gpus) so that the all-gathers line up:
+        the original's sampling hung when ranks stopped at different lengths."""
+        return model.generate(**kwargs, synced_gpus=True)
+
+    def gather_objects(self, items: list) -> list:
+        import torch.distributed as dist
+        out = [None] * self.world_size
+        dist.all_gather_object(out, items)
+        return [x for part in out for x in part]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
+
+    # --- checkpoints: sharded for resume, consolidated on rank 0 for everyone else -------------------------
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        # On CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu on CPU).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
+        state = get_model_state_dict(self.policy, options=options)
+        return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
+
+    def write_checkpoint(self, tmp_dir: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_dir / "sharded"))
+        torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
+        state = self.policy_state_dict()  # a collective: every rank takes part, rank 0 keeps the result
+        if self.rank == 0:
+            torch.save({"step_idx": self.example_counter, "state": state, "metrics": getattr(self, "last_eval_metrics", {})},
+                       tmp_dir / "policy.pt")
+            torch.save(self.scheduler.state_dict(), tmp_dir / "scheduler.pt")
+            torch.save(self.trainer_state(), tmp_dir / "trainer_state.pt")
+            self.export_hf(state, tmp_dir / "hf")
+
+    def load_policy_and_optimizer(self, ckpt: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
