@@ -223,8 +223,8 @@ class Config(BaseConfig):
     n_examples: Optional[int] = param(None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)")
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)")
     trainer: str = param("BasicTrainer", "BasicTrainer (one process) or FSDPTrainer (sharded, one process per device)")
-    optimizer: str = param("RMSprop", "RMSprop (the original's choice) or AdamW")
-    weight_decay: float = param(0.0, "AdamW decoupled weight decay")
+    optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD")
+    weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD")
     scheduler: str = param("constant", "after warmup: constant (the original), linear or cosine decay to 0")
     warmup_steps: int = param(150, "linear warmup, in optimizer steps")
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
@@ -555,7 +555,7 @@ def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]
 # Enumerated string keys: one table instead of scattered checks.
 CHOICES = {
     "trainer": ("BasicTrainer", "FSDPTrainer"),
-    "optimizer": ("RMSprop", "AdamW"),
+    "optimizer": ("RMSprop", "AdamW", "SGD"),
     "scheduler": ("constant", "linear", "cosine"),
     "truncation_mode": (None, "keep_start", "keep_end"),
     "loss.f_divergence": ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),

@@ -82,21 +82,25 @@ def load_models(cfg, device_map=None):
     return tokenizer, policy, reference
 
 
+class ArchiveError(ValueError):
+    """model.archive is missing, unreadable or does not fit the model."""
+
+
 def load_archive(path: str, model) -> dict:
     """The weights of an earlier run's policy.pt, checked against `model` before anything is loaded."""
     import torch
     if not Path(path).is_file():
-        raise FileNotFoundError(f"model.archive={path}: no such file (expected <run dir>/LATEST/policy.pt)")
+        raise ArchiveError(f"model.archive={path}: no such file (expected <run dir>/LATEST/policy.pt)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["state"]
     except Exception as e:
-        raise ValueError(f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})") from None
+        raise ArchiveError(f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})") from None
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
     if missing or unexpected or shapes:
-        raise ValueError(f"model.archive={path} does not fit model {type(model).__name__}: "
+        raise ArchiveError(f"model.archive={path} does not fit model {type(model).__name__}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}")
     return state
 
@@ -209,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     import preference_datasets
     try:
         preference_datasets.validate_sources(cfg.datasets)  # bad data fails here, before any model is loaded
-    except preference_datasets.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        launch(cfg)
+    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError) as e:
+        print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
         return 2
-    launch(cfg)
     return 0
 
 

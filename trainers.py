@@ -79,6 +79,7 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], entropy: Op
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
     "AdamW": lambda params, cfg: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+    "SGD": lambda params, cfg: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay),  # for exact checks
 }
 DECAYS = {  # fraction of the peak learning rate after warmup, as a function of progress in [0, 1]
     "constant": lambda progress: 1.0,
@@ -447,33 +448,90 @@ def split_batch(batch: dict, k: int) -> list[dict]:
 
 
 def write_manifest(ckpt: Path) -> None:
-    """manifest.json: the size of every file in the checkpoint, checked before a resume trusts it."""
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
-    atomic_write_text(ckpt / "manifest.json", json.dumps({"format": CHECKPOINT_FORMAT, "files": files}, indent=1))
+    """manifest.json: the size and sha256 of every file in the checkpoint, checked before a resume trusts it.
+
+    Written last: a manifest vouches for files that are complete and on disk (each is fsynced as it is hashed),
+    so a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as wrong weights.
+    """
+    import hashlib
+    files, sha256 = {}, {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.is_file():
+            name = str(p.relative_to(ckpt))
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+                sha256[name] = hashlib.file_digest(f, "sha256").hexdigest()
+            files[name] = p.stat().st_size
+    atomic_write_text(ckpt / "manifest.json",
+                      json.dumps({"format": CHECKPOINT_FORMAT, "files": files, "sha256": sha256}, indent=1))
 
 
 def validate_checkpoint(ckpt: Path) -> Path:
-    """The checkpoint directory, after checking that every file of its manifest is there with its size."""
+    """The checkpoint directory, after checking every file of its manifest: there, with its size and sha256.
+
+    Nothing is loaded from a checkpoint that fails; the message names each bad file and the earlier
+    complete checkpoints of the run, to which LATEST can be pointed by hand.
+    """
+    import hashlib
+    run_dir = ckpt.parent
+    earlier = sorted((p.name for p in run_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                      and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()),
+                     key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1, reverse=True)
+    hint = (f"\nearlier checkpoints in {run_dir}: {', '.join(earlier)}; to resume from one, point LATEST at it:"
+            f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}") if earlier else ""
+    if not ckpt.is_dir():
+        target = f" -> {os.readlink(ckpt)}" if ckpt.is_symlink() else ""
+        raise FileNotFoundError(f"cannot resume: {ckpt}{target} is not a checkpoint directory{hint}")
     manifest = ckpt / "manifest.json"
     if not manifest.exists():
-        raise FileNotFoundError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there)")
-    listed = json.loads(manifest.read_text())["files"]
+        raise FileNotFoundError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there){hint}")
+    try:
+        record = json.loads(manifest.read_text())
+        listed, sums = dict(record["files"]), dict(record.get("sha256", {}))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot resume: {manifest} is unreadable ({type(e).__name__}: {e}){hint}") from None
+    problems = []
     for name, size in listed.items():
         path = ckpt / name
-        if not path.exists() or path.stat().st_size != size:
-            raise ValueError(f"cannot resume: {path} is missing or has the wrong size (expected {size} bytes)")
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
+        elif name in sums:
+            with open(path, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != sums[name]:
+                    problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
+    if problems:
+        raise ValueError(f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
+                         + "\n  ".join(problems) + hint)
     return ckpt
 
 
 def check_compatible(state: dict, trainer: BasicTrainer) -> None:
-    """Refuse to resume a checkpoint of another model, data or geometry: a resume must continue the same run."""
+    """Refuse to resume a checkpoint of another model, data, geometry or objective: a resume must continue the
+    same run. Called before anything is loaded, so a refused checkpoint is never half-loaded."""
     expected = {"model": trainer.config.model.name_or_path, "datasets": list(trainer.config.datasets),
                 "seed": trainer.seed, "batch_size": trainer.config.batch_size, "world_size": trainer.world_size}
     wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
     if state.get("format") != CHECKPOINT_FORMAT:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
+    # Keys of the run's first config.yaml that a resume must repeat, as they change what the saved state means:
+    # the reference comes from model.archive (not from the checkpoint), the objective, the optimizer whose state
+    # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
+    must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
+                  "max_prompt_length", "truncation_mode")
+    original = Path(trainer.config.resume_from or "") / "config.yaml"
+    if trainer.config.resume_from and original.is_file():  # what the run was started with
+        import yaml
+        saved, now = yaml.safe_load(original.read_text()) or {}, trainer.config.to_dict()
+        for key in must_match:
+            a, b = saved, now
+            for part in key.split("."):
+                a, b = (a or {}).get(part), (b or {}).get(part)
+            if a != b:
+                wrong.append(f"{key}: the run was started with {a!r} ({original}), this run has {b!r}")
     if wrong:
-        raise ValueError("cannot resume: the checkpoint belongs to a different run:\n  " + "\n  ".join(wrong))
+        raise ValueError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""train.py end to end, as a user runs it: subprocesses on the project's 2-layer toy model (vocab 512)."""
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train as train_py
+
+REPO = Path(__file__).resolve().parent.parent
+# Small and fast: 8-pair steps, short sequences, no torch.compile warm-up, no W&B.
+FAST = ["model=tiny", "datasets=[toy]", "optimizer=AdamW", "warmup_steps=0", "batch_size=8", "eval_batch_size=8",
+        "n_eval_examples=16", "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8",
+        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null"]
+
+
+def train(run_dir, *args, check=True) -> subprocess.CompletedProcess:
+    """Run train.py in this process (its imports cost ~10 s per subprocess) and capture what it prints."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_py.main([*FAST, f"run_dir={run_dir}", *args])
+    result = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_state(run_dir) -> dict:
+    return torch.load(Path(run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
+
+
+def assert_states_equal(a: dict, b: dict, atol: float = 0.0):
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol == 0.0:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+    """One short DPO run, shared by the tests that only read what it wrote."""
+    run_dir = tmp_path_factory.mktemp("dpo") / "run"
+    result = train(run_dir, "loss=dpo", "lr=1e-4", "n_examples=32", "eval_every=16")
+    return run_dir, result
+
+
+def test_step0_dpo_loss_is_ln2_when_policy_equals_reference(dpo_run):
+    run_dir, _ = dpo_run
+    records = metrics(run_dir)
+    first_eval = next(r for r in records if "loss/eval" in r)
+    first_train = next(r for r in records if "loss/train" in r)
+    assert first_eval["step"] == 0 and abs(first_eval["loss/eval"] - math.log(2)) < 1e-4
+    assert first_train["step"] == 8 and abs(first_train["loss/train"] - math.log(2)) < 1e-4  # computed before the update
+    assert first_eval["rewards_eval/margins"] == 0.0
+
+
+def test_documented_files_are_written(dpo_run):
+    run_dir, result = dpo_run
+    assert f"run directory: {run_dir}" in result.stdout and f"done; run directory: {run_dir}" in result.stdout
+    assert "batch geometry: 8 pairs per step" in result.stdout
+    assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
+    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-16", "step-32"]
+    assert (run_dir / "LATEST").resolve() == (run_dir / "step-32").resolve()
+    for name in ("policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-0.pt", "manifest.json",
+                 "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"):
+        assert (run_dir / "step-32" / name).exists(), name
+    records = metrics(run_dir)
+    for key in ("rewards_train/chosen", "rewards_train/accuracies", "logps_train/rejected", "grad_norm", "lr",
+                "examples_per_second"):
+        assert any(key in r for r in records), key
+    last_eval = [r for r in records if "loss/eval" in r][-1]
+    assert last_eval["step"] == 32 and "samples/policy_rule_rate" in last_eval and "samples/reference_rule_rate" in last_eval
+
+
+def test_policy_pt_is_the_original_format_and_loads_weights_only(dpo_run):
+    run_dir, _ = dpo_run
+    ckpt = torch.load(run_dir / "LATEST" / "policy.pt", weights_only=True)
+    assert set(ckpt) == {"step_idx", "state", "metrics"} and ckpt["step_idx"] == 32
+    assert "loss/eval" in ckpt["metrics"]
+    for name in ("optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-0.pt"):
+        torch.load(run_dir / "LATEST" / name, weights_only=True)
+
+
+def test_hf_export_loads_in_plain_transformers_with_the_trained_logits(dpo_run):
+    run_dir, _ = dpo_run
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "LATEST" / "hf")
+    trained = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
+    trained.load_state_dict(final_state(run_dir))
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
+    ids = torch.tensor([[0, 200, 200, 269, 27, 316, 340, 15]])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+        assert not torch.allclose(exported(ids).logits, original(ids).logits)  # training changed something
+
+
+def test_loss_falls_when_overfitting_eight_pairs(tmp_path):
+    pairs = tmp_path / "eight.jsonl"
+    rows = [json.loads(line) for line in (REPO / "toy" / "data" / "train.jsonl").read_text().splitlines()[:8]]
+    pairs.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    train(run_dir, "loss=dpo", f"datasets=[{pairs}]", "lr=1e-3", "n_examples=80", "eval_every=80",
+          "sample_during_eval=false", "minimum_log_interval_secs=0")
+    losses = [r["loss/train"] for r in metrics(run_dir) if "loss/train" in r]
+    assert len(losses) == 10 and abs(losses[0] - math.log(2)) < 1e-4
+    assert losses[-1] < 0.05 < losses[0]
+
+
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
+    args = ["loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "minimum_log_interval_secs=0"]
+    train(tmp_path / "full", *args)
+    # The same run, killed right after its first checkpoint, then resumed.
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if "checkpoint written" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "cut" / "LATEST").resolve().name == "step-16"
+    result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
+    assert "resumed from" in result.stdout and "at 16 examples" in result.stdout
+    assert_states_equal(final_state(tmp_path / "full"), final_state(tmp_path / "cut"))
+
+
+def test_batch_8_accumulation_1_equals_batch_8_accumulation_4_after_one_step(tmp_path):
+    """One step over the same 8 pairs: one micro-batch of 8, or 4 micro-batches of 2 with summed gradients.
+    SGD with lr 1 makes the parameter change the gradient itself (Adam's first step, lr * g / |g|, would
+    amplify float noise wherever g is near 0)."""
+    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "sample_during_eval=false", "do_first_eval=false"]
+    train(tmp_path / "a", *common, "gradient_accumulation_steps=1")
+    train(tmp_path / "b", *common, "gradient_accumulation_steps=4")
+    before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert not torch.equal(a["lm_head.weight"], before["lm_head.weight"])
+    assert_states_equal(a, b, atol=1e-6)
+
+
+def test_debug_writes_no_checkpoint(tmp_path):
+    result = train(tmp_path / "run", "loss=sft", "lr=1e-3", "n_examples=16", "eval_every=8", "debug=true",
+                   "sample_during_eval=false")
+    assert "debug=true: skipping checkpoint" in result.stdout
+    assert not list((tmp_path / "run").glob("step-*")) and not (tmp_path / "run" / "LATEST").exists()
+
+
+def test_sft_then_dpo_from_the_archive(tmp_path):
+    """The original pipeline: model.archive loads the SFT policy into policy and reference (DPO starts at ln 2).
+    Rows without `sft_target` make the SFT target the chosen response, so both runs score the same tokens."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [json.loads(line) for line in (REPO / "toy" / "data" / "test.jsonl").read_text().splitlines()[:16]]
+    pairs.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in rows))
+    common = [f"datasets=[{pairs}]", "sample_during_eval=false"]
+    train(tmp_path / "sft", *common, "loss=sft", "lr=1e-3", "n_examples=16", "eval_every=16")
+    train(tmp_path / "dpo", *common, "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8",
+          f"model.archive={tmp_path / 'sft' / 'LATEST' / 'policy.pt'}")
+    first = next(r for r in metrics(tmp_path / "dpo") if "loss/eval" in r)
+    assert abs(first["loss/eval"] - math.log(2)) < 1e-4
+    sft_evals = [r for r in metrics(tmp_path / "sft") if "logps_eval/chosen" in r]
+    assert abs(first["logps_eval/chosen"] - sft_evals[-1]["logps_eval/chosen"]) < 1e-4  # the archive was loaded
+    assert abs(first["logps_eval/chosen"] - sft_evals[0]["logps_eval/chosen"]) > 0.1   # and it is not the base model
+
+
+def test_run_dir_with_a_run_is_not_overwritten(tmp_path):
+    train(tmp_path / "run", "loss=sft", "lr=1e-3", "n_examples=8", "eval_every=8", "sample_during_eval=false")
+    again = train(tmp_path / "run", "loss=sft", "n_examples=8", check=False)
+    assert again.returncode != 0 and "already holds a run" in again.stderr
