@@ -566,6 +566,8 @@ CHOICES = {
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = ("wrap_policy", "offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch",
              "use_orig_params", "strategy", "param_offload", "optimizer_offload")
+# FSDP2 always keeps the original parameters (as DTensors); CPUOffloadPolicy is FSDP2's (FSDP1: param_offload).
+STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
@@ -671,9 +673,14 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if world_size is None and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
     problems = validate(cfg, world_size)
-    if cfg.trainer == "BasicTrainer":  # a sharding knob typed on the command line would be silently ignored
-        problems += [f"fsdp.{key}={cfg.fsdp[key]!r}: only applies to trainer=FSDPTrainer (this run uses BasicTrainer)"
-                     for key in FSDP_ONLY if explicit.get(f"fsdp.{key}") == 2 and cfg.fsdp[key] != FSDPEngineConfig()[key]]
+    # A knob typed on the command line that this trainer or strategy does not have would be silently ignored.
+    typed = [k for k in FSDPEngineConfig() if explicit.get(f"fsdp.{k}") == 2 and cfg.fsdp[k] != FSDPEngineConfig()[k]]
+    if cfg.trainer == "BasicTrainer":
+        problems += [f"fsdp.{k}={cfg.fsdp[k]!r}: only applies to trainer=FSDPTrainer (this run uses BasicTrainer)"
+                     for k in typed if k in FSDP_ONLY]
+    else:
+        problems += [f"fsdp.{k}={cfg.fsdp[k]!r}: only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
+                     for k, s in STRATEGY_ONLY.items() if k in typed and s != cfg.fsdp.strategy]
     if problems:
         raise ConfigError(problems)
     if cfg.exp_name is None:

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Optional
@@ -64,7 +65,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], entropy: Op
     With `entropy` (the kwargs of losses.response_entropy) also the mean entropy of the policy over each
     response, (N,), differentiable only when `entropy_grad`; otherwise None.
     """
-    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
     sums, counts = losses.logps_sum_and_count(logits, inputs["labels"])
     ent = None
     if entropy is not None:
@@ -117,6 +119,8 @@ class BasicTrainer:
         self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
                                    checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
         self.device = self.input_device(policy)
+        if config.activation_checkpointing and not isinstance(self, FSDPTrainer):  # FSDPTrainer does it while sharding
+            checkpoint_blocks(policy, tuple(block_classes(policy, config.fsdp.wrap_policy)))
         self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
         self.batch_counter = 0    # optimizer steps taken (or skipped as non-finite)
         self.nonfinite_in_a_row = 0
@@ -456,8 +460,8 @@ def write_manifest(ckpt: Path) -> None:
     import hashlib
     files, sha256 = {}, {}
     for p in sorted(ckpt.rglob("*")):
-        if p.is_file():
-            name = str(p.relative_to(ckpt))
+        name = str(p.relative_to(ckpt))
+        if p.is_file() and name != "manifest.json":  # a manifest cannot vouch for itself
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
                 sha256[name] = hashlib.file_digest(f, "sha256").hexdigest()
@@ -523,13 +527,14 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
     original = Path(trainer.config.resume_from or "") / "config.yaml"
     if trainer.config.resume_from and original.is_file():  # what the run was started with
         import yaml
-        saved, now = yaml.safe_load(original.read_text()) or {}, trainer.config.to_dict()
-        for key in must_match:
-            a, b = saved, now
-            for part in key.split("."):
-                a, b = (a or {}).get(part), (b or {}).get(part)
-            if a != b:
-                wrong.append(f"{key}: the run was started with {a!r} ({original}), this run has {b!r}")
+
+        def flat(d: dict, prefix: str = "") -> dict:
+            return {k2: v2 for k, v in d.items()
+                    for k2, v2 in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
+        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(trainer.config.to_dict())
+        for key in sorted(set(saved) | set(now)):
+            if any(key == m or key.startswith(m + ".") for m in must_match) and saved.get(key) != now.get(key):
+                wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}")
     if wrong:
         raise ValueError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
 
@@ -564,6 +569,17 @@ def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]
     return chosen
 
 
+def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
+    """Recompute each block of class `units` in backward (NO_REENTRANT), as the original FSDPTrainer did.
+
+    Unlike the original, a failure to import or apply the wrapper is an error, not a printed warning."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, units))
+
+
 class FSDPTrainer(BasicTrainer):
     """Shards policy and reference over all ranks with FSDP1 (`fsdp.strategy=fsdp`) or FSDP2 (`fsdp2`).
 
@@ -576,13 +592,15 @@ class FSDPTrainer(BasicTrainer):
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         import torch.distributed as dist
         assert dist.is_initialized(), "FSDPTrainer needs a process group (train.py starts one)"
+        # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
         self.fsdp = config.fsdp
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         self.mesh = self.build_mesh(world_size)
         self.blocks = self.wrap_units(policy)
-        self.wrapped_blocks = self.blocks  # classes or modules that became FSDP units (tests read it)
         rank0_print(f"sharding policy with {self.fsdp.strategy} ({self.describe()})")
         policy = self.shard(policy, checkpoint=config.activation_checkpointing)
         if reference_model is not None:
@@ -605,9 +623,14 @@ class FSDPTrainer(BasicTrainer):
         return block_classes(model, self.fsdp.wrap_policy)
 
     def unit_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules that become FSDP2 units; a checkpointed block's unit is its checkpoint wrapper."""
         if isinstance(self.blocks, tuple):
             return size_based_modules(model, self.blocks[1])
-        return [m for m in model.modules() if isinstance(m, tuple(self.blocks))]
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+        blocks = tuple(self.blocks)
+        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+        return [m for m in model.modules() if (isinstance(m, blocks) and id(m) not in wrapped)
+                or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
         from utils import dtype_of
@@ -643,18 +666,15 @@ class FSDPTrainer(BasicTrainer):
             strategy = ShardingStrategy.FULL_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         dtypes = self.mixed_precision_dtypes()
         wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy,
-                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload),
+                       # FSDP1's offload pins host memory, which needs a GPU; on a CPU-only machine the
+                       # parameters are in host memory anyway.
+                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and self.device.type == "cuda"),
                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
                        mixed_precision=MixedPrecision(**dtypes) if dtypes else None, device_id=self.device,
                        use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False, sync_module_states=False,
                        device_mesh=self.mesh if hybrid else None)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-            units = tuple(type(m) for m in self.unit_modules(model)) if isinstance(self.blocks, tuple) else tuple(self.blocks)
-            apply_activation_checkpointing(
-                wrapped, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-                check_fn=lambda m: isinstance(m, units))
+            checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
         return wrapped
 
     def shard_fsdp2(self, model: nn.Module, checkpoint: bool) -> nn.Module:
@@ -669,25 +689,18 @@ class FSDPTrainer(BasicTrainer):
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
         if not self.fsdp.offload_policy:
             model.to(self.device)
+        if checkpoint:  # before sharding, so that each sharded unit is the checkpointed block
+            checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
         units = self.unit_modules(model)
-        if checkpoint:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-            units = [self.replace_module(model, m, checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)) for m in units]
-        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh  # 2-D mesh = HSDP (replicate x shard)
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.fsdp.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        # On a 2-D mesh fully_shard replicates over the first dimension and shards over the second (HSDP).
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=self.fsdp.reshard_after_forward, mp_policy=mp, offload_policy=offload)
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
+            for unit, following in zip(units, units[1:]):
+                unit.set_modules_to_forward_prefetch([following])
         return model
-
-    @staticmethod
-    def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
-        for parent in root.modules():
-            for name, child in parent.named_children():
-                if child is old:
-                    setattr(parent, name, new)
-                    return new
-        raise ValueError("module to replace not found")
 
     # --- what sharding changes in the loop ----------------------------------------------------------------
     def input_device(self, model: nn.Module) -> torch.device:
@@ -705,6 +718,27 @@ class FSDPTrainer(BasicTrainer):
             return self.policy.clip_grad_norm_(self.config.max_grad_norm).item()
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+    @contextlib.contextmanager
+    def params_on_device(self):
+        """FSDP2 with fsdp.param_offload: the (sharded) parameters live on CPU between steps and evaluations and
+        come to the device only while used, as verl offloads them (FSDP1 uses its own CPUOffload instead)."""
+        offload = self.fsdp.param_offload and self.fsdp.strategy == "fsdp2"
+        if offload:
+            self.policy.to(self.device)
+        try:
+            yield
+        finally:
+            if offload:
+                self.policy.to("cpu")
+
+    def train_step(self, batch: dict) -> dict[str, float]:
+        with self.params_on_device():
+            return super().train_step(batch)
+
+    def evaluate(self) -> dict[str, float]:
+        with self.params_on_device():
+            return super().evaluate()
 
     def step_optimizer(self) -> None:
         """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl)."""

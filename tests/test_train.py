@@ -178,3 +178,11 @@ def test_run_dir_with_a_run_is_not_overwritten(tmp_path):
     train(tmp_path / "run", "loss=sft", "lr=1e-3", "n_examples=8", "eval_every=8", "sample_during_eval=false")
     again = train(tmp_path / "run", "loss=sft", "n_examples=8", check=False)
     assert again.returncode != 0 and "already holds a run" in again.stderr
+
+
+def test_activation_checkpointing_in_one_process_gives_the_same_step(tmp_path):
+    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "sample_during_eval=false",
+              "do_first_eval=false"]
+    train(tmp_path / "plain", *common)
+    train(tmp_path / "checkpointed", *common, "activation_checkpointing=true")
+    assert_states_equal(final_state(tmp_path / "plain"), final_state(tmp_path / "checkpointed"), atol=1e-6)

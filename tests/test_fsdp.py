@@ -1,0 +1,287 @@
+"""FSDPTrainer on CPU with gloo and 2 real processes, against BasicTrainer in one process.
+
+Spawning processes costs ~15 s of imports each time, so ONE pair of workers runs every scenario in turn
+(module fixture `fsdp_results`) and the tests read what each scenario recorded: the wrapped modules' real
+settings (not the config's), the optimizer state's device, and the final parameters. The one-process
+baselines run in this process. Checks that need a GPU (nccl, CUDA device_id, pinned memory) are marked.
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+import train as train_py
+import trainers
+from config import load_config
+from utils import get_open_port
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=16",
+        "max_length=64", "max_prompt_length=32", "max_new_tokens=8", "fsdp.use_torch_compile=false",
+        "wandb.enabled=false", "n_epochs=null", "loss=dpo", "do_first_eval=false", "sample_during_eval=false",
+        "minimum_log_interval_secs=0"]
+SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]   # parameter change = the gradient
+ADAMW_3 = ["optimizer=AdamW", "lr=1e-4", "n_examples=24", "eval_every=8"]
+
+SCENARIOS = {
+    # name: (arguments, strategy-independent baseline name)
+    "fsdp_sgd": (["fsdp.strategy=fsdp", *SGD_ONE_STEP], "sgd"),
+    "fsdp2_sgd": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP], "sgd"),
+    "fsdp_adamw": (["fsdp.strategy=fsdp", *ADAMW_3], "adamw"),
+    "fsdp2_adamw": (["fsdp.strategy=fsdp2", *ADAMW_3, "sample_during_eval=true", "n_eval_model_samples=4"], "adamw"),
+    "fsdp_bf16": (["fsdp.strategy=fsdp", *ADAMW_3, "model.fsdp_policy_mp=bfloat16"], None),
+    "fsdp2_bf16": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"], None),
+    "fsdp_knobs": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.reshard_after_forward=false", "fsdp.forward_prefetch=true",
+                    "fsdp.use_orig_params=true", "activation_checkpointing=true", "fsdp.param_offload=true",
+                    "fsdp.optimizer_offload=true"], "adamw"),
+    "fsdp2_knobs": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.reshard_after_forward=false", "fsdp.forward_prefetch=true",
+                     "activation_checkpointing=true", "fsdp.offload_policy=true", "fsdp.optimizer_offload=true"], "adamw"),
+    "fsdp_replicate": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.fsdp_size=1"], "adamw"),
+    "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
+    "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
+    # killed after its first checkpoint (step 8), then resumed by the next scenario
+    "fsdp2_interrupted": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
+    "fsdp2_resumed": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
+    "fsdp_interrupted": (["fsdp.strategy=fsdp", *ADAMW_3], None),
+    "fsdp_resumed": (["fsdp.strategy=fsdp", *ADAMW_3], None),
+}
+
+
+class Preempted(Exception):
+    pass
+
+
+def inspect_wrapping(trainer) -> dict:
+    """What the wrapped policy really is, read from FSDP's own objects."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    policy = trainer.policy
+    info = {"checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in policy.modules())}
+    if isinstance(policy, FSDP):
+        units = FSDP.fsdp_modules(policy)
+        info.update(strategy=policy.sharding_strategy.name, forward_prefetch=policy.forward_prefetch,
+                    use_orig_params=policy._use_orig_params, offload_params=policy.cpu_offload.offload_params,
+                    units=len(units), mixed_param_dtype=str(policy.mixed_precision.param_dtype))
+    else:
+        states = [m._get_fsdp_state() for m in policy.modules() if hasattr(m, "_get_fsdp_state")]
+        groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
+        param = next(policy.parameters())
+        info.update(strategy="fully_shard", units=len(groups),
+                    reshard_after_forward=[g._reshard_after_forward for g in groups],
+                    forward_prefetch=sum(len(s._states_to_forward_prefetch) for s in states),
+                    offload_policy=[type(g.offload_policy).__name__ for g in groups],
+                    mesh_shape=tuple(param.device_mesh.shape), local_numel=param.to_local().numel(),
+                    full_numel=param.numel(), param_device=str(param.to_local().device),
+                    mixed_param_dtype=str(groups[0].mp_policy.param_dtype))
+    return info
+
+
+def run_scenario(name, args, rank, world_size, out_dir):
+    run_dir = out_dir / name
+    resume = [f"resume_from={out_dir / name.replace('resumed', 'interrupted')}"] if name.endswith("resumed") else []
+    cfg, _ = load_config([*FAST, "trainer=FSDPTrainer", f"run_dir={run_dir}", *args, *resume], world_size=world_size)
+    if rank == 0 and not resume:
+        run_dir.mkdir(parents=True)
+    dist.barrier()
+    tokenizer, policy, reference = train_py.load_models(cfg)
+    trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
+                                   reference, rank, world_size, tokenizer)
+    info = inspect_wrapping(trainer)
+    if name.endswith("interrupted"):
+        save = trainer.save_checkpoint
+
+        def save_then_die():
+            save()
+            raise Preempted  # every rank, after the checkpoint's last barrier: a clean "kill"
+        trainer.save_checkpoint = save_then_die
+    try:
+        trainer.train()
+    except Preempted:
+        info["preempted_at"] = trainer.example_counter
+    info["optimizer_state_devices"] = sorted({str(v.device) for s in trainer.optimizer.state.values()
+                                              for k, v in s.items() if torch.is_tensor(v) and k != "step"})
+    return info
+
+
+def worker(rank, world_size, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo")
+    results = {}
+    try:
+        for name, (args, _) in SCENARIOS.items():
+            start = time.time()
+            with contextlib.redirect_stdout(io.StringIO()):
+                results[name] = run_scenario(name, args, rank, world_size, Path(out_dir))
+            results[name]["seconds"] = time.time() - start
+    finally:
+        if rank == 0:
+            torch.save(results, Path(out_dir) / "results.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(worker, args=(2, get_open_port(), str(out_dir)), nprocs=2, join=True)
+    return out_dir, torch.load(out_dir / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
+    out = tmp_path_factory.mktemp("single")
+    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3)):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
+    return out
+
+
+def final_state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "LATEST" / "policy.pt", weights_only=True)["state"]
+
+
+def assert_close_states(a, b, atol):
+    assert a.keys() == b.keys()
+    worst = max((x.float() - y.float()).abs().max().item() for x, y in (
+        (a[k], b[k]) for k in a))
+    assert worst <= atol, f"max |difference| {worst:.3g} > {atol}"
+
+
+def loss_trace(run_dir: Path) -> list[float]:
+    return [r["loss/train"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss/train" in r]
+
+
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, strategy):
+    """SGD with lr 1 for one step: the parameter change IS the gradient, so this compares gradients."""
+    out, _ = fsdp_results
+    before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    sharded, single = final_state(out / f"{strategy}_sgd"), final_state(baselines / "sgd")
+    grads_sharded = {k: before[k] - v for k, v in sharded.items()}
+    grads_single = {k: before[k] - v for k, v in single.items()}
+    assert max(g.abs().max().item() for g in grads_single.values()) > 1e-3  # a real step happened
+    assert_close_states(grads_sharded, grads_single, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_parameters_after_three_adamw_steps_match(fsdp_results, baselines, strategy):
+    out, _ = fsdp_results
+    assert_close_states(final_state(out / f"{strategy}_adamw"), final_state(baselines / "adamw"), atol=1e-5)
+    assert loss_trace(out / f"{strategy}_adamw") == pytest.approx(loss_trace(baselines / "adamw"), abs=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_bf16_mixed_precision_stays_within_1e_2_of_fp32(fsdp_results, strategy):
+    out, results = fsdp_results
+    assert results[f"{strategy}_bf16"]["mixed_param_dtype"] == "torch.bfloat16"
+    fp32, bf16 = loss_trace(out / f"{strategy}_adamw"), loss_trace(out / f"{strategy}_bf16")
+    assert len(bf16) == 3 and max(abs(a - b) for a, b in zip(fp32, bf16)) < 1e-2
+    assert fp32 != bf16  # bf16 really ran
+
+
+def test_default_wrapping_is_the_seed(fsdp_results):
+    """FULL_SHARD over every LlamaDecoderLayer (2) plus the root, no checkpointing, no offload."""
+    _, results = fsdp_results
+    info = results["fsdp_adamw"]
+    assert info["strategy"] == "FULL_SHARD" and info["units"] == 3 and info["checkpointed_blocks"] == 0
+    assert not info["forward_prefetch"] and not info["use_orig_params"] and not info["offload_params"]
+    info2 = results["fsdp2_adamw"]
+    assert info2["units"] == 3 and info2["reshard_after_forward"] == [True] * 3 and info2["mesh_shape"] == (2,)
+    assert info2["local_numel"] * 2 == info2["full_numel"]  # each rank holds half of every parameter
+
+
+def test_fsdp1_knobs_take_effect_and_training_still_matches(fsdp_results, baselines):
+    out, results = fsdp_results
+    info = results["fsdp_knobs"]
+    assert info["strategy"] == "SHARD_GRAD_OP"        # reshard_after_forward=false
+    assert info["forward_prefetch"] is True and info["use_orig_params"] is True
+    assert info["offload_params"] is torch.cuda.is_available()  # FSDP1 offload pins memory: GPU only
+    assert info["checkpointed_blocks"] == 2             # NO_REENTRANT wrapper on each block
+    assert info["optimizer_state_devices"] == ["cpu"]   # optimizer_offload
+    assert_close_states(final_state(out / "fsdp_knobs"), final_state(baselines / "adamw"), atol=1e-5)
+
+
+def test_fsdp2_knobs_take_effect_and_training_still_matches(fsdp_results, baselines):
+    out, results = fsdp_results
+    info = results["fsdp2_knobs"]
+    assert info["reshard_after_forward"] == [False] * 3
+    assert info["forward_prefetch"] == 1                # block 0 prefetches block 1
+    assert info["checkpointed_blocks"] == 2
+    assert info["offload_policy"] == ["CPUOffloadPolicy"] * 3 and info["param_device"] == "cpu"
+    assert info["optimizer_state_devices"] == ["cpu"]
+    assert_close_states(final_state(out / "fsdp2_knobs"), final_state(baselines / "adamw"), atol=1e-5)
+
+
+def test_fsdp_size_1_replicates_and_training_still_matches(fsdp_results, baselines):
+    out, results = fsdp_results
+    assert results["fsdp_replicate"]["strategy"] == "NO_SHARD"
+    info = results["fsdp2_replicate"]
+    assert info["mesh_shape"] == (2, 1) and info["local_numel"] == info["full_numel"]  # a full copy per rank
+    for name in ("fsdp_replicate", "fsdp2_replicate"):
+        assert_close_states(final_state(out / name), final_state(baselines / "adamw"), atol=1e-5)
+
+
+def test_size_based_wrap_policy(fsdp_results, baselines):
+    out, results = fsdp_results
+    assert results["fsdp2_size_policy"]["units"] > 3  # finer units than the 2 blocks + root
+    before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    sharded, single = final_state(out / "fsdp2_size_policy"), final_state(baselines / "sgd")
+    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_stopped_and_resumed_under_two_ranks_equals_uninterrupted(fsdp_results, strategy):
+    out, results = fsdp_results
+    assert results[f"{strategy}_interrupted"]["preempted_at"] == 8
+    assert (out / f"{strategy}_interrupted" / "step-8" / "sharded").is_dir()
+    resumed, uninterrupted = final_state(out / f"{strategy}_interrupted"), final_state(out / f"{strategy}_adamw")
+    assert_close_states(resumed, uninterrupted, atol=0.0)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_hf_export_of_an_fsdp_run_equals_the_gathered_state_dict(fsdp_results, strategy):
+    out, _ = fsdp_results
+    exported = AutoModelForCausalLM.from_pretrained(out / f"{strategy}_adamw" / "LATEST" / "hf").state_dict()
+    gathered = final_state(out / f"{strategy}_adamw")
+    assert_close_states(exported, gathered, atol=0.0)
+
+
+def test_sampling_under_fsdp_does_not_hang_and_is_logged(fsdp_results):
+    out, results = fsdp_results
+    evals = [r for r in map(json.loads, (out / "fsdp2_adamw" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    assert evals and all("samples/policy_rule_rate" in r for r in evals)
+    assert results["fsdp2_adamw"]["seconds"] < 120
+
+
+def test_a_failing_rank_ends_the_whole_torchrun_job_fast(tmp_path):
+    """Rank 1 raises at its second step while rank 0 waits in a collective: torchrun must end both, non-zero."""
+    script = REPO / "tests" / "data" / "failing_rank.py"
+    start = time.time()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(get_open_port()), str(script), *FAST, *ADAMW_3, "trainer=FSDPTrainer",
+                             f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    elapsed = time.time() - start
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr + result.stdout
+    assert elapsed < 60 + 30, f"{elapsed:.0f}s"  # 30 s of imports and loading on this 2-core machine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl)")
+def test_nccl_fsdp2_with_pinned_cpu_offload_on_gpus(tmp_path):
+    result = subprocess.run([sys.executable, "-u", str(REPO / "train.py"), *FAST, *ADAMW_3, "trainer=FSDPTrainer",
+                             "fsdp.strategy=fsdp2", "fsdp.offload_policy=true", f"run_dir={tmp_path / 'run'}"],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
