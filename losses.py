@@ -369,8 +369,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
         hidden, weight, bias, safe_labels, mask, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        # d out / d logits = one_hot(label) - softmax; masked rows get a zero upstream gradient.
-        grad_rows = grad_output.to(lse.dtype).masked_fill(~mask, 0.0).unsqueeze(1)
+        grad_rows = grad_output.to(lse.dtype).masked_fill(~mask, 0.0).unsqueeze(1)  # g; 0 at masked rows
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # weight and bias gradients are sums over all tiles: accumulated in fp32, cast once at the end
         grad_weight = weight.new_zeros(weight.shape, dtype=lse.dtype) if need_weight else None
@@ -384,29 +383,34 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                     slope = logits.div(ctx.softcap).square_().neg_().add_(1.0).mul_(ctx.logit_scale)
                 else:
                     slope = None
-                labels = safe_labels[rows].unsqueeze(1)
-                # d out / d logits = g (one_hot(label) - softmax) * slope, split in two parts. The
-                # one-hot part is added as rows of weight (and of hidden) instead of being summed
-                # inside the matmuls: among V terms, one of size ~1 and the rest ~1/V, it would
-                # cost ~V/1000 fp32 ulps in a long dot product (4e-5 at V=50257), and be rounded
-                # to bf16 with the rest in bf16.
-                label_coef = grad_rows[rows] * (ctx.logit_scale if slope is None else slope.gather(1, labels))
+                targets = safe_labels[rows]
+                # d out / d logits = g (one_hot(label) - softmax) * slope, with slope = logit_scale
+                # times the softcap's derivative, in two parts: `rest` = -g softmax * slope goes
+                # through the matmuls; the one-hot part, g * slope[label] per row, is added as rows
+                # of weight (to grad_hidden) and of hidden (to grad_weight). Summed inside the
+                # matmul, that one term of size ~1 among V terms of size ~1/V costs up to 4e-5 in
+                # fp32 at V = 50257 (a long dot product), and in bf16 it would be rounded to bf16.
+                label_slope = ctx.logit_scale if slope is None else slope.gather(1, targets.unsqueeze(1))
+                label_coef = grad_rows[rows] * label_slope  # (n, 1)
                 rest = logits.sub_(lse[rows].unsqueeze(1)).exp_().mul_(grad_rows[rows].neg())
-                rest.mul_(ctx.logit_scale if slope is None else slope)  # rest = -g softmax * slope
+                if slope is not None:
+                    rest.mul_(slope)
+                elif ctx.logit_scale != 1.0:
+                    rest.mul_(ctx.logit_scale)
                 if need_bias:
                     grad_bias += rest.sum(dim=0)
-                    grad_bias.index_add_(0, labels.squeeze(1), label_coef.squeeze(1))
+                    grad_bias.index_add_(0, targets, label_coef.squeeze(1))
                 # the two matmuls run in the inputs' dtype, as the plain path's backward would
                 rest = rest.to(hidden.dtype)
                 if need_hidden:
-                    label_part = weight[labels.squeeze(1)].to(lse.dtype).mul_(label_coef)
+                    label_part = weight[targets].to(lse.dtype).mul_(label_coef)
                     grad_hidden[rows] = (rest @ weight).to(lse.dtype).add_(label_part)
                 if need_weight:
                     if grad_weight.dtype == rest.dtype:
                         grad_weight.addmm_(rest.T, tile)  # in place: no (V, H) temporary
                     else:
                         grad_weight += rest.T @ tile
-                    grad_weight.index_add_(0, labels.squeeze(1), tile.to(lse.dtype).mul_(label_coef))
+                    grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
                 del logits, rest, slope  # free this tile's scratch before the next is allocated
         return (
             grad_hidden,

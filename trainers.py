@@ -574,10 +574,12 @@ def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
 
     Unlike the original, a failure to import or apply the wrapper is an error, not a printed warning."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda m: isinstance(m, units))
+    n = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
 
 
 class FSDPTrainer(BasicTrainer):

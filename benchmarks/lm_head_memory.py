@@ -36,13 +36,13 @@ from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts 
 from losses import linear_token_logps  # noqa: E402
 
 
-def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """The textbook path: full (N, V) logits, fp32 log_softmax, gather. Shape (N,)."""
+def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    """The textbook path: full (N, V) logits, fp32 log_softmax, gather. Shape (N,); no tiles."""
     logits = F.linear(hidden, weight).float()
     return logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def tiled_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def tiled_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
     return linear_token_logps(hidden, weight, labels, chunk_size=chunk_size)
 
 

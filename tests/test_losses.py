@@ -634,6 +634,9 @@ def test_entropy_with_torch_compile_on_cpu():
 # ---------------------------------------------------------------------------------------------
 
 
+HEAD_PARAMS = ("hidden", "weight", "bias")  # the differentiable inputs of linear_token_logps
+
+
 def plain_head(hidden, weight, labels, bias=None, dtype=torch.float64, logit_scale=1.0, softcap=None):
     """The reference: the full (N, V) logits F.linear(hidden, weight, bias) in the inputs' dtype,
     then in `dtype`: scale, softcap, log_softmax, gather, 0 at -100. Returns (logps, entropy)."""
@@ -693,7 +696,7 @@ def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_sca
     torch.testing.assert_close(ours, exact.float(), atol=2e-6, rtol=0)
     # entropy: fp64 only; the textbook formula in fp32 is itself ~1e-5 off here (see _entropy_chunk)
     torch.testing.assert_close(entropy, exact_entropy.detach().float(), atol=2e-6, rtol=0)
-    for name, grad, plain_grad, exact_grad in zip(("hidden", "weight", "bias"), grads, plain_grads, exact_grads):
+    for name, grad, plain_grad, exact_grad in zip(HEAD_PARAMS, grads, plain_grads, exact_grads):
         assert grad.dtype == torch.float32, name
         torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(grad, exact_grad.float(), atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -714,12 +717,43 @@ def test_linear_token_logps_bf16_within_bf16_rounding():
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours, exact.float(), atol=2 * 2**-7, rtol=0)
-    for name, grad, plain_grad, exact_grad in zip(("hidden", "weight", "bias"), grads, plain_grads, exact_grads):
+    for name, grad, plain_grad, exact_grad in zip(HEAD_PARAMS, grads, plain_grads, exact_grads):
         assert grad.dtype == torch.bfloat16, name
         bound = 2**-7 * exact_grad.abs().max().item()
-        torch.testing.assert_close(grad.double(), exact_grad, atol=bound, rtol=2**-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad.double(), exact_grad, atol=bound, rtol=2**-7,
+                                   msg=lambda m: f"{name}: {m}")
         ours_err = (grad.double() - exact_grad).abs().max()
         assert ours_err <= (plain_grad.double() - exact_grad).abs().max() * 1.01, name
+
+
+def test_linear_token_logps_saves_nothing_of_rows_by_vocab():
+    """What autograd keeps for backward: hidden (N, H), weight (V, H), bias (V,), and per-row
+    labels, mask, logsumexp (N,); never an (N, V) tensor, which the plain path does keep."""
+    params, labels, _ = head_inputs(50257)
+    leaves = [p.clone().requires_grad_() for p in params]
+
+    def saved_shapes(fn):
+        shapes = set()
+        record = lambda x: shapes.add(tuple(x.shape)) or x  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda x: x):
+            fn(leaves[0], leaves[1], labels, leaves[2])
+        return shapes
+
+    tiled = saved_shapes(functools.partial(linear_token_logps, chunk_size=3, with_entropy=True))
+    assert tiled == {(10, 16), (50257, 16), (50257,), (10,)}, tiled
+    assert (10, 50257) in saved_shapes(functools.partial(plain_head, dtype=torch.float32))
+
+
+def test_linear_token_logps_ignores_autocast():
+    """Under autocast the forward and the backward's recomputation must see the same logits, so
+    autocast is switched off inside: fp32 inputs give the fp32 result, gradients included."""
+    params, labels, upstream = head_inputs(7)
+    expected, _, expected_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("needs", ["hidden", "weight", "bias", "hidden+weight", "none"])
@@ -728,13 +762,13 @@ def test_linear_token_logps_with_only_some_inputs_requiring_grad(needs):
     the output needs no grad and backward is never called (also under torch.no_grad)."""
     params, labels, upstream = head_inputs(7)
     _, _, all_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
-    leaves = [p.clone().requires_grad_(name in needs) for p, name in zip(params, ("hidden", "weight", "bias"))]
+    leaves = [p.clone().requires_grad_(name in needs) for p, name in zip(params, HEAD_PARAMS)]
     out = linear_token_logps(leaves[0], leaves[1], labels, leaves[2], chunk_size=3)
     if needs == "none":
         assert not out.requires_grad
     else:
         (out * upstream).sum().backward()
-    for leaf, grad, name in zip(leaves, all_grads, ("hidden", "weight", "bias")):
+    for leaf, grad, name in zip(leaves, all_grads, HEAD_PARAMS):
         if name in needs:
             torch.testing.assert_close(leaf.grad, grad, atol=0, rtol=0)
         else:
@@ -775,8 +809,9 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied, attn_implementation="eager",
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=tied, attn_implementation="eager",
     )
     model = transformers.LlamaForCausalLM(config)
     input_ids = torch.randint(0, 64, (2, 9))

@@ -184,5 +184,6 @@ def test_activation_checkpointing_in_one_process_gives_the_same_step(tmp_path):
     common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "sample_during_eval=false",
               "do_first_eval=false"]
     train(tmp_path / "plain", *common)
-    train(tmp_path / "checkpointed", *common, "activation_checkpointing=true")
+    result = train(tmp_path / "checkpointed", *common, "activation_checkpointing=true")
+    assert "activation checkpointing (NO_REENTRANT) on 2 blocks of LlamaDecoderLayer" in result.stdout
     assert_states_equal(final_state(tmp_path / "plain"), final_state(tmp_path / "checkpointed"), atol=1e-6)
