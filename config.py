@@ -235,6 +235,9 @@ class Config(BaseConfig):
     top_p: float = param(1.0, "nucleus sampling threshold during evaluation")
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
+    padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
+    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
+    precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")
     collective_timeout_secs: int = param(600, "a distributed collective waiting longer than this raises (a dead rank ends the job)")
     n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU")
@@ -371,11 +374,15 @@ def _suggest(word: str, candidates) -> str:
 
 
 def _parse_cli_value(text: str) -> Any:
-    """Values are YAML (`[hh,shp]`, `null`, `true`, `0.1`); text that is not valid YAML stays a string."""
+    """Values are YAML (`[hh,shp]`, `null`, `true`, `0.1`); text that is not valid YAML stays a string, and a
+    bracketed list YAML cannot read (`[data/{split}.jsonl]`) is split at its commas."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
-        return text
+        value = text
+    if isinstance(value, str) and text.startswith("[") and text.endswith("]"):
+        return [item.strip() for item in text[1:-1].split(",") if item.strip()]
+    return value
 
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
@@ -681,6 +688,8 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     else:
         problems += [f"fsdp.{k}={cfg.fsdp[k]!r}: only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
                      for k, s in STRATEGY_ONLY.items() if k in typed and s != cfg.fsdp.strategy]
+        if explicit.get("tiled_lm_head") == 2 and cfg.tiled_lm_head:
+            problems.append("tiled_lm_head=true: not supported yet with trainer=FSDPTrainer (its root unit must run the LM head)")
     if problems:
         raise ConfigError(problems)
     if cfg.exp_name is None:

@@ -1025,4 +1025,5 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
         raise DataError(f"datasets={names} split {split!r}: {len(examples)} examples after filtering, fewer than "
                         f"one global batch of {batch_size}; lower batch_size or add data")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return (collate([examples[i] for i in idx], pad) for idx in indices)
+    return (dict(collate([examples[i] for i in idx], pad), example_index=torch.as_tensor(idx, dtype=torch.long))
+            for idx in indices)

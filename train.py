@@ -217,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError) as e:
         print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
         return 2
+    except Exception as e:
+        import trainers  # imported by then; its errors are about the run, not a bug: no traceback either
+        if isinstance(e, trainers.CheckpointError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, trainers.NonFiniteError):
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        raise
     return 0
 
 

@@ -58,21 +58,92 @@ def concatenated_inputs(batch: dict) -> dict[str, torch.Tensor]:
             for k, p in pads.items()}
 
 
-def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], entropy: Optional[dict] = None,
-                  entropy_grad: bool = False):
-    """Summed log-probs of the labelled tokens and their counts, per sequence: (N,), (N,).
+def padded_inputs(inputs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Model kwargs, labels (R, T) and the sequence each token belongs to (R, T; -1 on padding): one row each."""
+    n, t = inputs["input_ids"].shape
+    owner = torch.arange(n, device=inputs["input_ids"].device)[:, None].expand(n, t)
+    owner = torch.where(inputs["attention_mask"].bool(), owner, -1)
+    return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}, inputs["labels"], owner
 
-    With `entropy` (the kwargs of losses.response_entropy) also the mean entropy of the policy over each
-    response, (N,), differentiable only when `entropy_grad`; otherwise None.
+
+def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The same sequences without padding: packed first-fit-decreasing into rows of at most `capacity` tokens
+    (or the longest sequence), position_ids restarting at 0 for each, attention confined to each sequence by a
+    block-diagonal causal mask. Returns what `padded_inputs` returns. Sequences never share a row with padding
+    in between, and only the row ends are padded."""
+    lengths = inputs["attention_mask"].sum(1).tolist()
+    capacity = max(capacity, max(lengths))
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((r for r, load in enumerate(loads) if load + lengths[i] <= capacity), None)
+        if slot is None:
+            rows.append([]), loads.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        loads[slot] += lengths[i]
+    width, device = max(loads), inputs["input_ids"].device
+    shape = (len(rows), width)
+    ids = torch.zeros(shape, dtype=torch.long, device=device)
+    labels = torch.full(shape, -100, dtype=torch.long, device=device)
+    positions = torch.zeros(shape, dtype=torch.long, device=device)
+    owner = torch.full(shape, -1, dtype=torch.long, device=device)
+    for r, members in enumerate(rows):
+        start = 0
+        for i in members:
+            end = start + lengths[i]
+            ids[r, start:end] = inputs["input_ids"][i, :lengths[i]]
+            labels[r, start:end] = inputs["labels"][i, :lengths[i]]
+            positions[r, start:end] = torch.arange(lengths[i], device=device)
+            owner[r, start:end] = i
+            start = end
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    # Padding (owner -1) attends to earlier padding: no row of the mask is empty (an empty one gives NaN).
+    mask = causal & (owner[:, :, None] == owner[:, None, :])
+    return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, labels, owner
+
+
+def lm_head_extras(config) -> dict:
+    """What some LM heads do after the matmul (Cohere's logit_scale, Gemma's softcapping, Granite's scaling)."""
+    scale = getattr(config, "logit_scale", None) or 1.0
+    if getattr(config, "logits_scaling", None):
+        scale /= config.logits_scaling
+    return {"logit_scale": scale, "softcap": getattr(config, "final_logit_softcapping", None)}
+
+
+def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
+                  tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False):
+    """Per sequence: the summed log-probs of its labelled tokens (N,), their count (N,) and, with `entropy`
+    (losses.entropy_from_logits kwargs), the policy's mean entropy over them (N,), else None.
+
+    `packed_capacity` packs the sequences padding-free (packed_inputs). `tiled` runs only the backbone and
+    projects the scored positions through the LM head in tiles (losses.linear_token_logps): no (rows, seq,
+    vocab) logits ever exist. Both change how log-probs are computed, never the loss.
     """
+    n = inputs["input_ids"].size(0)
+    kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
+    scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
+    owner = owner[:, 1:][scored]
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
-    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
-    sums, counts = losses.logps_sum_and_count(logits, inputs["labels"])
-    ent = None
-    if entropy is not None:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = losses.response_entropy(logits, inputs["labels"], **entropy)
-    return sums, counts, ent
+    if tiled:
+        hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()
+        out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
+                                        with_entropy=entropy is not None, **lm_head_extras(model.config))
+        logps, token_entropy = out if entropy is not None else (out, None)
+    else:
+        logits = model(**kwargs, use_cache=False).logits
+        logps = losses.per_token_logps(logits, labels)[0][scored]
+        token_entropy = None
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                token_entropy = losses.entropy_from_logits(logits, **entropy)[:, :-1][scored]
+    sums = logps.new_zeros(n).index_add(0, owner, logps)
+    counts = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
+    mean_entropy = None
+    if token_entropy is not None:
+        mean_entropy = token_entropy.new_zeros(n).index_add(0, owner, token_entropy) / counts.clamp(min=1)
+    return sums, counts, mean_entropy
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -100,7 +171,11 @@ def lr_lambda(warmup_steps: int, total_steps: int, decay: str):
 
 
 class NonFiniteError(RuntimeError):
-    pass
+    """More than max_nonfinite_steps non-finite steps in a row: the run stops (after a checkpoint)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: damaged, incomplete or of another run. Nothing was loaded."""
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -138,6 +213,7 @@ class BasicTrainer:
             config.datasets, tokenizer, split="test", batch_size=config.eval_batch_size, shuffle=False, n_epochs=1,
             n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
             **self.data_kwargs))
+        self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
     # --- hooks FSDPTrainer overrides ----------------------------------------------------------------------
@@ -176,12 +252,13 @@ class BasicTrainer:
         """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
         n = batch["chosen_input_ids"].size(0)
-        sums, counts, entropy = forward_logps(self.policy, inputs, self.entropy_kwargs, entropy_grad=bool(self.config.loss.entropy_coeff))
+        entropy_grad = bool(self.config.loss.entropy_coeff)
+        sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
+                                              entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
         reference = {}
-        if self.reference_model is not None:
-            with torch.no_grad():
-                ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
-                ref_sums = forward_logps(self.reference_model, ref_inputs)[0].to(sums.device)
+        ref_sums = self.reference_logps(batch, inputs, split)
+        if ref_sums is not None:
+            ref_sums = ref_sums.to(sums.device)
             reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=None if self.sft_mode else ref_sums[n:])
         rejected = {} if self.sft_mode else dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
         out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
@@ -191,9 +268,86 @@ class BasicTrainer:
         if not self.sft_mode:
             metrics["entropy/rejected"] = entropy[n:].detach()
         loss = out.losses.mean()
-        if self.config.loss.entropy_coeff:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
+        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
             loss = loss - self.config.loss.entropy_coeff * entropy.mean()
         return loss, {split_name(k, split): v for k, v in metrics.items()}
+
+    def forward_options(self, entropy_grad: bool = False) -> dict:
+        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
+        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
+                "tiled": self.config.tiled_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
+
+    def reference_logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
+        """Summed reference log-probs of chosen then rejected (2B,): from the precomputed table, or a forward."""
+        if self.reference_tables:
+            table = self.reference_tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
+            return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
+        if self.reference_model is None:
+            return None
+        with torch.no_grad():
+            ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
+            return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
+
+    # --- precomputed reference log-probs ---------------------------------------------------------------------
+    def precompute_reference(self) -> None:
+        """One pass of the reference over the pairs this run will use (train and eval), cached on disk, then the
+        reference model is freed: training runs one model instead of two (and sampling shows the policy only)."""
+        if not self.config.precompute_ref_log_probs or self.reference_model is None:
+            return
+        c = self.config
+        n_train = self.n_train_pairs
+        used = {i for idx in data.iter_batch_indices(n_train, batch_size=c.batch_size, shuffle=True, seed=self.seed,
+                                                     n_epochs=c.n_epochs, n_examples=c.n_examples) for i in idx}
+        self.reference_tables = {"train": self.reference_table("train", sorted(used)),
+                                 "test": self.reference_table("test", None)}
+        self.reference_model = None  # the tables replace it
+        import gc
+        gc.collect()
+        rank0_print(f"reference log-probs ready for {len(used)} train and {c.n_eval_examples} eval pairs; reference model freed")
+
+    def reference_table(self, split: str, wanted: Optional[list[int]]) -> torch.Tensor:
+        """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached
+        under a key of model, archive, dtype, tokenizer and the tokenized examples themselves; a later run
+        computes only the examples the cache lacks. `wanted` None = the eval examples."""
+        import hashlib
+        examples, _ = data.load_tokenized(self.config.datasets, self.tokenizer, split, silent=True, **self.data_kwargs)
+        if wanted is None:
+            wanted = list(range(min(self.config.n_eval_examples, len(examples))))
+        archive = Path(self.config.model.archive) if self.config.model.archive else None
+        digest = hashlib.sha256(repr((self.config.model.name_or_path, self.config.model.reference_dtype,
+                                      archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
+                                      data.tokenizer_fingerprint(self.tokenizer), len(examples))).encode())
+        for e in examples:
+            digest.update(b"".join(bytes(memoryview(a)) for a in (e.prompt_ids, e.chosen_ids, e.rejected_ids) if a is not None))
+        path = Path(self.data_kwargs["cache_dir"]).parent / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
+        table = torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), float("nan"))
+        missing = [i for i in wanted if math.isnan(table[i, 0])]
+        rank0_print(f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute")
+        if missing:
+            table[missing] = self.reference_pass(examples, missing)
+            if self.rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(table, path.with_suffix(".tmp"))
+                os.replace(path.with_suffix(".tmp"), path)
+        return table
+
+    @torch.no_grad()
+    def reference_pass(self, examples: list, indices: list[int]) -> torch.Tensor:
+        """(len(indices), 2) reference sums; each rank takes every world_size-th example, and all ranks run the
+        same number of forwards (under FSDP every forward is a collective)."""
+        mine = indices[self.rank::self.world_size]
+        mine += mine[-1:] * (-(-len(indices) // self.world_size) - len(mine))
+        size = max(1, self.config.eval_batch_size // self.world_size)
+        values = []
+        for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=self.rank != 0, mininterval=10):
+            batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
+            inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
+            sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
+            values.append(torch.stack([sums, sums], 1) if self.sft_mode else sums.view(2, -1).T)
+        order = all_gather_if_needed(torch.tensor(mine), self.rank, self.world_size)
+        gathered = all_gather_if_needed(torch.cat(values), self.rank, self.world_size)
+        result = dict(zip(order.tolist(), gathered))
+        return torch.stack([result[i] for i in indices])
 
     # --- one optimizer step ------------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict[str, float]:
@@ -294,9 +448,9 @@ class BasicTrainer:
         """One record: W&B (step = examples seen) and a line of run_dir/metrics.jsonl."""
         if self.rank != 0:
             return
-        record = {"step": self.example_counter, **metrics}
+        record = {"step": self.example_counter, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: NaN/inf are logged as null
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=self.example_counter)
 
@@ -315,6 +469,7 @@ class BasicTrainer:
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
         self.build_optimizer()
+        self.precompute_reference()
         wandb_id = self.maybe_resume()
         self.init_logging(wandb_id)
         if self.config.fsdp.forward_only:
@@ -426,8 +581,16 @@ class BasicTrainer:
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
         self.nonfinite_in_a_row, self.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
         set_rng_state(torch.load(ckpt / f"rng-{self.rank}.pt", weights_only=True))
+        self.truncate_metrics(self.example_counter)
         rank0_print(f"resumed from {ckpt.resolve()} at {self.example_counter} examples ({self.batch_counter} steps)")
         return state["wandb_id"] or ""
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop the records logged after the checkpoint resumed from: the resumed run logs them again."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.rank == 0 and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
         policy = torch.load(ckpt / "policy.pt", weights_only=True)
@@ -485,15 +648,15 @@ def validate_checkpoint(ckpt: Path) -> Path:
             f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}") if earlier else ""
     if not ckpt.is_dir():
         target = f" -> {os.readlink(ckpt)}" if ckpt.is_symlink() else ""
-        raise FileNotFoundError(f"cannot resume: {ckpt}{target} is not a checkpoint directory{hint}")
+        raise CheckpointError(f"cannot resume: {ckpt}{target} is not a checkpoint directory{hint}")
     manifest = ckpt / "manifest.json"
     if not manifest.exists():
-        raise FileNotFoundError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there){hint}")
+        raise CheckpointError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there){hint}")
     try:
         record = json.loads(manifest.read_text())
         listed, sums = dict(record["files"]), dict(record.get("sha256", {}))
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot resume: {manifest} is unreadable ({type(e).__name__}: {e}){hint}") from None
+        raise CheckpointError(f"cannot resume: {manifest} is unreadable ({type(e).__name__}: {e}){hint}") from None
     problems = []
     for name, size in listed.items():
         path = ckpt / name
@@ -506,7 +669,7 @@ def validate_checkpoint(ckpt: Path) -> Path:
                 if hashlib.file_digest(f, "sha256").hexdigest() != sums[name]:
                     problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
     if problems:
-        raise ValueError(f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
+        raise CheckpointError(f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
                          + "\n  ".join(problems) + hint)
     return ckpt
 
@@ -536,7 +699,7 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
             if any(key == m or key.startswith(m + ".") for m in must_match) and saved.get(key) != now.get(key):
                 wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}")
     if wrong:
-        raise ValueError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
+        raise CheckpointError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -707,6 +870,10 @@ class FSDPTrainer(BasicTrainer):
     # --- what sharding changes in the loop ----------------------------------------------------------------
     def input_device(self, model: nn.Module) -> torch.device:
         return self.device
+
+    def forward_options(self, entropy_grad: bool = False) -> dict:
+        # The root FSDP unit gathers the embeddings and the LM head in its own forward: it must run whole.
+        return dict(super().forward_options(entropy_grad), tiled=False)
 
     def no_sync(self, last_micro_batch: bool):
         """Gradients are reduced across ranks only on the last micro-batch of a step."""

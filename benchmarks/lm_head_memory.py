@@ -7,7 +7,7 @@ both variants, so it is in both peaks).
   tiled: linear_token_logps, `chunk_size` rows at a time; never holds (N, V).
 Default: N = 4096 positions, H = 512, V = 32000 (Llama 2), fp32, i.e. 0.49 GiB of logits.
 
-    python benchmarks/lm_head_memory.py                              # the default shape, ~30 s on 2 cores
+    python benchmarks/lm_head_memory.py                              # the default shape, ~1 min on 2 cores
     python benchmarks/lm_head_memory.py --rows 1024 --vocab 128256 --chunk-size 256
 
 How it measures, as benchmarks/logps_memory.py does (its /proc helpers are imported from there):

@@ -49,6 +49,7 @@ SCENARIOS = {
                      "activation_checkpointing=true", "fsdp.offload_policy=true", "fsdp.optimizer_offload=true"], "adamw"),
     "fsdp_replicate": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.fsdp_size=1"], "adamw"),
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
+    "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
     # killed after its first checkpoint (step 8), then resumed by the next scenario
     "fsdp2_interrupted": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
@@ -232,6 +233,11 @@ def test_fsdp_size_1_replicates_and_training_still_matches(fsdp_results, baselin
     assert info["mesh_shape"] == (2, 1) and info["local_numel"] == info["full_numel"]  # a full copy per rank
     for name in ("fsdp_replicate", "fsdp2_replicate"):
         assert_close_states(final_state(out / name), final_state(baselines / "adamw"), atol=1e-5)
+
+
+def test_precomputed_reference_and_packing_work_under_fsdp(fsdp_results, baselines):
+    out, results = fsdp_results
+    assert_close_states(final_state(out / "fsdp2_precomputed_packed"), final_state(baselines / "adamw"), atol=1e-5)
 
 
 def test_size_based_wrap_policy(fsdp_results, baselines):

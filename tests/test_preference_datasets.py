@@ -300,7 +300,8 @@ def test_collate_exact_padding_and_labels():
 
 PAIR_KEYS = {"prompt", "chosen", "rejected", "chosen_response_only", "rejected_response_only",
              "prompt_input_ids", "prompt_attention_mask", "chosen_input_ids", "chosen_attention_mask",
-             "chosen_labels", "rejected_input_ids", "rejected_attention_mask", "rejected_labels"}
+             "chosen_labels", "rejected_input_ids", "rejected_attention_mask", "rejected_labels",
+             "example_index"}  # position of each pair in the tokenized split (precomputed reference lookup)
 
 
 def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):

@@ -1,0 +1,116 @@
+"""trainers.py pieces: packed (padding-free) and tiled-LM-head log-probs equal the plain padded ones, and
+every speed option leaves a training step unchanged."""
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                          GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM)
+
+import preference_datasets as data
+import train as train_py
+import trainers
+from utils import disable_dropout
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_models():
+    torch.manual_seed(0)
+    models = {
+        "gpt2": GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512, n_positions=128,
+                                           bos_token_id=0, eos_token_id=1)),
+        "llama": LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                              num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)),
+        "neox": GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                                 vocab_size=512, max_position_embeddings=128, bos_token_id=0, eos_token_id=1)),
+    }
+    for model in models.values():
+        disable_dropout(model)  # as train.py does: log-probs must be a function of the weights
+    return models
+
+
+@pytest.fixture(scope="module")
+def skewed_inputs():
+    """Chosen over rejected of 8 toy pairs, two of them made long: padded rows are mostly padding."""
+    tok = AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
+    tok.pad_token = tok.eos_token
+    batch = next(data.get_batch_iterator(["toy"], tok, split="test", batch_size=8, shuffle=False, n_epochs=1, silent=True,
+                                         max_length=64, max_prompt_length=32))
+    inputs = trainers.concatenated_inputs(batch)
+    long = torch.randint(3, 500, (2, 90))
+    width = 90
+    padded = {k: trainers.pad_to_length(v, width, {"input_ids": 0, "attention_mask": 0, "labels": -100}[k]) for k, v in inputs.items()}
+    padded["input_ids"][:2], padded["attention_mask"][:2] = long, 1
+    padded["labels"][:2] = torch.where(torch.arange(width) < 20, -100, long)
+    return padded
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
+def test_packed_and_tiled_logps_equal_padded(skewed_inputs, name):
+    model = tiny_models()[name].eval()
+    base_sums, base_counts, base_entropy = trainers.forward_logps(model, skewed_inputs, entropy={})
+    kwargs, _, owner = trainers.packed_inputs(skewed_inputs, 96)
+    assert kwargs["input_ids"].numel() < skewed_inputs["input_ids"].numel() * 0.6  # the padding really went away
+    for options in ({"packed_capacity": 96}, {"tiled": True}, {"packed_capacity": 96, "tiled": True}):
+        sums, counts, entropy = trainers.forward_logps(model, skewed_inputs, entropy={}, **options)
+        torch.testing.assert_close(sums, base_sums, atol=1e-5, rtol=0)
+        assert torch.equal(counts, base_counts)
+        torch.testing.assert_close(entropy, base_entropy, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
+def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
+    grads = []
+    for options in ({}, {"packed_capacity": 96, "tiled": True}):
+        model = tiny_models()[name]
+        sums, counts, _ = trainers.forward_logps(model, skewed_inputs, **options)
+        (sums / counts).sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
+    kwargs, labels, owner = trainers.packed_inputs(skewed_inputs, 64)
+    lengths = skewed_inputs["attention_mask"].sum(1)
+    for i in range(len(lengths)):  # every sequence appears once, whole, with positions 0..len-1
+        rows, cols = (owner == i).nonzero(as_tuple=True)
+        assert len(set(rows.tolist())) == 1 and len(cols) == lengths[i]
+        assert kwargs["position_ids"][rows, cols].tolist() == list(range(lengths[i]))
+    mask = kwargs["attention_mask"][:, 0]
+    assert not mask[owner[:, :, None].expand_as(mask) != owner[:, None, :].expand_as(mask)].any()  # no cross-sequence attention
+
+
+FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+        "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
+        "loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=16", "do_first_eval=false",
+        "sample_during_eval=false"]
+
+
+def run(run_dir, *args) -> dict:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert train_py.main([*FAST, f"run_dir={run_dir}", *args]) == 0
+    return torch.load(Path(run_dir) / "LATEST" / "policy.pt", weights_only=True)["state"]
+
+
+def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
+    """Two SGD steps with lr 1 (the parameter change is the gradient) under each option, against the plain path."""
+    plain = run(tmp_path / "plain", "tiled_lm_head=false")
+    for name, options in {"tiled": ["tiled_lm_head=true"], "packed": ["padding_free=true"],
+                          "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"]}.items():
+        state = run(tmp_path / name, *options)
+        worst = max((state[k] - plain[k]).abs().max().item() for k in plain)
+        assert worst <= 1e-5, (name, worst)
+
+
+def test_precomputed_reference_equals_online_and_is_cached(tmp_path, capsys):
+    run(tmp_path / "first", "precompute_ref_log_probs=true", "local_dirs=[" + str(tmp_path / "cache") + "]")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        train_py.main([*FAST, f"run_dir={tmp_path / 'second'}", "precompute_ref_log_probs=true",
+                       "local_dirs=[" + str(tmp_path / "cache") + "]"])
+    assert "reference log-probs of train: 16 cached" in out.getvalue() and "0 to compute" in out.getvalue()
+    assert "reference model freed" in out.getvalue()
