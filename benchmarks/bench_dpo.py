@@ -154,16 +154,19 @@ def our_order(n: int) -> list[list[int]]:
         return [order[i:i + BATCH].tolist() for i in range(0, n, BATCH)]
 
 
-def build_workload(workdir: Path, n_steps: int) -> dict:
-    """Model dir, tokenizer, data files; returns the per-step token statistics used for FLOPs."""
+def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
+    """Model dir, tokenizer, data files; returns the per-step token statistics used for FLOPs.
+
+    For each run length k in `sizes` (steps): pairs_k.jsonl (the designed steps 0..k-1, each row where our
+    shuffle of k*8 rows reads it) and pairs_k_in_step_order.jsonl (the same pairs in step order, for TRL)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    model_dir, data = workdir / "model", workdir / "pairs.jsonl"
-    in_order = workdir / "pairs_in_step_order.jsonl"
+    model_dir = workdir / "model"
     meta_path = workdir / "workload.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if meta.get("n_steps") == n_steps and (model_dir / "config.json").exists():
+        if (meta.get("n_steps") == n_steps and (model_dir / "config.json").exists()
+                and all(str(k) in meta["data"] for k in sizes)):
             return meta
     shutil.rmtree(model_dir, ignore_errors=True)
     model_dir.mkdir(parents=True)
@@ -176,14 +179,17 @@ def build_workload(workdir: Path, n_steps: int) -> dict:
     del model
 
     pairs = design_pairs(n_steps, SEED)
-    batches = our_order(len(pairs))
-    rows = [None] * len(pairs)
-    for k, row in enumerate(i for b in batches for i in b):  # designed pair k goes where our k-th draw reads
-        rows[row] = pairs[k]
-    assert all(r is not None for r in rows)
     fields = ("prompt", "chosen", "rejected")
-    data.write_text("".join(json.dumps({f: r[f] for f in fields}) + "\n" for r in rows))
-    in_order.write_text("".join(json.dumps({f: p[f] for f in fields}) + "\n" for p in pairs))
+    data, in_order = {}, {}
+    for k in sorted(set(sizes)):
+        mine = pairs[:k * BATCH]
+        rows = [None] * len(mine)
+        for j, row in enumerate(i for b in our_order(len(mine)) for i in b):  # designed pair j goes where our j-th draw reads
+            rows[row] = mine[j]
+        assert all(r is not None for r in rows)
+        data[str(k)], in_order[str(k)] = str(workdir / f"pairs_{k}.jsonl"), str(workdir / f"pairs_{k}_in_step_order.jsonl")
+        Path(data[str(k)]).write_text("".join(json.dumps({f: r[f] for f in fields}) + "\n" for r in rows))
+        Path(in_order[str(k)]).write_text("".join(json.dumps({f: p[f] for f in fields}) + "\n" for p in mine))
 
     # token counts with the real tokenizer, as train.py builds sequences: BOS + prompt + response + EOS
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -198,8 +204,8 @@ def build_workload(workdir: Path, n_steps: int) -> dict:
                 assert n_resp - 1 == p["tokens"][1 if side == "chosen" else 2]
                 seqs.append([n_prompt, n_resp])
         steps.append(seqs)
-    meta = dict(n_steps=n_steps, n_pairs=len(pairs), n_params=n_params, model_dir=str(model_dir), data=str(data),
-                data_in_step_order=str(in_order), steps=steps)
+    meta = dict(n_steps=n_steps, n_pairs=len(pairs), n_params=n_params, model_dir=str(model_dir), data=data,
+                data_in_step_order=in_order, steps=steps)
     meta_path.write_text(json.dumps(meta))
     return meta
 
@@ -211,14 +217,16 @@ def verify_our_batches(meta: dict, workdir: Path) -> str:
         import preference_datasets as pd
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(meta["model_dir"])
-        designed = [json.loads(line)["prompt"] for line in open(meta["data_in_step_order"])]
-        it = pd.get_batch_iterator([meta["data"]], tok, split="train", batch_size=BATCH, shuffle=True, seed=SEED,
-                                   n_examples=meta["n_pairs"], max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT_LENGTH,
-                                   cache_dir=str(workdir / "verify_cache"), silent=True)
-        for s, batch in enumerate(it):
-            if sorted(batch["prompt"]) != sorted(designed[s * BATCH:(s + 1) * BATCH]):
-                return f"MISMATCH at step {s}: our batches differ from the designed order (TRL sees other pairs)"
-        return "ok: our batches = the designed steps = TRL's batches"
+        for k, path in meta["data"].items():
+            designed = [json.loads(line)["prompt"] for line in open(meta["data_in_step_order"][k])]
+            it = pd.get_batch_iterator([path], tok, split="train", batch_size=BATCH, shuffle=True, seed=SEED,
+                                       n_examples=len(designed), max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT_LENGTH,
+                                       cache_dir=str(workdir / "verify_cache"), silent=True)
+            for s, batch in enumerate(it):
+                if sorted(batch["prompt"]) != sorted(designed[s * BATCH:(s + 1) * BATCH]):
+                    return f"MISMATCH in pairs_{k}.jsonl at step {s}: our batches differ from the designed order"
+        shutil.rmtree(workdir / "verify_cache", ignore_errors=True)
+        return "ok: our batches = the designed steps = TRL's batches (every data file checked)"
     except Exception as e:
         return f"not verified ({type(e).__name__}: {e})"
 
@@ -251,6 +259,18 @@ def busy_seconds() -> float:
     v = [int(x) for x in parts]
     busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
     return busy / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.3, window: float = 2.0) -> tuple[float, float]:
+    """Wait (up to max_wait s) until other processes use < threshold cores over a window; (waited, last bg)."""
+    t0 = time.perf_counter()
+    bg = 0.0
+    while True:
+        b0, c0, w0 = busy_seconds(), time.process_time(), time.perf_counter()
+        time.sleep(window)
+        bg = max(0.0, (busy_seconds() - b0 - (time.process_time() - c0)) / (time.perf_counter() - w0))
+        if bg < threshold or time.perf_counter() - t0 >= max_wait:
+            return time.perf_counter() - t0, bg
 
 
 def matmul_peak(seconds_per_size: float = 3.0) -> dict:
@@ -325,12 +345,12 @@ class ChildRun:
         return "\n".join(line for _, line in self.lines[-n:])
 
 
-def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args) -> dict:
+def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args, n_steps: int) -> dict:
     rdir = workdir / "runs" / f"{name}_r{round_idx}"
     shutil.rmtree(rdir, ignore_errors=True)
     rdir.mkdir(parents=True)
-    n = meta["n_pairs"]
-    cmd = [sys.executable, "-u", "train.py", "loss=dpo", f"datasets=[{meta['data']}]",
+    n = n_steps * BATCH
+    cmd = [sys.executable, "-u", "train.py", "loss=dpo", f"datasets=[{meta['data'][str(n_steps)]}]",
            f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", "trainer=BasicTrainer",
            "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}", f"max_length={MAX_LENGTH}",
            f"max_prompt_length={MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
@@ -341,7 +361,8 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
            f"local_dirs=[{rdir / 'cache'}]", f"run_dir={rdir / 'run'}", f"exp_name={name}"]
     child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
     res = child.run()
-    res.update(name=name, side="ours", round=round_idx, cmd=" ".join(cmd), log=str(rdir / "output.log"))
+    res.update(name=name, side="ours", round=round_idx, cmd=" ".join(cmd), log=str(rdir / "output.log"),
+               precompute_pairs=n, n_steps=n_steps)
     if res["rc"] != 0:
         res["error"] = child.tail()
         return res
@@ -375,17 +396,18 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
     return res
 
 
-def run_trl(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args) -> dict:
+def run_trl(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args, n_steps: int) -> dict:
     rdir = workdir / "runs" / f"{name}_r{round_idx}"
     shutil.rmtree(rdir, ignore_errors=True)
     rdir.mkdir(parents=True)
-    child_spec = dict(spec, model_dir=meta["model_dir"], data=meta["data_in_step_order"], out=str(rdir),
-                      max_steps=meta["n_pairs"] // BATCH, optim=args.trl_optim,
+    child_spec = dict(spec, model_dir=meta["model_dir"], data=meta["data_in_step_order"][str(n_steps)], out=str(rdir),
+                      max_steps=n_steps, optim=args.trl_optim,
                       gradient_checkpointing=args.trl_gradient_checkpointing, padding_free=args.trl_padding_free)
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--_child", "trl", "--_spec", json.dumps(child_spec)]
     child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
     res = child.run()
-    res.update(name=name, side="trl", round=round_idx, log=str(rdir / "output.log"))
+    res.update(name=name, side="trl", round=round_idx, log=str(rdir / "output.log"), precompute_pairs=n_steps * BATCH,
+               n_steps=n_steps, cmd=" ".join(cmd[:4]) + " '<spec>'", spec=child_spec)
     out = rdir / "result.json"
     if res["rc"] != 0 or not out.exists():
         res["error"] = child.tail()
@@ -457,6 +479,8 @@ def trl_child(spec: dict) -> None:
         notes.append("TRL padding_free=True was turned off by DPOTrainer (falls back to padding)")
     notes.append(f"TRL optimizer: {spec['optim']}; gradient_checkpointing={spec['gradient_checkpointing']}; "
                  f"fused LM head: {'always on in TRL 1.16 (add_fused_lm_head)'}")
+    notes.append(f"TRL model.is_gradient_checkpointing={getattr(trainer.model, 'is_gradient_checkpointing', '?')}, "
+                 f"attn_implementation={trainer.model.config._attn_implementation}, precompute={spec['precompute']}")
     startup = time.perf_counter() - t_start
     trainer.train()
     ends = [timer.train_begin] + timer.end
@@ -561,7 +585,9 @@ def profile_child(spec: dict) -> None:
 
 
 def run_profile(meta: dict, workdir: Path, args) -> dict:
-    spec = dict(model_dir=meta["model_dir"], data=meta["data"], n_pairs=meta["n_pairs"], padding_free=True, timed=2)
+    k = args.aux_warmup + args.aux_steps
+    spec = dict(model_dir=meta["model_dir"], data=meta["data"][str(k)], n_pairs=k * BATCH, padding_free=True,
+                timed=max(1, k - 3))
     rdir = workdir / "runs" / "profile"
     rdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--_child", "profile", "--_spec", json.dumps(spec)]
@@ -578,13 +604,14 @@ def run_profile(meta: dict, workdir: Path, args) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------
-def summarize(name: str, runs: list[dict], meta: dict, warmup: int, peak: float) -> dict:
+def summarize(name: str, runs: list[dict], meta: dict, peak: float) -> dict:
     ok = [r for r in runs if r.get("rc") == 0 and r.get("step_times")]
     if not ok:
         return dict(name=name, error=(runs[0].get("error") if runs else "not run"))
     online = name in ("ours_online", "trl_online")
     times, flops, flops_exec, tokens = [], [], [], []
     for r in ok:
+        warmup = r["warmup"]
         for k, t in enumerate(r["step_times"]):
             if k >= warmup:
                 f = step_flops(meta["steps"][k], meta["n_params"], online)
@@ -593,7 +620,8 @@ def summarize(name: str, runs: list[dict], meta: dict, warmup: int, peak: float)
                 flops_exec.append(f["executed"])
                 tokens.append(f["tokens"])
     mean_t = statistics.mean(times)
-    pre = [r.get("precompute_train_s") for r in ok if r.get("precompute_train_s") is not None]
+    pre = [r["precompute_train_s"] for r in ok if r.get("precompute_train_s") is not None]
+    pre_rate = [r["precompute_pairs"] / r["precompute_train_s"] for r in ok if r.get("precompute_train_s")]
     out = dict(name=name, n=len(times), s_step_median=statistics.median(times), s_step_mean=mean_t,
                s_step_min=min(times), s_step_max=max(times),
                pairs_s=BATCH / statistics.median(times), pairs_s_mean=BATCH / mean_t,
@@ -601,12 +629,14 @@ def summarize(name: str, runs: list[dict], meta: dict, warmup: int, peak: float)
                peak_rss_gib=max(r["peak_rss_gib"] for r in ok), peak_rss_each=[round(r["peak_rss_gib"], 3) for r in ok],
                mfu=sum(flops) / sum(times) / peak, mfu_exec=sum(flops_exec) / sum(times) / peak,
                model_gflop_step=statistics.mean(flops) / 1e9, precompute_s=statistics.mean(pre) if pre else None,
+               precompute_pairs_s=statistics.mean(pre_rate) if pre_rate else None,
+               steps_desc=sorted({f"{r['warmup']}+{len(r['step_times']) - r['warmup']}" for r in ok}),
                bg_cores=[round(r["bg_cores"], 2) for r in ok], wall=[round(r["wall"], 1) for r in ok],
-               per_round=[round(statistics.median(r["step_times"][warmup:]), 3) if len(r["step_times"]) > warmup else None
-                          for r in ok],
+               per_round=[round(statistics.median(r["step_times"][r["warmup"]:]), 3)
+                          if len(r["step_times"]) > r["warmup"] else None for r in ok],
                timing_method=ok[0].get("timing_method"), notes=sorted({n for r in ok for n in r.get("trl_notes", [])}))
     if any(r.get("compute_times") for r in ok):
-        ct = [t for r in ok for t in r.get("compute_times", [])[warmup:]]
+        ct = [t for r in ok for t in r.get("compute_times", [])[r["warmup"]:]]
         out["compute_s_median"] = statistics.median(ct) if ct else None
     return out
 
@@ -633,18 +663,19 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
         f"{meta['n_params'] / 1e6:.2f}M params, fp32; batch {BATCH} pairs, max_length {MAX_LENGTH}; AdamW")
     add(f"data: {meta['n_pairs']} pairs, every step {SHORT_PER_STEP} short + {LONG_PER_STEP} long pairs; step 0: {f0['tokens']} real tokens "
         f"in 16 sequences (padded: {f0['padded_slots']} slots, {f0['padded_slots'] / f0['tokens']:.2f}x), {f0['scored']} scored")
-    add(f"steps: {args.warmup} warmup + {args.steps} timed per run, {args.rounds} round(s), alternating; "
-        f"times pooled over rounds (median; mean in brackets)")
+    add(f"steps (warmup+timed): ours_best {args.warmup}+{args.steps}, TRL {args.trl_warmup}+{args.trl_steps}, "
+        f"ours_padded/online {args.aux_warmup}+{args.aux_steps}; {args.rounds} round(s), order {' > '.join(args.order)}; "
+        f"s/step = median of the pooled timed steps (mean in brackets)")
     add("-" * 110)
     add(f"{'variant':<12} {'pairs/s':>8} {'s/step':>15} {'min-max':>12} {'tok/s':>7} {'peakRSS GiB':>11} {'MFU':>6} {'MFU exec':>8} "
-        f"{'precomp s':>9} {'bg cores':>12}  per-round s/step")
+        f"{'precomp pairs/s':>15} {'bg cores':>12}  per-run s/step")
     for name, s in summary.items():
         if "error" in s:
             add(f"{name:<12} FAILED: {(s['error'] or '')[-600:]}")
             continue
         add(f"{name:<12} {s['pairs_s']:>8.3f} {s['s_step_median']:>7.3f} [{s['s_step_mean']:>5.2f}] "
             f"{s['s_step_min']:>5.2f}-{s['s_step_max']:<6.2f} {s['tokens_s']:>7.0f} {s['peak_rss_gib']:>11.3f} "
-            f"{s['mfu'] * 100:>5.1f}% {s['mfu_exec'] * 100:>7.1f}% {fmt(s['precompute_s'], '.1f'):>9} "
+            f"{s['mfu'] * 100:>5.1f}% {s['mfu_exec'] * 100:>7.1f}% {fmt(s['precompute_pairs_s'], '.2f'):>15} "
             f"{','.join(str(b) for b in s['bg_cores']):>12}  {s['per_round']}")
     add("-" * 110)
     g = lambda n: summary.get(n) if summary.get(n) and "error" not in summary.get(n) else None  # noqa: E731
@@ -712,9 +743,17 @@ def machine_info() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
-    ap.add_argument("--rounds", type=int, default=2, help="times each variant runs (alternating ours and TRL)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps of each ours_best run (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each ours_best run")
+    ap.add_argument("--trl-steps", type=int, default=3, help="timed steps of each TRL run (its steps are ~10x ours here)")
+    ap.add_argument("--trl-warmup", type=int, default=1)
+    ap.add_argument("--aux-steps", type=int, default=3, help="timed steps of ours_padded / ours_online runs")
+    ap.add_argument("--aux-warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="times the variant sequence runs")
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false",
+                    help="do not run ours_best once more at the end (so that it runs before and after TRL)")
+    ap.add_argument("--idle-wait", type=float, default=20.0,
+                    help="before each run, wait up to this many seconds for other processes to leave the CPUs")
     ap.add_argument("--which", choices=("all", "ours", "trl"), default="all")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset/extension of ours_best,ours_padded,ours_online,trl_best,trl_online "
@@ -744,10 +783,12 @@ def main() -> int:
     started = time.perf_counter()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    meta = build_workload(workdir, args.warmup + args.steps)
+    sizes = [args.warmup + args.steps, args.trl_warmup + args.trl_steps, args.aux_warmup + args.aux_steps]
+    meta = build_workload(workdir, max(sizes), sizes)
     print(f"[bench] workload in {workdir}: {meta['n_pairs']} pairs, {meta['n_params'] / 1e6:.2f}M params; "
           f"{verify_our_batches(meta, workdir)}", flush=True)
     machine = machine_info()
+    args.order = []
     if args.profile_only:
         prof = run_profile(meta, workdir, args)
         print(json.dumps({k: v for k, v in prof.items() if k != "top_self"}, indent=1))
@@ -761,26 +802,36 @@ def main() -> int:
     else:
         names = [n for n in ("ours_best", "trl_best", "ours_padded", "ours_online")
                  if args.which == "all" or n.startswith(args.which)]
-    # alternate: ours_best and trl_best next to each other in every round, the other variants after
+    # alternating: ours_best, TRL, the other variants of ours, (next round), then ours_best once more
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else [n for n in names if n.startswith("trl")] + [n for n in names if not n.startswith("trl")]
-        for name in order:
-            t = time.perf_counter()
-            if name in OURS_VARIANTS:
-                res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args)
-            else:
-                res = run_trl(name, TRL_VARIANTS[name], meta, workdir, r, args)
-            runs[name].append(res)
-            steps = res.get("step_times") or []
-            print(f"[bench] round {r} {name}: rc {res['rc']}, {time.perf_counter() - t:.0f} s, steps "
-                  f"{[round(x, 2) for x in steps]}, peak RSS {res['peak_rss_gib']:.3f} GiB, bg cores {res['bg_cores']:.2f}"
-                  + (f", precompute {res['precompute_train_s']:.1f} s" if res.get("precompute_train_s") else "")
-                  + (f"\n{res['error'][-1500:]}" if res.get("error") else ""), flush=True)
+    order = [(r, n) for r in range(args.rounds) for n in names]
+    if args.bracket and "ours_best" in names and any(n.startswith("trl") for n in names):
+        order.append((args.rounds, "ours_best"))
+    args.order = [n for _, n in order]
+    for r, name in order:
+        t = time.perf_counter()
+        waited, bg_before = wait_for_quiet(args.idle_wait)
+        if name == "ours_best":
+            res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.warmup + args.steps)
+            res["warmup"] = args.warmup
+        elif name in OURS_VARIANTS:
+            res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.aux_warmup + args.aux_steps)
+            res["warmup"] = args.aux_warmup
+        else:
+            res = run_trl(name, TRL_VARIANTS[name], meta, workdir, r, args, args.trl_warmup + args.trl_steps)
+            res["warmup"] = args.trl_warmup
+        res.update(idle_waited_s=waited, bg_cores_before=bg_before)
+        runs[name].append(res)
+        steps = res.get("step_times") or []
+        print(f"[bench] round {r} {name}: rc {res['rc']}, {time.perf_counter() - t:.0f} s (waited {waited:.0f} s for "
+              f"quiet CPUs, bg {bg_before:.2f} cores then), steps "
+              f"{[round(x, 2) for x in steps]}, peak RSS {res['peak_rss_gib']:.3f} GiB, bg cores {res['bg_cores']:.2f}"
+              + (f", precompute {res['precompute_train_s']:.1f} s" if res.get("precompute_train_s") else "")
+              + (f"\n{res['error'][-1500:]}" if res.get("error") else ""), flush=True)
     machine["peak_after"] = matmul_peak(2.0)
     peak = max(machine["peak"]["peak"], machine["peak_after"]["peak"])
     machine["peak"]["peak"] = peak
-    summary = {n: summarize(n, runs[n], meta, args.warmup, peak) for n in names}
+    summary = {n: summarize(n, runs[n], meta, peak) for n in names}
 
     missed = False
     s = summary
