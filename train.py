@@ -44,8 +44,12 @@ def resolve_local(path: str) -> str:
     return path
 
 
-def load_models(cfg, device_map=None):
-    """tokenizer, policy, reference (None when the loss needs none), as the config says."""
+def load_models(cfg, device_map=None, on_meta: bool = False):
+    """tokenizer, policy, reference (None when the loss needs none), as the config says.
+
+    `on_meta`: build the models' structure only, with no memory behind the weights (FSDP ranks other than 0:
+    rank 0 loads the weights once and FSDP broadcasts them, so a node holds one copy in host memory, not one
+    per rank)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,8 +66,14 @@ def load_models(cfg, device_map=None):
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
 
     def load(dtype):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_of(dtype), device_map=device_map,
-                                                     trust_remote_code=cfg.model.trust_remote_code)
+        if on_meta:
+            from transformers import AutoConfig
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(dtype), trust_remote_code=cfg.model.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_of(dtype), device_map=device_map,
+                                                         trust_remote_code=cfg.model.trust_remote_code)
         disable_dropout(model)
         return model
 
@@ -73,7 +83,7 @@ def load_models(cfg, device_map=None):
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free):
         rank0_print(f"loading reference {model_path} in {cfg.model.reference_dtype}")
         reference = load(cfg.model.reference_dtype).eval().requires_grad_(False)
-    if cfg.model.archive:
+    if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
         policy.load_state_dict(state)
         if reference is not None:
@@ -108,14 +118,23 @@ def load_archive(path: str, model) -> dict:
 def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
     """Everything one process does: seed, load, build the trainer, train."""
     import trainers
+    from config import ConfigError
     from utils import seed_everything
 
     seed_everything(cfg.seed, cfg.fsdp.full_determinism)
-    device_map = None
     import torch
-    if cfg.trainer == "BasicTrainer" and torch.cuda.is_available():
-        device_map = "balanced" if torch.cuda.device_count() > 1 else "cuda:0"
-    tokenizer, policy, reference = load_models(cfg, device_map)
+    device_map = None
+    if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:  # transformers' device_map needs it; we do not
+            raise ConfigError(["trainer=BasicTrainer on several GPUs spreads the model with transformers'"
+                               " device_map, which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
+        device_map = "balanced"  # naive model parallel, as the original
+    tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
+    if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
+        policy.to("cuda")
+        if reference is not None:
+            reference.to("cuda")
     trainer_class = getattr(trainers, cfg.trainer)
     trainer = trainer_class(policy, cfg, cfg.seed, run_dir, reference_model=reference, rank=rank,
                             world_size=world_size, tokenizer=tokenizer)

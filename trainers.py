@@ -760,7 +760,7 @@ class FSDPTrainer(BasicTrainer):
         # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        self.fsdp = config.fsdp
+        self.fsdp, self.rank = config.fsdp, rank
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -830,13 +830,19 @@ class FSDPTrainer(BasicTrainer):
         else:
             strategy = ShardingStrategy.FULL_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         dtypes = self.mixed_precision_dtypes()
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu:
+            broadcast_module(model, self.rank)
         wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy,
                        # FSDP1's offload pins host memory, which needs a GPU; on a CPU-only machine the
                        # parameters are in host memory anyway.
                        cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and self.device.type == "cuda"),
                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
                        mixed_precision=MixedPrecision(**dtypes) if dtypes else None, device_id=self.device,
-                       use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False, sync_module_states=False,
+                       use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False,
+                       # Only rank 0 loaded weights; on GPU the others' meta tensors are allocated per unit and
+                       # filled with rank 0's values by FSDP (on CPU, FSDP1 refuses: broadcast_module did it).
+                       sync_module_states=on_gpu, param_init_fn=materialize(self.device) if on_gpu else None,
                        device_mesh=self.mesh if hybrid else None)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
             checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
@@ -852,8 +858,10 @@ class FSDPTrainer(BasicTrainer):
                     buffer.data = buffer.data.to(dtypes["buffer_dtype"])
         # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
-        if not self.fsdp.offload_policy:
-            model.to(self.device)
+        full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (others: meta)
+        buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
+        if self.rank == 0:
+            model.to("meta")  # every rank shards the same empty structure, then rank 0's values are broadcast
         if checkpoint:  # before sharding, so that each sharded unit is the checkpointed block
             checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
         units = self.unit_modules(model)
@@ -862,10 +870,23 @@ class FSDPTrainer(BasicTrainer):
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        self.load_from_rank0(model, full_state, buffers, cpu=self.fsdp.offload_policy)
         if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
             for unit, following in zip(units, units[1:]):
                 unit.set_modules_to_forward_prefetch([following])
         return model
+
+    def load_from_rank0(self, model: nn.Module, full_state: dict, buffers: dict, cpu: bool) -> None:
+        """Allocate the sharded empty model, then fill it: parameters and persistent buffers scattered from
+        rank 0's full state dict, every buffer (rotary tables are not in the state dict) broadcast."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        model.to_empty(device="cpu" if cpu else self.device)
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buffer in model.named_buffers():
+            if self.rank == 0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
 
     # --- what sharding changes in the loop ----------------------------------------------------------------
     def input_device(self, model: nn.Module) -> torch.device:
@@ -961,6 +982,22 @@ class FSDPTrainer(BasicTrainer):
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def broadcast_module(model: nn.Module, rank: int) -> None:
+    """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first)."""
+    import torch.distributed as dist
+    if rank != 0:
+        model.to_empty(device="cpu")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+def materialize(device: torch.device):
+    """FSDP1's param_init_fn: give a meta module real (uninitialized) memory; sync_module_states then fills it."""
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+    return init
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -95,7 +95,9 @@ def run_scenario(name, args, rank, world_size, out_dir):
     if rank == 0 and not resume:
         run_dir.mkdir(parents=True)
     dist.barrier()
-    tokenizer, policy, reference = train_py.load_models(cfg)
+    # As train.py: only rank 0 loads weights, the other ranks build empty (meta) models that FSDP fills.
+    tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)
+    assert all(p.is_meta for p in policy.parameters()) == (rank != 0)
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
                                    reference, rank, world_size, tokenizer)
     info = inspect_wrapping(trainer)
