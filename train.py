@@ -21,7 +21,9 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
   1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.
   2. Data order honours `seed`, pairs (not prompts) are shuffled, tokenization happens once and is cached,
      BOS is added where the tokenizer expects it and EOS ends every complete response.
-  3. Each FSDP rank builds its own model; no pickling of models through mp.spawn; multi-node via torchrun.
+  3. FSDP: rank 0 loads the weights, the other ranks build empty (meta) models that FSDP fills from rank 0
+     (one copy in host memory per node, not one per rank); nothing is pickled through mp.spawn; multi-node
+     runs start with torchrun.
   4. Gradient sync is skipped on all but the last micro-batch; sampling under FSDP does not hang.
   5. Checkpoints are atomic, resumable (optimizer, scheduler, RNG, data position) and come with a
      Hugging Face export; `debug=true` writes none.

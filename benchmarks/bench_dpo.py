@@ -576,7 +576,7 @@ def profile_child(spec: dict) -> None:
     phase = {k: total(lambda x, k=k: x == f"phase.{k}") for k in ("forward", "backward", "clip", "optimizer")}
     prof_total = sum(phase.values())
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    result = dict(wall=wall, prof_wall=prof_wall, phase_prof=phase, prof_total=prof_total,
+    result = dict(wall=wall, n_timed=len(walls), prof_wall=prof_wall, phase_prof=phase, prof_total=prof_total,
                   lm_head=dict(forward=head_fwd, backward=head_bwd), attention=dict(forward=attn_fwd, backward=attn_bwd),
                   matmul_self=mm_self,
                   top_self=[(e.key, e.self_cpu_time_total / 1e6, e.count) for e in top])
@@ -709,7 +709,7 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
         add("-" * 110)
         if "wall" in profile:
             w = profile["wall"]
-            add(f"profile of one ours_best step (wall, mean of 2): total {w['total']:.3f} s = forward {w['forward']:.3f} "
+            add(f"profile of one ours_best step (wall, mean of {profile.get('n_timed', 1)} step(s), no profiler): total {w['total']:.3f} s = forward {w['forward']:.3f} "
                 f"({w['forward'] / w['total'] * 100:.0f}%) + backward {w['backward']:.3f} ({w['backward'] / w['total'] * 100:.0f}%) "
                 f"+ clip {w['clip']:.3f} ({w['clip'] / w['total'] * 100:.0f}%) + optimizer {w['optimizer']:.3f} "
                 f"({w['optimizer'] / w['total'] * 100:.0f}%)")
