@@ -1,11 +1,16 @@
 """DPO training speed and memory: ours (train.py, BasicTrainer) against TRL's DPOTrainer, side by side.
 
 One run of this script builds the workload, measures this machine's fp32 matmul peak, then trains each
-variant in a fresh subprocess, alternating ours and TRL (rounds x variants), and prints one table:
+variant in a fresh subprocess, alternating ours and TRL, and prints one table:
 
-    python -u benchmarks/bench_dpo.py                       # everything: ~15-25 min on 2 CPU cores
-    python -u benchmarks/bench_dpo.py --which ours --rounds 1 --steps 3
+    python -u benchmarks/bench_dpo.py                       # everything: ~17 min on 2 idle CPU cores
+    python -u benchmarks/bench_dpo.py --which ours --rounds 1
     python -u benchmarks/bench_dpo.py --profile-only        # the one-step profile of ours, nothing else
+
+Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
+ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
+timed): ours_best 2+5, TRL 1+3 (a TRL step is ~35 s here), ours_padded/ours_online 1+3. A one-step
+profile of ours_best follows when a goal is missed (--profile always|never to force).
 
 Workload (built under --workdir, reused when already there):
   - model: a Llama-style causal LM with random weights, 49.5M parameters (hidden 512, 4 layers, 8 heads,
@@ -13,11 +18,13 @@ Workload (built under --workdir, reused when already there):
   - tokenizer: a WordLevel tokenizer with exactly 32000 entries (<unk> <s> </s> <pad> w4 ... w31999),
     Llama-style (BOS prepended), saved as a PreTrainedTokenizerFast; one word = one token, which makes
     sequence lengths exact by construction;
-  - data: (warmup + steps) x 8 pairs {prompt, chosen, rejected}; EVERY step holds 7 short pairs (60-150
+  - data: 8 pairs {prompt, chosen, rejected} per step of a run; EVERY step holds 7 short pairs (60-150
     tokens per sequence) and 1 long pair (470-510 tokens per sequence): length-skewed, and the same mix in
     every step, so warmup and timed steps cost alike. Both trainers see exactly the same 8 pairs at each
-    step: the rows of pairs.jsonl are placed where our shuffle (seed 0) puts them, and TRL reads the same
-    pairs in step order (pairs_in_step_order.jsonl) with train_sampling_strategy="sequential".
+    step: for a run of k steps, the rows of pairs_k.jsonl are placed where our shuffle (seed 0) of k*8 rows
+    reads them (checked against preference_datasets' own iterator at start), and TRL reads the same pairs
+    in step order (pairs_k_in_step_order.jsonl) with train_sampling_strategy="sequential". Each side
+    precomputes reference log-probs for exactly the pairs it trains on.
 
 Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e. its VmHWM):
   ours_best    train.py padding_free=true precompute_ref_log_probs=true tiled_lm_head=true (defaults otherwise)
@@ -35,7 +42,9 @@ clip, optimizer, logging), excluding startup and the reference precompute pass (
         time of step k is exactly step_k / examples_per_second_k and a step lasts the difference of two.
   TRL:  a TrainerCallback; a step lasts from one on_step_end to the next (the first from on_train_begin).
         on_step_begin -> on_step_end (the compute part only) is reported as well.
-The first --warmup steps of every run are dropped; the rest of all rounds are pooled (median and mean).
+The warmup steps of every run are dropped; the rest of all rounds are pooled (median and mean). The
+reference precompute pass is timed from our own progress lines ("reference log-probs of train" to "... of
+test": the train split only) and, for TRL, around DPOTrainer._precompute_ref_logps; shown as pairs/s.
 
 MFU (P3): model FLOPs per step / step time / peak, peak = the best fp32 torch.mm throughput on this
 machine (square 1024-4096, 2 threads) measured in this run. Model FLOPs count real (non-pad) tokens only:
@@ -51,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -604,10 +612,13 @@ def run_profile(meta: dict, workdir: Path, args) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------
-def summarize(name: str, runs: list[dict], meta: dict, peak: float) -> dict:
+def summarize(name: str, runs: list[dict], meta: dict, peak: float, max_bg: float) -> dict:
     ok = [r for r in runs if r.get("rc") == 0 and r.get("step_times")]
     if not ok:
         return dict(name=name, error=(runs[0].get("error") if runs else "not run"))
+    clean = [r for r in ok if r["bg_cores"] <= max_bg]
+    excluded = len(ok) - len(clean) if clean else 0
+    ok = clean or ok  # runs that other processes slowed down count only when there is no other
     online = name in ("ours_online", "trl_online")
     times, flops, flops_exec, tokens = [], [], [], []
     for r in ok:
@@ -634,6 +645,7 @@ def summarize(name: str, runs: list[dict], meta: dict, peak: float) -> dict:
                bg_cores=[round(r["bg_cores"], 2) for r in ok], wall=[round(r["wall"], 1) for r in ok],
                per_round=[round(statistics.median(r["step_times"][r["warmup"]:]), 3)
                           if len(r["step_times"]) > r["warmup"] else None for r in ok],
+               excluded_busy=excluded, all_busy=not clean,
                timing_method=ok[0].get("timing_method"), notes=sorted({n for r in ok for n in r.get("trl_notes", [])}))
     if any(r.get("compute_times") for r in ok):
         ct = [t for r in ok for t in r.get("compute_times", [])[r["warmup"]:]]
@@ -658,7 +670,12 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     sizes = ", ".join(f"{n}: best {v['best'] / 1e9:.1f} / median {v['median'] / 1e9:.1f}" for n, v in pk["sizes"].items())
     add(f"fp32 matmul peak (torch.mm, {pk['threads']} threads): {pk['peak'] / 1e9:.1f} GFLOP/s best "
         f"[{sizes}]"
-        f"; bg cores {pk['bg_cores']:.2f}" + (f"; after runs {machine['peak_after']['peak'] / 1e9:.1f}" if machine.get("peak_after") else ""))
+        f"; bg cores {pk['bg_cores']:.2f}")
+    if machine.get("peak_after"):
+        pa = machine["peak_after"]
+        add("  after the runs: " + ", ".join(f"{n}: best {v['best'] / 1e9:.1f} / median {v['median'] / 1e9:.1f}"
+                                          for n, v in pa["sizes"].items()) + f"; bg cores {pa['bg_cores']:.2f}"
+            + f"  -> peak used for MFU: {pk['peak'] / 1e9:.1f} GFLOP/s (the best of both)")
     add(f"model: Llama {MODEL['num_hidden_layers']}L h{MODEL['hidden_size']} mlp{MODEL['intermediate_size']} vocab {MODEL['vocab_size']}, "
         f"{meta['n_params'] / 1e6:.2f}M params, fp32; batch {BATCH} pairs, max_length {MAX_LENGTH}; AdamW")
     add(f"data: {meta['n_pairs']} pairs, every step {SHORT_PER_STEP} short + {LONG_PER_STEP} long pairs; step 0: {f0['tokens']} real tokens "
@@ -702,6 +719,10 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     if g("trl_best") and g("trl_best").get("compute_s_median") is not None:
         add(f"(TRL on_step_begin->on_step_end median {g('trl_best')['compute_s_median']:.3f} s; its full loop step {g('trl_best')['s_step_median']:.3f} s)")
     for name, s in summary.items():
+        if s.get("excluded_busy"):
+            add(f"note {name}: {s['excluded_busy']} run(s) left out: other processes used > {args.max_bg} cores meanwhile")
+        if s.get("all_busy"):
+            add(f"note {name}: WARNING every run of it shared the CPUs with other processes (bg cores column)")
         for n in (s.get("notes") or []):
             add(f"note {name}: {n}")
     add(f"timing: ours {g('ours_best')['timing_method'] if g('ours_best') else '-'}; TRL {g('trl_best')['timing_method'] if g('trl_best') else '-'}")
@@ -749,7 +770,7 @@ def main() -> int:
     ap.add_argument("--trl-warmup", type=int, default=1)
     ap.add_argument("--aux-steps", type=int, default=3, help="timed steps of ours_padded / ours_online runs")
     ap.add_argument("--aux-warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=1, help="times the variant sequence runs")
+    ap.add_argument("--rounds", type=int, default=2, help="times the variant sequence runs")
     ap.add_argument("--no-bracket", dest="bracket", action="store_false",
                     help="do not run ours_best once more at the end (so that it runs before and after TRL)")
     ap.add_argument("--idle-wait", type=float, default=20.0,
@@ -767,6 +788,9 @@ def main() -> int:
     ap.add_argument("--no-trl-padding-free", dest="trl_padding_free", action="store_false",
                     help="do not ask TRL for padding_free (1.16 ignores it anyway, with a warning)")
     ap.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
+    ap.add_argument("--max-bg", type=float, default=0.3,
+                    help="a run during which other processes used more CPU cores than this (on average) is left out "
+                         "of the summary when the variant has a run without")
     ap.add_argument("--json", default=None, help="also write every number here")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
@@ -831,7 +855,7 @@ def main() -> int:
     machine["peak_after"] = matmul_peak(2.0)
     peak = max(machine["peak"]["peak"], machine["peak_after"]["peak"])
     machine["peak"]["peak"] = peak
-    summary = {n: summarize(n, runs[n], meta, peak) for n in names}
+    summary = {n: summarize(n, runs[n], meta, peak, args.max_bg) for n in names}
 
     missed = False
     s = summary
