@@ -238,6 +238,8 @@ class Config(BaseConfig):
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
+    fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
+    peak_tflops: Optional[float] = param(None, "the device's matmul peak for logged MFU; null = measured at start")
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")
     collective_timeout_secs: int = param(600, "a distributed collective waiting longer than this raises (a dead rank ends the job)")
     n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU")
@@ -617,6 +619,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
                  f" x world size={ws}")
     if cfg.eval_batch_size > 0 and cfg.eval_batch_size % ws:
         p.append(f"eval_batch_size={cfg.eval_batch_size}: expected divisible by world size={ws}")
+    if cfg.fused_optimizer and cfg.optimizer != "AdamW":
+        p.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={cfg.optimizer})")
     if not cfg.datasets:
         p.append("datasets=[]: expected at least one dataset name or path")
     elif not all(isinstance(d, str) for d in cfg.datasets):

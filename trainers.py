@@ -128,6 +128,7 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     if tiled:
         hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
+        hidden = hidden.to(head.weight.dtype)  # under autocast the backbone's output is in the compute dtype
         out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
                                         with_entropy=entropy is not None, **lm_head_extras(model.config))
         logps, token_entropy = out if entropy is not None else (out, None)
@@ -151,7 +152,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
 # ------------------------------------------------------------------------------------------------------
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
-    "AdamW": lambda params, cfg: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+    "AdamW": lambda params, cfg: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                   fused=cfg.fused_optimizer or None),
     "SGD": lambda params, cfg: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay),  # for exact checks
 }
 DECAYS = {  # fraction of the peak learning rate after warmup, as a function of progress in [0, 1]
@@ -194,6 +196,8 @@ class BasicTrainer:
         self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
                                    checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
         self.device = self.input_device(policy)
+        if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
+            self.flops_params = flops_params(policy)
         if config.activation_checkpointing and not isinstance(self, FSDPTrainer):  # FSDPTrainer does it while sharding
             checkpoint_blocks(policy, tuple(block_classes(policy, config.fsdp.wrap_policy)))
         self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
@@ -253,8 +257,9 @@ class BasicTrainer:
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
         n = batch["chosen_input_ids"].size(0)
         entropy_grad = bool(self.config.loss.entropy_coeff)
-        sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
-                                              entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
+        with self.autocast():
+            sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
+                                                  entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
         reference = {}
         ref_sums = self.reference_logps(batch, inputs, split)
         if ref_sums is not None:
@@ -271,6 +276,15 @@ class BasicTrainer:
         if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
             loss = loss - self.config.loss.entropy_coeff * entropy.mean()
         return loss, {split_name(k, split): v for k, v in metrics.items()}
+
+    def autocast(self):
+        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the
+        weights stay in model_dtype, and there is no gradient reduction for reduce_dtype to apply to)."""
+        mp = self.config.fsdp.mixed_precision
+        if mp is None:
+            return contextlib.nullcontext()
+        from utils import dtype_of
+        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
 
     def forward_options(self, entropy_grad: bool = False) -> dict:
         """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
@@ -362,6 +376,8 @@ class BasicTrainer:
                 (loss / k).backward()
             for name, v in metrics.items():
                 step_metrics[name].append(v.detach())
+        tokens = sum(int(batch[f"{side}_attention_mask"].sum()) for side in ("chosen", "rejected") if f"{side}_input_ids" in batch)
+        step_metrics["tokens"] = [torch.tensor([float(tokens)], device=self.device)]
         grad_norm = self.clip_gradient()
         finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
         if finite:
@@ -375,6 +391,7 @@ class BasicTrainer:
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
         mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
+        mean["tokens"] *= self.world_size  # real (non-padding) tokens of the whole step, over all ranks
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
         return mean
 
@@ -485,7 +502,9 @@ class BasicTrainer:
                     self.evaluate_and_log()
                 if self.example_counter > 0:
                     self.save_checkpoint()
+            step_start = time.time()
             metrics = self.train_step(batch)
+            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start))
             self.batch_counter += 1
             self.example_counter += self.config.batch_size
             rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
@@ -503,6 +522,16 @@ class BasicTrainer:
         if self.example_counter != resumed_at:
             self.evaluate_and_log()
             self.save_checkpoint()
+
+    def throughput(self, tokens: float, seconds: float) -> dict[str, float]:
+        """pairs/s, real tokens/s and model FLOPs utilization of one step: 6 N FLOPs per trained token plus 2 N
+        per token through an online reference (N = parameters outside the input embedding), over the peak."""
+        if not hasattr(self, "peak_flops"):
+            self.peak_flops, source = measure_peak_flops(self.config, self.device)
+            rank0_print(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s ({source})")
+        per_token = 6 * self.flops_params + (2 * self.flops_params if self.reference_model is not None else 0)
+        return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
+                "throughput/mfu": per_token * tokens / seconds / self.peak_flops}
 
     def evaluate_and_log(self) -> None:
         rank0_print(f"Running evaluation after {self.example_counter} train examples")
@@ -601,6 +630,34 @@ class BasicTrainer:
 # ------------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ------------------------------------------------------------------------------------------------------
+def flops_params(model: nn.Module) -> int:
+    """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
+    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+def measure_peak_flops(config, device: torch.device) -> tuple[float, str]:
+    """The matmul FLOP/s MFU divides by: `peak_tflops` if set, else measured here with square matmuls in the
+    run's compute dtype (one second of work; an estimate of what this device reaches, not its datasheet)."""
+    if config.peak_tflops:
+        return config.peak_tflops * 1e12, "peak_tflops from the config"
+    from utils import dtype_of
+    mp = config.fsdp.mixed_precision
+    dtype = dtype_of(mp.get("param_dtype", config.fsdp.dtype) if mp else config.fsdp.model_dtype)
+    n = 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best, f"measured: best of 3 {n}x{n} {dtype} matmuls on {device}"
+
+
 def split_name(name: str, split: str) -> str:
     """'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)."""
     head, _, tail = name.partition("/")
@@ -764,6 +821,7 @@ class FSDPTrainer(BasicTrainer):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.flops_params = flops_params(policy)  # meta tensors know their shapes too
         self.mesh = self.build_mesh(world_size)
         self.blocks = self.wrap_units(policy)
         rank0_print(f"sharding policy with {self.fsdp.strategy} ({self.describe()})")
@@ -891,6 +949,9 @@ class FSDPTrainer(BasicTrainer):
     # --- what sharding changes in the loop ----------------------------------------------------------------
     def input_device(self, model: nn.Module) -> torch.device:
         return self.device
+
+    def autocast(self):
+        return contextlib.nullcontext()  # FSDP's own MixedPrecision casts the parameters
 
     def forward_options(self, entropy_grad: bool = False) -> dict:
         # The root FSDP unit gathers the embeddings and the LM head in its own forward: it must run whole.
