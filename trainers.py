@@ -485,13 +485,14 @@ class BasicTrainer:
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
+        if self.config.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
+            self.init_logging(None)
+            self.evaluate_and_log()
+            return
         self.build_optimizer()
         self.precompute_reference()
         wandb_id = self.maybe_resume()
         self.init_logging(wandb_id)
-        if self.config.fsdp.forward_only:
-            self.log(self.evaluate())
-            return
         resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
         bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=self.rank != 0,
                         dynamic_ncols=True)

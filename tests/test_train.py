@@ -187,3 +187,24 @@ def test_activation_checkpointing_in_one_process_gives_the_same_step(tmp_path):
     result = train(tmp_path / "checkpointed", *common, "activation_checkpointing=true")
     assert "activation checkpointing (NO_REENTRANT) on 2 blocks of LlamaDecoderLayer" in result.stdout
     assert_states_equal(final_state(tmp_path / "plain"), final_state(tmp_path / "checkpointed"), atol=1e-6)
+
+
+def test_forward_only_evaluates_once_and_trains_nothing(tmp_path):
+    result = train(tmp_path / "run", "loss=dpo", "n_examples=16", "eval_every=8", "fsdp.forward_only=true",
+                   "sample_during_eval=false")
+    records = metrics(tmp_path / "run")
+    assert len(records) == 1 and records[0]["step"] == 0 and abs(records[0]["loss/eval"] - math.log(2)) < 1e-4
+    assert not list((tmp_path / "run").glob("step-*")) and "Running evaluation after 0" in result.stdout
+
+
+def test_full_determinism_switches_on_deterministic_algorithms(tmp_path):
+    try:
+        a = train(tmp_path / "a", "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false",
+                  "fsdp.full_determinism=true")
+        assert torch.are_deterministic_algorithms_enabled()
+        b = train(tmp_path / "b", "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false",
+                  "fsdp.full_determinism=true")
+        assert a.returncode == b.returncode == 0
+        assert_states_equal(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
+    finally:
+        torch.use_deterministic_algorithms(False)
