@@ -30,8 +30,8 @@ import tqdm
 
 import losses
 import preference_datasets as data
-from utils import (all_gather_if_needed, atomic_write_text, formatted_dict, fsync_dir, get_rng_state,
-                   rank0_print, set_rng_state)
+from utils import (all_gather_if_needed, atomic_write_text, first_usable_dir, formatted_dict, fsync_dir,
+                   get_rng_state, rank0_print, set_rng_state)
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 
@@ -198,8 +198,8 @@ class BasicTrainer:
         self.device = self.input_device(policy)
         if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
             self.flops_params = flops_params(policy)
-        if config.activation_checkpointing and not isinstance(self, FSDPTrainer):  # FSDPTrainer does it while sharding
-            checkpoint_blocks(policy, tuple(block_classes(policy, config.fsdp.wrap_policy)))
+        if config.activation_checkpointing:
+            self.checkpoint_activations(policy)
         self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
         self.batch_counter = 0    # optimizer steps taken (or skipped as non-finite)
         self.nonfinite_in_a_row = 0
@@ -207,7 +207,7 @@ class BasicTrainer:
         self.last_log = 0.0
         self.wandb_run = None
 
-        cache_dir = str(Path(config.local_dirs[0]).expanduser() / "datasets")
+        cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
         self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
                                 sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
@@ -221,6 +221,9 @@ class BasicTrainer:
         self.print_geometry()
 
     # --- hooks FSDPTrainer overrides ----------------------------------------------------------------------
+    def checkpoint_activations(self, policy: nn.Module) -> None:
+        checkpoint_blocks(policy, tuple(block_classes(policy, self.config.fsdp.wrap_policy)))
+
     def input_device(self, model: nn.Module) -> torch.device:
         """Where inputs go: the device of the input embeddings (the first GPU under device_map)."""
         return model.get_input_embeddings().weight.device
@@ -950,6 +953,9 @@ class FSDPTrainer(BasicTrainer):
     # --- what sharding changes in the loop ----------------------------------------------------------------
     def input_device(self, model: nn.Module) -> torch.device:
         return self.device
+
+    def checkpoint_activations(self, policy: nn.Module) -> None:
+        pass  # done while sharding: after wrapping (FSDP1) or before (FSDP2)
 
     def autocast(self):
         return contextlib.nullcontext()  # FSDP's own MixedPrecision casts the parameters

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import config
-from config import (BaseConfig, Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config,
+from config import (Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config,
                     schema)
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,6 @@ baselines run in this process. Checks that need a GPU (nccl, CUDA device_id, pin
 import contextlib
 import io
 import json
-import math
 import os
 import subprocess
 import sys

@@ -3,7 +3,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import signal
 import subprocess
 import sys

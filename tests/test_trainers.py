@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
                           GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM)
 
 import preference_datasets as data
