@@ -238,6 +238,7 @@ class Config(BaseConfig):
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
+    max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
     peak_tflops: Optional[float] = param(None, "the device's matmul peak for logged MFU; null = measured at start")
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")
@@ -619,6 +620,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
                  f" x world size={ws}")
     if cfg.eval_batch_size > 0 and cfg.eval_batch_size % ws:
         p.append(f"eval_batch_size={cfg.eval_batch_size}: expected divisible by world size={ws}")
+    if cfg.max_tokens_per_microbatch is not None:
+        if cfg.max_tokens_per_microbatch <= 0:
+            p.append(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch}: expected a positive number or null")
+        if cfg.gradient_accumulation_steps != 1:
+            p.append(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} and gradient_accumulation_steps="
+                     f"{cfg.gradient_accumulation_steps}: the token budget decides the micro-batches; leave accumulation at 1")
+        if cfg.trainer == "FSDPTrainer":
+            p.append("max_tokens_per_microbatch: not supported yet with trainer=FSDPTrainer (ranks would run different"
+                     " numbers of micro-batches, and FSDP's collectives must line up)")
     if cfg.fused_optimizer and cfg.optimizer != "AdamW":
         p.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={cfg.optimizer})")
     if not cfg.datasets:

@@ -370,13 +370,15 @@ class BasicTrainer:
     def train_step(self, batch: dict) -> dict[str, float]:
         """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
         self.policy.train()
-        k = self.config.gradient_accumulation_steps
-        micro_batches = split_batch(batch, k)
+        budget = self.config.max_tokens_per_microbatch
+        micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
+        n = len(batch["chosen_input_ids"])
         step_metrics = defaultdict(list)
         for i, micro in enumerate(micro_batches):
-            with self.no_sync(last_micro_batch=i == k - 1):
+            with self.no_sync(last_micro_batch=i == len(micro_batches) - 1):
                 loss, metrics = self.get_batch_metrics(micro, "train")
-                (loss / k).backward()
+                # weighted by its share of the batch: the summed gradient is that of the batch's mean loss
+                (loss * len(micro["chosen_input_ids"]) / n).backward()
             for name, v in metrics.items():
                 step_metrics[name].append(v.detach())
         tokens = sum(int(batch[f"{side}_attention_mask"].sum()) for side in ("chosen", "rejected") if f"{side}_input_ids" in batch)
@@ -666,6 +668,30 @@ def split_name(name: str, split: str) -> str:
     """'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)."""
     head, _, tail = name.partition("/")
     return f"{head}_{split}/{tail}" if tail else f"{head}/{split}"
+
+
+def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
+    """Micro-batches of consecutive pairs whose real tokens (chosen + rejected) stay within `max_tokens` (a larger
+    pair goes alone), each cut to its own longest sequence: a long pair costs what it weighs, not the padding of
+    every short pair to its length."""
+    sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
+    sizes = sum(batch[f"{s}_attention_mask"].sum(1) for s in sides).tolist()
+    groups, load = [[]], 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and load + size > max_tokens:
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += size
+    micro_batches = []
+    for group in groups:
+        micro = {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()}
+        for s in sides:
+            width = int(micro[f"{s}_attention_mask"].sum(1).max())
+            for key in ("input_ids", "attention_mask", "labels"):
+                micro[f"{s}_{key}"] = micro[f"{s}_{key}"][:, :width]
+        micro_batches.append(micro)
+    return micro_batches
 
 
 def split_batch(batch: dict, k: int) -> list[dict]:

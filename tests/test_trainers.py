@@ -101,6 +101,7 @@ def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
     """Two SGD steps with lr 1 (the parameter change is the gradient) under each option, against the plain path."""
     plain = run(tmp_path / "plain", "tiled_lm_head=false")
     for name, options in {"tiled": ["tiled_lm_head=true"], "packed": ["padding_free=true"],
+                          "token_budget": ["max_tokens_per_microbatch=80"],
                           "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"]}.items():
         state = run(tmp_path / name, *options)
         worst = max((state[k] - plain[k]).abs().max().item() for k in plain)
@@ -131,3 +132,15 @@ def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
         assert all(r["throughput/tokens_per_second"] > 0 and r["throughput/mfu"] > 0 for r in records if "loss/train" in r)
     assert len(traces["bf16"]) == 2 and traces["bf16"] != traces["plain"]  # bf16 really ran
     assert max(abs(a - b) for a, b in zip(traces["plain"], traces["bf16"])) < 1e-2
+
+
+def test_token_budget_groups_pairs_and_trims_padding(skewed_inputs):
+    n = skewed_inputs["input_ids"].size(0) // 2
+    batch = {f"{side}_{k}": v[sl] for side, sl in (("chosen", slice(0, n)), ("rejected", slice(n, None)))
+             for k, v in skewed_inputs.items()}
+    batch["prompt"] = [str(i) for i in range(n)]
+    micro = trainers.split_by_tokens(batch, 100)
+    assert sum(len(m["prompt"]) for m in micro) == n and len(micro) > 1
+    sizes = [int(m["chosen_attention_mask"].sum() + m["rejected_attention_mask"].sum()) for m in micro]
+    assert all(s <= 100 or len(m["prompt"]) == 1 for s, m in zip(sizes, micro))  # within budget, or one big pair
+    assert all(m["chosen_input_ids"].size(1) == int(m["chosen_attention_mask"].sum(1).max()) for m in micro)
