@@ -558,16 +558,20 @@ class BasicTrainer:
                 "batch_size": self.config.batch_size, "world_size": self.world_size}
 
     def write_checkpoint(self, tmp_dir: Path) -> None:
-        """Write every file of a checkpoint into `tmp_dir` (rank 0's part; FSDPTrainer adds shards)."""
-        metrics = getattr(self, "last_eval_metrics", {})
-        state = self.policy_state_dict()
+        """Every file of a checkpoint: what resume needs of each rank, then rank 0's consolidated policy."""
+        self.write_resume_state(tmp_dir)
+        state = self.policy_state_dict()  # under FSDP a collective: every rank takes part, rank 0 keeps the result
         if self.rank == 0:
-            torch.save({"step_idx": self.example_counter, "state": state, "metrics": metrics}, tmp_dir / "policy.pt")
-            torch.save(self.optimizer.state_dict(), tmp_dir / "optimizer.pt")
+            torch.save({"step_idx": self.example_counter, "state": state, "metrics": getattr(self, "last_eval_metrics", {})},
+                       tmp_dir / "policy.pt")
             torch.save(self.scheduler.state_dict(), tmp_dir / "scheduler.pt")
             torch.save(self.trainer_state(), tmp_dir / "trainer_state.pt")
-            torch.save(get_rng_state(), tmp_dir / "rng-0.pt")
             self.export_hf(state, tmp_dir / "hf")
+
+    def write_resume_state(self, tmp_dir: Path) -> None:
+        """Optimizer state and RNG (one process: resume reloads policy.pt for the weights)."""
+        torch.save(self.optimizer.state_dict(), tmp_dir / "optimizer.pt")
+        torch.save(get_rng_state(), tmp_dir / "rng-0.pt")
 
     def export_hf(self, state: dict, out: Path) -> None:
         """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads."""
@@ -1055,19 +1059,13 @@ class FSDPTrainer(BasicTrainer):
         state = get_model_state_dict(self.policy, options=options)
         return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
 
-    def write_checkpoint(self, tmp_dir: Path) -> None:
+    def write_resume_state(self, tmp_dir: Path) -> None:
+        """Sharded model and optimizer (torch.distributed.checkpoint) and each rank's RNG."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_dir / "sharded"))
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
-        state = self.policy_state_dict()  # a collective: every rank takes part, rank 0 keeps the result
-        if self.rank == 0:
-            torch.save({"step_idx": self.example_counter, "state": state, "metrics": getattr(self, "last_eval_metrics", {})},
-                       tmp_dir / "policy.pt")
-            torch.save(self.scheduler.state_dict(), tmp_dir / "scheduler.pt")
-            torch.save(self.trainer_state(), tmp_dir / "trainer_state.pt")
-            self.export_hf(state, tmp_dir / "hf")
 
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
         import torch.distributed.checkpoint as dcp
