@@ -16,8 +16,10 @@ Every problem (unknown key, wrong type, value out of range, ...) is collected an
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import types
@@ -187,14 +189,14 @@ class LossConfig(BaseConfig):
     name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`")
     weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0")
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical")
-    label_smoothing: float = param(0.0, "assumed fraction of flipped labels (cDPO / robust DPO epsilon), in [0, 0.5)")
+    label_smoothing: float = param(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon")
     reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
     f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence")
-    f_alpha: float = param(0.5, "alpha of the alpha-divergence (f-DPO)")
+    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; the same number as TRL's f_alpha_divergence_coef")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
 
@@ -362,13 +364,56 @@ def _group_choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
-def _single_losses() -> list[str]:
-    """Names of the registered losses: each config/loss file whose `name` is one loss (not a mixture like mpo).
+@functools.cache
+def loss_registry() -> dict[str, dict]:
+    """{loss name: {"reads": [loss.* keys its function takes], **its LossSpec flags}} for each registered loss.
 
-    Read from the YAML files so that config errors stay fast (losses.py imports torch); a test checks that
-    these are exactly the keys of losses.LOSSES."""
-    names = (_read_yaml(CONFIG_DIR / "loss" / f"{c}.yaml").get("name") for c in _group_choices("loss"))
-    return sorted(n for n in names if isinstance(n, str))
+    losses.py declares each loss once: its function's keyword-only parameters are the config keys it reads, and
+    its `LOSSES` entry holds its flags. losses.py imports torch (seconds), so it is read here as Python syntax,
+    without running it: `--help` and config errors stay fast. tests/test_config.py checks this against the
+    imported registry.
+    """
+    tree = ast.parse((Path(__file__).resolve().parent / "losses.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    table = next(node.value for node in tree.body
+                 if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "LOSSES")
+    keys = {f.name for f in dataclasses.fields(LossConfig)}
+    out = {}
+    for name, spec in zip(table.keys, table.values):
+        fn = functions[spec.args[0].id]
+        reads = [a.arg for a in fn.args.kwonlyargs if a.arg in keys]  # chosen_nll comes from compute_loss
+        out[ast.literal_eval(name)] = {"reads": reads, **{k.arg: ast.literal_eval(k.value) for k in spec.keywords}}
+    return out
+
+
+def _single_losses() -> list[str]:
+    """Names of the registered losses (a mixture like mpo is a config/loss preset, not a loss)."""
+    return sorted(loss_registry())
+
+
+def _readers(key: str) -> list[str]:
+    return sorted(n for n, spec in loss_registry().items() if key in spec["reads"])
+
+
+def unread_loss_keys(cfg: "Config", explicit: dict[str, int]) -> list[str]:
+    """A loss hyperparameter changed from its default (in a group file or on the command line) that no selected
+    loss reads would be silently ignored: one problem per such key, naming the losses that do read it."""
+    names = [n for n in cfg.loss_names if n in loss_registry()]
+    default = LossConfig()
+    problems = []
+    for key in sorted({k for spec in loss_registry().values() for k in spec["reads"]}):
+        value = cfg.loss[key]
+        if not explicit.get(f"loss.{key}") or value == default[key]:
+            continue  # only what the user changed counts: presets may restate defaults
+        readers = _readers(key)
+        selected = ", ".join(names) or "none"
+        if not set(readers) & set(names):
+            problems.append(f"loss.{key}={value!r}: no selected loss reads it (loss.name: {selected}); "
+                            f"it is read by {', '.join(readers)}")
+        elif key == "f_alpha" and cfg.loss.f_divergence != "alpha_divergence":
+            problems.append(f"loss.f_alpha={value!r}: read only with loss.f_divergence=alpha_divergence "
+                            f"(this run uses {cfg.loss.f_divergence})")
+    return problems
 
 
 def _suggest(word: str, candidates) -> str:
@@ -656,8 +701,16 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
             p.append(f"loss.weights={loss.weights}: expected one weight per loss name ({len(names)})")
         elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in loss.weights):
             p.append(f"loss.weights={loss.weights}: expected numbers")
-    if loss.f_alpha <= 0 and loss.f_divergence == "alpha_divergence":
-        p.append(f"loss.f_alpha={loss.f_alpha}: expected > 0")
+    if not 0 < loss.f_alpha <= 1:
+        p.append(f"loss.f_alpha={loss.f_alpha}: expected 0 < f_alpha <= 1 (Wang et al.'s alpha; 1 = forward KL)")
+    batch_level = [n for n in names if loss_registry().get(n, {}).get("batch_statistics")]
+    split = [f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}"] * (cfg.gradient_accumulation_steps > 1)
+    split += [f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch}"] * (cfg.max_tokens_per_microbatch is not None)
+    split += [f"world size {ws}"] * (ws > 1)
+    if batch_level and split:
+        p.append(f"loss.name={loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} statistics of the whole batch (a sort or "
+                 f"a mean over its pairs), so {' and '.join(split)} would change the loss by splitting the step; "
+                 "run them with one micro-batch per step on one process")
     if loss.discopop_tau <= 0:
         p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
     # model and engine
@@ -693,7 +746,7 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
         raise ConfigError(problems)
     if world_size is None and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
-    problems = validate(cfg, world_size)
+    problems = validate(cfg, world_size) + unread_loss_keys(cfg, explicit)
     # A knob typed on the command line that this trainer or strategy does not have would be silently ignored.
     typed = [k for k in FSDPEngineConfig() if explicit.get(f"fsdp.{k}") == 2 and cfg.fsdp[k] != FSDPEngineConfig()[k]]
     if cfg.trainer == "BasicTrainer":

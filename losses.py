@@ -529,28 +529,42 @@ def sft_loss(
     return -policy_chosen_logps, None, None
 
 
-# f-divergence transforms g(log u) of the log-ratio log u = log pi/pi_ref, with g = f' up to an
+# f-divergence transforms beta * g(log u) of the log-ratio log u = log pi/pi_ref, with g = f' up to an
 # additive constant chosen so that g(0) = 0 (departure 3). Wang et al. 2023, arXiv:2309.16240.
-def _reverse_kl(log_ratio: Tensor, f_alpha: float) -> Tensor:
-    return log_ratio  # f(u) = u log u, f'(u) = log u + 1: plain DPO
+# beta is applied inside each transform so that exp(log beta - log u) replaces beta * exp(-log u): in fp32
+# exp overflows at 88.7, and the gradient of an overflowed exp is NaN (see _exp_capped).
+def _exp_capped(x: Tensor) -> Tensor:
+    """exp(x) for the f-divergence transforms, never inf: x is capped one e below where exp overflows
+    its dtype (88.7 in fp32), the headroom being for the difference of two such terms that follows.
+    Below the cap this is exactly exp; past it the value stays at finfo.max / e and the gradient with
+    respect to x is 0 (as TRL's cap_exp), instead of an inf loss and a NaN gradient for the whole step."""
+    cap = math.log(torch.finfo(x.dtype).max) - 1.0
+    return torch.exp(x.clamp(max=cap))
 
 
-def _forward_kl(log_ratio: Tensor, f_alpha: float) -> Tensor:
-    return 1 - torch.exp(-log_ratio)  # f(u) = -log u, f'(u) = -1/u
+def _reverse_kl(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
+    return beta * log_ratio  # f(u) = u log u, f'(u) = log u + 1: plain DPO
 
 
-def _js_divergence(log_ratio: Tensor, f_alpha: float) -> Tensor:
+def _forward_kl(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
+    # f(u) = -log u, f'(u) = -1/u; beta (1 - exp(-log u)) in the stable form beta - exp(log beta - log u)
+    return beta - _exp_capped(math.log(beta) - log_ratio)
+
+
+def _js_divergence(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
     # f(u) = u log u - (u + 1) log((u + 1) / 2), f'(u) = log(2u / (1 + u)) = log 2 + log sigmoid(log u)
-    return F.logsigmoid(log_ratio) + math.log(2.0)
+    return beta * (F.logsigmoid(log_ratio) + math.log(2.0))
 
 
-def _alpha_divergence(log_ratio: Tensor, f_alpha: float) -> Tensor:
-    # f(u) = (u^(1-a) - (1-a) u - a) / (a (a-1)), f'(u) = (1 - u^-a) / a; a -> 0 gives reverse KL,
-    # a = 1 gives forward KL.
-    return (1 - torch.exp(-f_alpha * log_ratio)) / f_alpha
+def _alpha_divergence(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
+    # f(u) = (u^(1-a) - (1-a) u - a) / (a (a-1)), f'(u) = (1 - u^-a) / a with a = f_alpha in (0, 1]:
+    # a -> 0 gives reverse KL, a = 1 forward KL. This a is Wang et al.'s alpha and the same number as
+    # TRL's f_alpha_divergence_coef (TRL: (u_l^-a - u_w^-a) / a; tests/test_losses.py checks it); in
+    # Amari's convention, where alpha -> 1 is reverse KL, it is 1 - alpha. Stable form as _forward_kl.
+    return beta / f_alpha - _exp_capped(math.log(beta / f_alpha) - f_alpha * log_ratio)
 
 
-F_DIVERGENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
+F_DIVERGENCES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
     "reverse_kl": _reverse_kl,
     "forward_kl": _forward_kl,
     "js_divergence": _js_divergence,
@@ -565,24 +579,31 @@ def dpo_loss(
     reference_rejected_logps: Tensor,
     *,
     beta: float,
+    label_smoothing: float = 0.0,
     f_divergence: str = "reverse_kl",
     f_alpha: float = 0.5,
 ) -> LossReturn:
-    """Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), Eq. 7.
+    """Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), Eq. 7, with the
+    original code's label smoothing (conservative DPO) and f-DPO's divergences.
 
-    loss = -log sigma(beta * (g(a) - g(b))), Shape (batch,) from four Shape (batch,) inputs, where
-    g = f' is the derivative of the f-divergence that constrains the policy (Wang et al. 2023,
-    "Beyond Reverse KL", arXiv:2309.16240): reverse_kl (g(a) = a, plain DPO, the default),
-    forward_kl, js_divergence, alpha_divergence (with f_alpha in (0, 1]).
+    z = beta * (g(a) - g(b)); loss = -(1 - eps) log sigma(z) - eps log sigma(-z), eps =
+    label_smoothing in [0, 0.5), Shape (batch,) from four Shape (batch,) inputs. eps = 0 is Eq. 7;
+    eps > 0 is cDPO exactly as the original DPO code computes it (`loss=dpo loss.label_smoothing=0.3`
+    means what it meant there; `loss=cdpo` is the same loss). g = f' is the derivative of the
+    f-divergence that constrains the policy (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240):
+    reverse_kl (g(a) = a, plain DPO, the default), forward_kl, js_divergence, alpha_divergence (with
+    f_alpha in (0, 1]; see _alpha_divergence for how it maps to TRL's coefficient).
     Intuition: raise the chosen log-ratio above the rejected one; beta sets how far from the
     reference the policy may move. Typical beta 0.1-0.5 (we ignore the reference as beta -> 0).
     Rewards: beta * g(a), beta * g(b).
     """
     transform = _lookup(F_DIVERGENCES, f_divergence, "f_divergence")
-    chosen = transform(policy_chosen_logps - reference_chosen_logps, f_alpha)
-    rejected = transform(policy_rejected_logps - reference_rejected_logps, f_alpha)
-    losses = -F.logsigmoid(beta * (chosen - rejected))  # Eq. 7 of the DPO paper
-    return losses, *_implicit_rewards(beta, chosen, rejected)
+    chosen = transform(policy_chosen_logps - reference_chosen_logps, beta, f_alpha)  # beta * g(a)
+    rejected = transform(policy_rejected_logps - reference_rejected_logps, beta, f_alpha)
+    logits = chosen - rejected
+    # Eq. 7 of the DPO paper; with eps > 0 the labels are assumed flipped with probability eps (cDPO)
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return losses, chosen.detach(), rejected.detach()
 
 
 def cdpo_loss(
@@ -599,18 +620,17 @@ def cdpo_loss(
 
     loss = -(1 - eps) log sigma(beta h) - eps log sigma(-beta h), eps = label_smoothing, Shape (batch,).
     Intuition: DPO against labels that are flipped with probability eps, so the optimum margin is
-    finite (beta h* = log((1 - eps) / eps)) instead of infinite. eps = 0 is DPO.
+    finite (beta h* = log((1 - eps) / eps)) instead of infinite. eps = 0 is DPO. The same function as
+    `loss=dpo loss.label_smoothing=eps` (dpo_loss), kept as its own name for the preset config/loss/cdpo.yaml.
     Typical beta 0.1-0.5, eps 0.05-0.3 (an assumed label-noise rate, < 0.5).
     """
-    margin = beta * (
-        (policy_chosen_logps - reference_chosen_logps)
-        - (policy_rejected_logps - reference_rejected_logps)
-    )
-    losses = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
-    return losses, *_implicit_rewards(
-        beta,
-        policy_chosen_logps - reference_chosen_logps,
-        policy_rejected_logps - reference_rejected_logps,
+    return dpo_loss(
+        policy_chosen_logps,
+        policy_rejected_logps,
+        reference_chosen_logps,
+        reference_rejected_logps,
+        beta=beta,
+        label_smoothing=label_smoothing,
     )
 
 
@@ -844,6 +864,9 @@ def bco_pair_loss(
     delta = detached mean of all 2 * batch rewards in this batch (departure 2: the paper keeps a
     running mean across steps). Intuition: a binary classifier that labels chosen responses 1
     and rejected 0, with delta centring the logits. Typical beta 0.1.
+    delta is a batch statistic (registry `batch_statistics=True`): the batch must be the whole step,
+    so config.py refuses this loss with gradient accumulation, token-budget micro-batches or more
+    than one rank (each would compute its own delta).
     """
     chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps)
     rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps)
@@ -957,6 +980,9 @@ def aot_loss(
     the reference's, whose 1-D optimal transport plan is the sorted matching. At batch size 1
     it is DPO. Typical beta 0.01-0.1; larger batches give a better quantile estimate.
     Rewards: the per-example beta * a, beta * b.
+    The sort is over the batch (registry `batch_statistics=True`): the batch must be the whole step,
+    so config.py refuses this loss with gradient accumulation, token-budget micro-batches or more
+    than one rank (each would sort only its own share).
     """
     policy_margins, _ = torch.sort(policy_chosen_logps - policy_rejected_logps)
     reference_margins, _ = torch.sort(reference_chosen_logps - reference_rejected_logps)
@@ -970,15 +996,24 @@ def aot_loss(
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A registered loss: its function, whether it compares against a reference model, and its
-    default sequence log-prob (False: sum over tokens, True: per-token mean)."""
+    """A registered loss: its function, whether it compares against a reference model, its default
+    sequence log-prob (False: sum over tokens, True: per-token mean), and whether it uses statistics
+    of the whole batch (a sort, a mean), so that its value depends on how the step is split.
+
+    The hyperparameters a loss reads are the keyword-only parameters of its function, each named as
+    its `loss.<key>` in the config (chosen_nll excepted: compute_loss supplies it). That signature is
+    the one declaration: compute_loss passes exactly those keys, and config.py reads the same
+    signatures (as text, without importing torch) to refuse a key that no selected loss reads.
+    """
 
     fn: Callable[..., LossReturn]
     needs_reference: bool
     average_log_prob: bool
+    batch_statistics: bool = False
 
 
-# The one registry. compute_loss, the configs and the tests all read it.
+# The one registry. compute_loss, the configs and the tests all read it. config.py reads this dict
+# literally (ast): keep each entry a plain `LossSpec(<function name>, <keyword>=<literal>, ...)`.
 LOSSES: dict[str, LossSpec] = {
     "sft": LossSpec(sft_loss, needs_reference=False, average_log_prob=True),
     "dpo": LossSpec(dpo_loss, needs_reference=True, average_log_prob=False),
@@ -991,12 +1026,12 @@ LOSSES: dict[str, LossSpec] = {
     "rpo": LossSpec(rpo_loss, needs_reference=True, average_log_prob=False),
     "exo_pair": LossSpec(exo_pair_loss, needs_reference=True, average_log_prob=False),
     "nca_pair": LossSpec(nca_pair_loss, needs_reference=True, average_log_prob=False),
-    "bco_pair": LossSpec(bco_pair_loss, needs_reference=True, average_log_prob=False),
+    "bco_pair": LossSpec(bco_pair_loss, needs_reference=True, average_log_prob=False, batch_statistics=True),
     "sppo_hard": LossSpec(sppo_hard_loss, needs_reference=True, average_log_prob=False),
     "apo_zero": LossSpec(apo_zero_loss, needs_reference=True, average_log_prob=False),
     "apo_down": LossSpec(apo_down_loss, needs_reference=True, average_log_prob=False),
     "discopop": LossSpec(discopop_loss, needs_reference=True, average_log_prob=False),
-    "aot": LossSpec(aot_loss, needs_reference=True, average_log_prob=False),
+    "aot": LossSpec(aot_loss, needs_reference=True, average_log_prob=False, batch_statistics=True),
 }
 
 
@@ -1028,6 +1063,17 @@ def is_sft_only(names: str | list[str]) -> bool:
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
     return not reference_free and any(_spec(name).needs_reference for name in _as_names(names))
+
+
+def hyperparameter_readers() -> dict[str, list[str]]:
+    """{config key under loss.: the registered losses whose function reads it}, e.g.
+    {"label_smoothing": ["cdpo", "dpo", "exo_pair", "robust"], ...}; from the signatures."""
+    readers: dict[str, list[str]] = {}
+    for name in sorted(LOSSES):
+        for param, _ in _hyperparameters(LOSSES[name].fn):
+            if param != "chosen_nll":  # supplied by compute_loss, not a config key
+                readers.setdefault(param, []).append(name)
+    return readers
 
 
 @functools.cache
