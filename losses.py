@@ -30,6 +30,17 @@ Departures from the papers and from the original DPO code, numbered:
      silently replacing it with 1e-3.
   6. `chosen_nll` is each sequence's own per-token mean (then averaged over the batch by the
      trainer), not one mean over all tokens of the batch.
+  7. f-DPO's forward_kl and alpha_divergence terms exp(-alpha log u) are computed as
+     exp(log beta - alpha log u), capped one e below overflow (`_exp_capped`, as TRL's cap_exp): a
+     log-ratio <= -90 gave an inf loss and a NaN gradient in fp32; now the loss is exact as far as
+     the dtype can hold it and flat (gradient 0 in that log-ratio) beyond.
+  8. `aot` and `bco_pair` use statistics of the whole batch (registry `batch_statistics=True`), so
+     they are refused, not approximated, when a step is split (gradient accumulation, token-budget
+     micro-batches, several ranks): config.py says so before anything loads.
+
+Which loss reads which `loss.<key>` is declared once, by the keyword-only parameters of its
+function; config.py refuses a key changed from its default that no selected loss reads (for
+example `loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
 """
 
 from __future__ import annotations

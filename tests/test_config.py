@@ -215,3 +215,45 @@ def test_loss_names_known_to_config_are_the_registered_losses():
         load_config(["loss.name=mpo"])
     cfg, _ = load_config(["loss=mpo"])  # the preset is a mixture of registered losses
     assert cfg.loss_names == ["dpo", "bco_pair", "sft"]
+
+
+def test_config_reads_the_loss_registry_as_losses_py_declares_it():
+    """config.py reads losses.py as text (no torch); what it reads must be what the imported module says."""
+    import inspect
+
+    import losses
+    keys = set(config.LossConfig())
+    assert sorted(config.loss_registry()) == sorted(losses.LOSSES)
+    for name, spec in losses.LOSSES.items():
+        params = inspect.signature(spec.fn).parameters.values()
+        reads = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "chosen_nll"]
+        assert set(reads) <= keys, (name, reads)  # every hyperparameter is a config key
+        entry = config.loss_registry()[name]
+        assert entry["reads"] == reads, name
+        assert entry.get("batch_statistics", False) == spec.batch_statistics, name
+        assert entry["needs_reference"] == spec.needs_reference and entry["average_log_prob"] == spec.average_log_prob
+    assert {k: sorted(v) for k, v in losses.hyperparameter_readers().items()} == {
+        k: config._readers(k) for k in losses.hyperparameter_readers()}
+
+
+def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
+    """Presets restate defaults freely (dpo.yaml sets f_alpha: 0.5 for reverse_kl); only a value changed away
+    from the default that no selected loss reads is refused, wherever it was set."""
+    for name in config._group_choices("loss"):
+        load_config([f"loss={name}"])
+    load_config(["loss=sft", "loss.beta=0.1"])  # the default, typed again: nothing is ignored
+    load_config(["loss=dpo", "loss.label_smoothing=0.3"])  # cDPO, as the original code
+    load_config(["loss=dpo", "loss.name=[dpo,simpo]", "loss.gamma=0.5"])  # read by one of the selected losses
+    load_config(["loss=dpo", "loss.f_divergence=alpha_divergence", "loss.f_alpha=0.3"])
+    with pytest.raises(ConfigError) as info:
+        load_config(["loss=ipo", "loss.label_smoothing=0.1", "loss.rpo_alpha=2", "loss.orpo_lambda=0.1"])
+    assert len(info.value.problems) == 2, info.value.problems  # orpo_lambda=0.1 is its default
+    result = run_train("loss=dpo", "loss.gamma=0.5", "--cfg")
+    assert result.returncode == 2 and "read by simpo" in result.stderr, result.stderr
+
+
+def test_batch_statistic_losses_refuse_several_ranks():
+    cfg, _ = load_config(["loss=bco_pair", "trainer=FSDPTrainer"])  # world size not known yet: train.py re-checks
+    assert any("bco_pair uses statistics of the whole batch" in p and "world size 2" in p
+               for p in config.validate(cfg, world_size=2))
+    assert not config.validate(cfg, world_size=1)

@@ -152,6 +152,72 @@ def test_cdpo_hand_worked_and_zero_smoothing_is_dpo():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_dpo_label_smoothing_is_cdpo_as_in_the_original_code():
+    """The original DPO code's `loss=dpo loss.label_smoothing=eps` is conservative DPO:
+    eps = 0.3, beta h = [0, 1, 2]: loss = 0.7 (-log sigma(z)) + 0.3 (-log sigma(-z))
+    = [ln 2, 0.5133, 0.5269], through the real config loader and the dispatcher."""
+    import config
+
+    cfg, _ = config.load_config(["loss=dpo", "loss.label_smoothing=0.3"])
+    out = compute_loss(cfg.loss_names, cfg.loss.weights, cfg.loss, **pair_inputs())
+    expected = [0.7 * neg_log_sigmoid(z) + 0.3 * neg_log_sigmoid(-z) for z in (0.0, 1.0, 2.0)]
+    close(out.losses, expected)
+    close(run("cdpo", beta=0.1, label_smoothing=0.3)[0], expected)
+
+
+@pytest.mark.parametrize("divergence,f_alpha", [("forward_kl", 0.5), ("alpha_divergence", 1.0),
+                                                ("alpha_divergence", 0.5)])
+def test_f_divergences_stay_finite_in_fp32_far_from_the_reference(divergence, f_alpha):
+    """forward_kl's beta (1 - e^-a) at a = -90 needs e^90 = 1.2e39 > fp32's 3.4e38: written as
+    beta * exp(-a) it overflowed to inf and the gradient was NaN. In the form beta - exp(log beta - a)
+    a = -90 is exact (0.1 e^90 = 1.2e38 fits) and matches float64; further out the exponent is capped
+    (loss finite, no NaN in any gradient)."""
+    chosen_ratios = torch.tensor([-90.0, -100.0, -1000.0, -2.0])
+    rejected_ratios = torch.tensor([-1.0, 3.0, -1000.0, -95.0])
+    hp = dict(beta=0.1, f_divergence=divergence, f_alpha=f_alpha)
+    for dtype in (torch.float32, torch.float64):
+        policy_chosen = chosen_ratios.to(dtype, copy=True).requires_grad_(True)
+        policy_rejected = rejected_ratios.to(dtype, copy=True).requires_grad_(True)
+        zeros = torch.zeros(4, dtype=dtype)
+        out, chosen, rejected = losses.dpo_loss(policy_chosen, policy_rejected, zeros, zeros, **hp)
+        out.sum().backward()
+        for name, x in [("loss", out), ("chosen_rewards", chosen), ("rejected_rewards", rejected),
+                        ("grad chosen", policy_chosen.grad), ("grad rejected", policy_rejected.grad)]:
+            assert torch.isfinite(x).all(), f"{dtype} {name}: {x}"
+        if dtype is torch.float32:
+            fp32 = (out.detach(), policy_chosen.grad.clone(), policy_rejected.grad.clone())
+    if divergence == "forward_kl":  # at a = -90 (index 0) and b = -95 (index 3, 0.1 e^95 > fp32 max: capped)
+        # rtol: the fp32 exponent 87.7 carries half an ulp (3.8e-6), and exp turns that into relative error
+        torch.testing.assert_close(fp32[0][0].double(), out[0].detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(fp32[1][0].double(), policy_chosen.grad[0], rtol=1e-5, atol=0)
+
+
+def test_f_alpha_is_trls_alpha_divergence_coefficient():
+    """TRL's alpha divergence: logits = (exp(-c b) - exp(-c a)) / c, loss = -log sigma(beta logits)
+    with c = f_alpha_divergence_coef. Our f_alpha is the same number c (Wang et al.'s alpha), not 1 - c:
+    c = 0.3, a = [0, 5, 10], b = [0, -5, -10], beta = 0.1."""
+    for c in (0.3, 1.0):
+        trl = [neg_log_sigmoid(0.1 * (math.exp(-c * b) - math.exp(-c * a)) / c) for a, b in zip(A, B)]
+        close(run("dpo", beta=0.1, f_divergence="alpha_divergence", f_alpha=c)[0], trl)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_batch_statistics_flag_is_true_exactly_when_splitting_the_batch_changes_the_loss(name):
+    """Each loss on the 3-pair batch vs on [pair 0] and [pairs 1, 2] separately: equal for per-example
+    losses, different for aot (sort over the batch) and bco_pair (mean reward of the batch). The flag is
+    what config.py uses to refuse gradient accumulation / micro-batches / several ranks for them.
+    Reference chosen [-10, -30, -25] here, so the reference margins [5, -5, 10] sort differently from
+    the policy's [5, 15, 25] and the 6 rewards have mean 5/6, not 0 (with the shared batch both the
+    sort and bco_pair's mean would match the split by chance)."""
+    hp = dict(ALL_HPARAMS, beta=1.0)
+    inputs = dict(pair_inputs(), reference_chosen_sum=t([-10.0, -30.0, -25.0]))
+    whole = compute_loss(name, None, hp, **inputs).losses
+    parts = [compute_loss(name, None, hp, **{k: v[rows] for k, v in inputs.items()}).losses
+             for rows in (slice(0, 1), slice(1, 3))]
+    split_equal = torch.allclose(whole, torch.cat(parts), atol=1e-9)
+    assert split_equal != LOSSES[name].batch_statistics, (name, whole, parts)
+
+
 def test_robust_hand_worked():
     """eps = 0.1, beta h = [0, 1, 2]: loss = (0.9 l(z) - 0.1 l(-z)) / 0.8, l(z) = -log sigma(z)
     = [ln 2, 0.1883, -0.1231] (the unbiased estimate may be negative); eps = 0 is DPO."""
