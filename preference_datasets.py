@@ -72,6 +72,7 @@ import os
 import pickle
 import re
 from collections import Counter
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from html.parser import HTMLParser
@@ -82,7 +83,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-CODE_VERSION = 1  # bump when tokenization or conversion changes, so old cache files are not reused
+CODE_VERSION = 2  # bump when tokenization or conversion changes, so old cache files are not reused
 MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: cap on preference pairs per prompt (departure 9)
 TRUNCATION_MODES = ("keep_start", "keep_end")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -481,22 +482,109 @@ def read_rows(path: Path, data: Optional[bytes] = None) -> list[dict]:
             raise DataError(f"{path}, line {line_offset + 1}: duplicate field '{e}' in one object") from None
 
     if path.suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                row = parse(line, "one JSON object per line", n - 1)
-                check_row(row, f"{path}, line {n}")
-                rows.append(row)
+        located = [(parse(line, "one JSON object per line", n - 1), f"{path}, line {n}")
+                   for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     else:
         rows = parse(text, "a JSON list of {prompt, chosen, rejected} objects")
         if not isinstance(rows, list):
             raise DataError(f"{path}: expected a JSON list of {{prompt, chosen, rejected}} objects, "
                             f"got {_json_type(rows)}")
-        for n, row in enumerate(rows, 1):
-            check_row(row, f"{path}, item {n}")
-    if not rows:
+        located = [(row, f"{path}, item {n}") for n, row in enumerate(rows, 1)]
+    if not located:
         raise DataError(f"{path}: no rows; expected {{prompt, chosen, rejected}} rows")
-    return rows
+    shape = detect_shape(located[0][0])  # the first row decides; every row must then have that shape
+    for row, where in located:
+        if shape != "pairs" and (not isinstance(row, dict) or detect_shape(row) != shape):
+            raise DataError(f"{where}: the file's first row has the {LOCAL_SHAPES[shape].description} shape; "
+                            f"this row does not (got {_describe(row) if not isinstance(row, dict) else 'fields ' + ', '.join(map(repr, row))})")
+        LOCAL_SHAPES[shape].check(row, where)
+    return [row for row, _ in located]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Local file shapes: besides our {prompt, chosen, rejected} rows, a local export of a hub source in its raw
+# shape is recognised by its first row and converted with that source's converter (same dropping, counting).
+# ----------------------------------------------------------------------------------------------------------
+
+SHP_FIELDS = ("history", "human_ref_A", "human_ref_B", "labels", "score_A", "score_B")
+
+
+def _need(row: dict, where: str, shape: str, fields: dict[str, tuple]) -> None:
+    """Raise unless each field is present with one of the JSON types given (shape: named in the message)."""
+    for name, types_ in fields.items():
+        if name not in row:
+            raise DataError(f"{where}: missing field '{name}' (expected the {shape} fields {', '.join(fields)}; "
+                            f"found {', '.join(map(repr, row))})")
+        if not isinstance(row[name], types_) or isinstance(row[name], bool) and bool not in types_:
+            expected = " or ".join("number" if t in (int, float) else _json_type(t()) for t in types_)
+            raise DataError(f"{where}: field '{name}': expected a {expected}, got {_describe(row[name])}")
+
+
+def check_hh_row(row: dict, where: str) -> None:
+    """Raw Anthropic HH: {chosen, rejected}, each a whole transcript "\\n\\nHuman: ...\\n\\nAssistant: ..."."""
+    _need(row, where, "Anthropic HH", {"chosen": (str,), "rejected": (str,)})
+
+
+def check_shp_row(row: dict, where: str) -> None:
+    """Raw stanfordnlp/SHP: {history, human_ref_A, human_ref_B, labels (1 = A preferred), score_A, score_B}."""
+    _need(row, where, "SHP", {"history": (str,), "human_ref_A": (str,), "human_ref_B": (str,),
+                              "labels": (int,), "score_A": (int, float), "score_B": (int, float)})
+    if row["labels"] not in (0, 1):
+        raise DataError(f"{where}: field 'labels': expected 0 or 1 (1 = human_ref_A preferred), got {row['labels']}")
+
+
+def check_ultrafeedback_row(row: dict, where: str) -> None:
+    """Raw HuggingFaceH4/ultrafeedback_binarized: {chosen, rejected}, each the whole conversation as {role, content}
+    messages ending in the assistant's reply (the string field 'prompt' and the scores are ignored)."""
+    _need(row, where, "UltraFeedback", {"chosen": (list,), "rejected": (list,)})
+    for name in ("chosen", "rejected"):
+        for k, message in enumerate(row[name]):
+            _check_message(message, f"{where}: field '{name}' message {k}")
+        if row[name][-1]["role"] != "assistant":
+            raise DataError(f"{where}: field '{name}': the last message must be the assistant's reply, "
+                            f"got role '{row[name][-1]['role']}'")
+
+
+def detect_shape(row: Any) -> str:
+    """Which shape a local row has: 'pairs' (ours, the default: its checker names what is missing), 'hh' (no
+    prompt; chosen is a transcript containing "\\n\\nAssistant:"), 'shp' (the SHP fields), 'ultrafeedback' (no
+    list prompt; chosen/rejected are conversations of >= 2 messages)."""
+    if not isinstance(row, dict):
+        return "pairs"
+    chosen = row.get("chosen")
+    if all(name in row for name in SHP_FIELDS):
+        return "shp"
+    if "prompt" not in row and isinstance(chosen, str) and HH_MARKER in chosen:
+        return "hh"
+    if not isinstance(row.get("prompt"), list) and isinstance(chosen, list) and len(chosen) >= 2:
+        return "ultrafeedback"
+    return "pairs"
+
+
+def is_conversation(prompt: Any) -> bool:
+    """A prompt that ends by cueing the reply: a message list (the chat template adds the generation prompt) or
+    text ending in "\\n\\nAssistant:". Truncating such a prompt keep_start cuts the cue off."""
+    return isinstance(prompt, list) or (isinstance(prompt, str) and prompt.endswith(HH_MARKER))
+
+
+class LocalShape(NamedTuple):
+    description: str
+    check: Callable[[Any, str], None]
+    convert: Callable[[Iterable[dict], Any], Converted]
+    truncation_mode: Callable[[dict], str]  # the first row -> the default truncation of the file's prompts
+
+
+LOCAL_SHAPES: dict[str, LocalShape] = {
+    # conversation prompts keep their end (the cue to reply); other plain prompts their start, as before
+    "pairs": LocalShape("{prompt, chosen, rejected}", check_row, convert_pairs,
+                        lambda row: "keep_end" if is_conversation(row.get("prompt")) else "keep_start"),
+    "hh": LocalShape("Anthropic HH {chosen, rejected} transcript", check_hh_row,
+                     convert_hh, lambda row: "keep_end"),
+    # as the hub source `shp` (the original's keep_start); the summary counts prompts whose cue is cut
+    "shp": LocalShape("SHP", check_shp_row, convert_shp, lambda row: "keep_start"),
+    "ultrafeedback": LocalShape("UltraFeedback {chosen, rejected} conversation", check_ultrafeedback_row,
+                                convert_ultrafeedback, lambda row: "keep_end"),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -531,7 +619,8 @@ SOURCES: dict[str, Source] = {
     "hh": Source(convert_hh, "keep_end", fetch=partial(fetch_hub, "Anthropic/hh-rlhf")),
     "shp": Source(convert_shp, "keep_start", fetch=partial(fetch_hub, "stanfordnlp/SHP")),
     "se": Source(convert_se, "keep_start", fetch=fetch_se),
-    "ultrafeedback": Source(convert_ultrafeedback, "keep_start", fetch=partial(
+    # chat prompts end in the template's generation prompt (the cue to reply): keep their end
+    "ultrafeedback": Source(convert_ultrafeedback, "keep_end", fetch=partial(
         fetch_hub, "HuggingFaceH4/ultrafeedback_binarized", splits={"train": "train_prefs", "test": "test_prefs"})),
     "toy": Source(convert_pairs, "keep_start", path="toy/data/{split}.jsonl", sample_rule=toy_follows_rule),
 }
@@ -614,6 +703,7 @@ class SourceStats:
     dropped: dict = field(default_factory=dict)
     boundary_merges: int = 0
     prompts_truncated: int = 0
+    reply_cues_cut: int = 0  # conversation prompts truncated keep_start, so they lost their final cue to reply
     responses_truncated: int = 0
     prompt_tokens_mean: float = 0.0
     prompt_tokens_max: int = 0
@@ -734,6 +824,8 @@ def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split:
                 drops["identical_after_truncation"] += 1
                 continue
             stats.prompts_truncated += len(p_cut) < len(p_ids)
+            stats.reply_cues_cut += (len(p_cut) < len(p_ids) and truncation_mode == "keep_start"
+                                     and (entry.chat or is_conversation(entry.prompt)))
             stats.responses_truncated += sum(len(r) < len(b) + 1 for r, b in zip(r_cut, bodies))  # +1: EOS
             kept_prompts.add(entry.prompt)
             prompt_lengths.append(len(p_cut))
@@ -803,6 +895,12 @@ def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_
         raw = path.read_bytes()
         content, origin = "sha256:" + hashlib.sha256(raw).hexdigest(), str(path)
         get_rows = partial(read_rows, path, raw)
+        if source is LOCAL_FILE:  # a path: its first row decides the converter and the default truncation
+            rows = read_rows(path, raw)
+            shape = detect_shape(rows[0])
+            source = dataclasses.replace(source, convert=LOCAL_SHAPES[shape].convert)
+            mode = truncation_mode or LOCAL_SHAPES[shape].truncation_mode(rows[0])
+            origin, get_rows = f"{path} ({shape})", lambda: rows
     else:
         dataset = source.fetch(split, cache_dir)
         content = "hub:" + str(getattr(dataset, "_fingerprint", None) or cache_key(rows=list(dataset)))
@@ -890,6 +988,10 @@ def dataset_summary(stats: list[SourceStats]) -> str:
             f"       prompt_tokens_mean={s.prompt_tokens_mean:.1f} prompt_tokens_max={s.prompt_tokens_max} "
             f"response_tokens_mean={s.response_tokens_mean:.1f} response_tokens_max={s.response_tokens_max}\n"
             f"       cache: {s.cache}")
+        if s.reply_cues_cut:
+            lines.append(f"       warning: reply_cues_cut={s.reply_cues_cut}: conversation prompts truncated keep_start lost "
+                         "their final cue to reply ('\\n\\nAssistant:' or the chat generation prompt); "
+                         "truncation_mode=keep_end keeps it")
     return "\n".join(lines)
 
 
