@@ -166,6 +166,77 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
     assert dropped == {"ultrafeedback_prompt_mismatch": 1}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Local exports of hub sources in their raw shapes: detected, converted by the hub converter
+# ---------------------------------------------------------------------------------------------------------
+
+def load_one(path, tok, **kw):
+    (examples, (stats,)) = pd.load_tokenized([path], tok, "train", silent=True, **kw)
+    return examples, stats
+
+
+def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monkeypatch):
+    """A user's export of Anthropic/hh-rlhf ({chosen, rejected} transcripts) loads, with the HH converter's
+    split, drops and counts, and keep_end by default: exactly what `datasets=[hh]` gives on the same rows."""
+    import datasets
+    history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
+    rows = [hh_row(history, " fine.", " bad."), hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no."),
+            {"chosen": "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y",
+             "rejected": "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w"}]  # histories differ
+    path = write_jsonl(tmp_path / "hh_export.jsonl", rows)
+    pd.validate_sources([path])
+    local, local_stats = load_one(path, gpt2_tok, max_length=40, max_prompt_length=20)
+    dataset = datasets.Dataset.from_list(rows)
+    monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
+    hub, hub_stats = load_one("hh", gpt2_tok, max_length=40, max_prompt_length=20)
+    assert local_stats.dropped == hub_stats.dropped == {"hh_prompt_mismatch": 1}
+    assert local_stats.truncation_mode == "keep_end" and local_stats.kept == 2
+    assert [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in local] == \
+        [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in hub]
+    long_prompt = next(e for e in local if e.prompt == history)
+    assert long_prompt.prompt_ids.tolist() == gpt2_tok(history)["input_ids"][-20:]  # ends in "\n\nAssistant:"
+
+
+def test_local_raw_shp_and_ultrafeedback_files_use_their_converters(tmp_path, chat_tok):
+    """SHP rows (the SHP fields) and UltraFeedback rows (prompt string, whole conversations in chosen/rejected,
+    as ultrafeedback_binarized exports them) give what their converters give, drops counted."""
+    shp = [shp_row("post", "A1", "B1", 1, 10, 3), shp_row("post", "A2", "B2", 0, 2, 30),
+           shp_row("post", "A3", "B3", 1, 3, 2)]
+    examples, stats = load_one(write_jsonl(tmp_path / "shp.jsonl", shp), chat_tok)
+    assert [(e.prompt, e.chosen, e.rejected) for e in examples] == [
+        ("\n\nHuman: post\n\nAssistant:", " A1", " B1"), ("\n\nHuman: post\n\nAssistant:", " B2", " A2")]
+    assert stats.dropped == {"shp_score_ratio_below_2": 1} and stats.truncation_mode == "keep_start"  # as hub shp
+    user = {"role": "user", "content": "Name a prime."}
+    uf = [{"prompt": "Name a prime.", "prompt_id": "x1", "chosen": [user, {"role": "assistant", "content": "7"}],
+           "rejected": [user, {"role": "assistant", "content": "8"}], "score_chosen": 9.0, "score_rejected": 2.0},
+          {"prompt": "other", "chosen": [user, {"role": "assistant", "content": "7"}],
+           "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}]}]
+    (example,), stats = load_one(write_jsonl(tmp_path / "uf.jsonl", uf), chat_tok)
+    assert (example.prompt, example.chosen, example.rejected) == (
+        "<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "7", "8")
+    assert stats.dropped == {"ultrafeedback_prompt_mismatch": 1} and stats.truncation_mode == "keep_end"
+
+
+def test_conversation_prompts_in_local_files_keep_their_end_by_default(tmp_path, llama_tok):
+    """A {prompt, chosen, rejected} file whose prompts end in "\\n\\nAssistant:" is truncated keep_end (it kept
+    the start before, cutting off the cue to reply); a plain prompt still keeps its start. A run that does cut a
+    cue (truncation_mode=keep_start) says so in the summary."""
+    prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
+    rows = [{"prompt": prompt, "chosen": " cats purr.", "rejected": " no."}]
+    full = llama_tok(prompt)["input_ids"]
+    (ex,), stats = load_one(write_jsonl(tmp_path / "conv.jsonl", rows), llama_tok, max_length=48,
+                            max_prompt_length=16)
+    assert stats.truncation_mode == "keep_end" and ex.prompt_ids.tolist() == full[:1] + full[-15:]
+    assert stats.reply_cues_cut == 0
+    plain = [{"prompt": prompt[len("\n\nHuman: "):-len("\n\nAssistant:")], "chosen": " a.", "rejected": " b."}]
+    assert load_one(write_jsonl(tmp_path / "plain.jsonl", plain), llama_tok, max_length=48,
+                    max_prompt_length=16)[1].truncation_mode == "keep_start"
+    (_,), stats = load_one(str(tmp_path / "conv.jsonl"), llama_tok, max_length=48, max_prompt_length=16,
+                           truncation_mode="keep_start")
+    assert stats.reply_cues_cut == 1
+    assert "warning: reply_cues_cut=1" in pd.dataset_summary([stats])
+
+
 def test_strip_html_keeps_text_and_code():
     assert pd.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>") == \
         "a < b\n\none\n\ntwo\n\nx\n  y"
@@ -538,6 +609,10 @@ BAD_CASES = {
     "empty_list.json": ["no rows"],
     "item_missing_field.json": ["item 2", "missing field 'rejected'"],
     "wrong_extension.csv": ["expected a .jsonl or .json file", "'.csv'"],
+    "hh_missing_rejected.jsonl": ["line 2", "missing field 'rejected'", "Anthropic HH fields chosen, rejected"],
+    "hh_then_pairs.jsonl": ["line 2", "first row has the Anthropic HH {chosen, rejected} transcript shape"],
+    "shp_labels_not_binary.jsonl": ["line 1", "field 'labels'", "expected 0 or 1"],
+    "ultrafeedback_reply_not_assistant.jsonl": ["line 2", "field 'rejected'", "last message must be the assistant"],
 }
 
 
