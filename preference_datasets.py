@@ -13,7 +13,7 @@ Sources (`datasets=[...]` in the config):
     hh             Anthropic/hh-rlhf                      prompts truncated keep_end (keeps the latest turns)
     shp            stanfordnlp/SHP                        score ratio >= 2, SFT target = best-scored response
     se             HuggingFaceH4/stack-exchange-preferences  HTML stripped, no ties, 1% held out as 'test'
-    ultrafeedback  HuggingFaceH4/ultrafeedback_binarized  chat messages rendered with the tokenizer's template
+    ultrafeedback  HuggingFaceH4/ultrafeedback_binarized  chat messages rendered with the tokenizer's template, keep_end
     toy            toy/data/{split}.jsonl next to this file (a local file, below)
     path/to/file.jsonl | .json  a local file; '{split}' in the path is replaced by the split name, otherwise
                    the same file serves every split (then eval measures fit to the training data).
@@ -32,7 +32,13 @@ rendered with the tokenizer's chat template:
      "rejected": [{"role": "assistant", "content": "8"}]}
 
 (chosen/rejected may also repeat the prompt's messages before the reply, as UltraFeedback does). Extra fields
-are ignored; blank lines are skipped. Anything else raises DataError naming the file, line, field and what
+are ignored; blank lines are skipped. A local export of a hub source in its raw shape also loads, with that
+source's converter (same splitting, dropping and counting): Anthropic HH rows {chosen, rejected} of whole
+"\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts, SHP rows {history, human_ref_A, human_ref_B, labels, score_A,
+score_B}, UltraFeedback rows whose chosen/rejected are whole conversations (LOCAL_SHAPES; the first row decides,
+every row must match). Default truncation of a local file's prompts: keep_end when they end by cueing the reply
+("\\n\\nAssistant:" or chat form), since keep_start would cut the cue off; keep_start otherwise, and for SHP (as
+the hub source). Wherever keep_start does cut a cue, the summary says so (reply_cues_cut). Anything else raises DataError naming the file, line, field and what
 was expected: malformed rows are never skipped. validate_sources() runs these checks without a tokenizer.
 
 Departures from the original DPO code, numbered:
@@ -942,7 +948,8 @@ def load_tokenized(names: list[str], tokenizer: Any, split: str, *, max_length: 
     """Every source in `names`, tokenized (from the cache when it is there), concatenated in order.
 
     Returns (examples, one SourceStats per source). Prints dataset_summary() unless silent.
-    truncation_mode None means each source's default (hh keep_end, the others keep_start).
+    truncation_mode None means each source's default (hh, ultrafeedback and conversation-shaped local files
+    keep_end, the others keep_start).
     """
     if truncation_mode not in (None, *TRUNCATION_MODES):
         raise ValueError(f"truncation_mode={truncation_mode!r}: expected null or one of {TRUNCATION_MODES}")
