@@ -122,23 +122,30 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     """
     n = inputs["input_ids"].size(0)
     kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
-    scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
-    owner = owner[:, 1:][scored]
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
+    # Under device_map (several GPUs) the inputs sit on the first GPU, the backbone's output and the LM head on
+    # the last: labels, the scored-position mask and the owners follow the tensor they index (`to` is free when
+    # the devices are the same), so every op below runs on one device.
     if tiled:
         hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
-        hidden = hidden.to(head.weight.dtype)  # under autocast the backbone's output is in the compute dtype
+        # under autocast the backbone's output is in the compute dtype
+        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
+        labels, owner = labels.to(hidden.device), owner.to(hidden.device)
+        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
         out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
                                         with_entropy=entropy is not None, **lm_head_extras(model.config))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
         logits = model(**kwargs, use_cache=False).logits
+        labels, owner = labels.to(logits.device), owner.to(logits.device)
+        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
         logps = losses.per_token_logps(logits, labels)[0][scored]
         token_entropy = None
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 token_entropy = losses.entropy_from_logits(logits, **entropy)[:, :-1][scored]
+    owner = owner[:, 1:][scored]
     sums = logps.new_zeros(n).index_add(0, owner, logps)
     counts = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
     mean_entropy = None

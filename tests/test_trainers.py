@@ -144,3 +144,22 @@ def test_token_budget_groups_pairs_and_trims_padding(skewed_inputs):
     sizes = [int(m["chosen_attention_mask"].sum() + m["rejected_attention_mask"].sum()) for m in micro]
     assert all(s <= 100 or len(m["prompt"]) == 1 for s, m in zip(sizes, micro))  # within budget, or one big pair
     assert all(m["chosen_input_ids"].size(1) == int(m["chosen_attention_mask"].sum(1).max()) for m in micro)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkeypatch):
+    """device_map on several GPUs: inputs on the first device, the LM head (and so hidden states and logits) on
+    the last. CPU has one device, so the head goes to `meta` with a pre-hook moving its input there, as
+    accelerate's device_map hooks do; every tensor forward_logps indexes must follow it to `meta` (a mask or
+    label left on the input device raises). Meta cannot run data-dependent masking, so nonzero is told to
+    assume every element is selected: shapes, not values, are what this checks."""
+    import torch.fx.experimental._config as fx_config
+    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: contextlib.nullcontext())  # no autocast on meta
+    model = tiny_models()["llama"].eval()
+    head = model.get_output_embeddings().to("meta")
+    head.register_forward_pre_hook(lambda module, args: tuple(a.to("meta") for a in args))
+    with torch.no_grad():
+        sums, counts, _ = trainers.forward_logps(model, skewed_inputs, tiled=tiled)
+    n = skewed_inputs["input_ids"].size(0)
+    assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
