@@ -163,3 +163,27 @@ def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkey
         sums, counts, _ = trainers.forward_logps(model, skewed_inputs, tiled=tiled)
     n = skewed_inputs["input_ids"].size(0)
     assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
+
+
+def test_offloaded_optimizer_state_steps_on_the_parameters_device():
+    """fsdp.optimizer_offload with parameters kept on CPU (FSDP1 CPUOffload, FSDP2 CPUOffloadPolicy) while the
+    trainer's device is the GPU: the Adam state must come to the parameters' device for the step, and go back to
+    CPU after it. `meta` stands in for the GPU (a step on CPU parameters with state there raises)."""
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    trainer = object.__new__(trainers.FSDPTrainer)  # only the hook under test: no process group needed
+    trainer.fsdp, trainer.optimizer, trainer.device = SimpleNamespace(optimizer_offload=True), optimizer, torch.device("meta")
+    expected = torch.nn.Linear(4, 3)
+    expected.load_state_dict(layer.state_dict())
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=0.1)
+    for _ in range(2):  # the second step is the one that reads offloaded state
+        for model in (layer, expected):
+            model.zero_grad()
+            model(torch.ones(2, 4)).pow(2).sum().backward()
+        trainer.step_optimizer()
+        expected_optimizer.step()
+    assert {v.device.type for s in optimizer.state.values() for v in s.values()} == {"cpu"}
+    for a, b in zip(layer.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
