@@ -108,14 +108,29 @@ def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
         assert worst <= 1e-5, (name, worst)
 
 
-def test_precomputed_reference_equals_online_and_is_cached(tmp_path, capsys):
-    run(tmp_path / "first", "precompute_ref_log_probs=true", "local_dirs=[" + str(tmp_path / "cache") + "]")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        train_py.main([*FAST, f"run_dir={tmp_path / 'second'}", "precompute_ref_log_probs=true",
-                       "local_dirs=[" + str(tmp_path / "cache") + "]"])
-    assert "reference log-probs of train: 16 cached" in out.getvalue() and "0 to compute" in out.getvalue()
-    assert "reference model freed" in out.getvalue()
+def test_precomputed_reference_equals_online_and_is_read_from_the_cache(tmp_path):
+    """Precomputed equals online: the same weights after two steps and the same rewards. Then the cache is what a
+    later run reads: shifting its chosen column by +1 nat shifts that run's chosen rewards by -beta = -0.1
+    (rewards are beta * (policy - reference)) and leaves the rejected rewards alone."""
+    cache, log_all = "local_dirs=[" + str(tmp_path / "cache") + "]", "minimum_log_interval_secs=0"
+    online = run(tmp_path / "online", log_all)
+    first = run(tmp_path / "first", "precompute_ref_log_probs=true", cache, log_all)
+    assert max((first[k] - online[k]).abs().max().item() for k in online) <= 1e-5
+
+    def first_step(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return next(r for r in map(json.loads, lines) if "loss/train" in r)
+    assert first_step("first")["rewards_train/chosen"] == pytest.approx(first_step("online")["rewards_train/chosen"], abs=1e-6)
+    tables = sorted((tmp_path / "cache" / "reference_logps").glob("*.pt"))
+    assert [p.name.split("-")[0] for p in tables] == ["test", "train"]
+    for path in tables:
+        table = torch.load(path, weights_only=True)
+        table[:, 0] += 1.0
+        torch.save(table, path)
+    run(tmp_path / "second", "precompute_ref_log_probs=true", cache, log_all)
+    before, after = first_step("first"), first_step("second")
+    assert after["rewards_train/chosen"] == pytest.approx(before["rewards_train/chosen"] - 0.1, abs=1e-5)
+    assert after["rewards_train/rejected"] == pytest.approx(before["rewards_train/rejected"], abs=1e-6)
 
 
 def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
