@@ -28,6 +28,8 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
   5. Checkpoints are atomic, resumable (optimizer, scheduler, RNG, data position) and come with a
      Hugging Face export; `debug=true` writes none.
   6. The final evaluation runs at the end of training too, and evaluation metrics average the whole eval set.
+  7. On GPUs the process group is cpu:gloo,cuda:nccl (CPU tensors take gloo); the non-finite guard decides once for
+     all ranks; rank 0's lone work (loading weights, writing checkpoints) is waited for with a long timeout of its own.
 """
 from __future__ import annotations
 
