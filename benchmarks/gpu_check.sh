@@ -35,7 +35,7 @@ WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 RUN_TIMEOUT=${RUN_TIMEOUT:-900}
 mkdir -p "$WORK/logs" "$WORK/runs"
 
-WORLD=$(( NGPU > 1 ? NGPU : (MODE == "cpu" ? 2 : 1) ))
+WORLD=$(( NGPU > 1 ? NGPU : 1 )); [ "$MODE" = cpu ] && WORLD=2  # the CPU check runs 2 gloo ranks
 BATCH=$(( 4 * WORLD ))
 COMMON=(datasets=[toy] model.tokenizer_name_or_path=toy/tiny-llama model.policy_dtype=float32
         model.reference_dtype=float32 loss=dpo loss.beta=0.1 optimizer=AdamW lr=1e-5 warmup_steps=0

@@ -39,7 +39,9 @@ def configs(size: str) -> dict:
 
 def build(out: Path, size: str) -> None:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
+    transformers.utils.logging.disable_progress_bar()  # stdout is the list of models the script reads
     for name, config in configs(size).items():
         path = out / f"{name}-{size}"
         if not (path / "config.json").exists():  # reused between runs of the script
