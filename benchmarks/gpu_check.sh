@@ -37,7 +37,7 @@ mkdir -p "$WORK/logs" "$WORK/runs"
 
 WORLD=$(( NGPU > 1 ? NGPU : 1 )); [ "$MODE" = cpu ] && WORLD=2  # the CPU check runs 2 gloo ranks
 BATCH=$(( 4 * WORLD ))
-COMMON=(datasets=[toy] model.tokenizer_name_or_path=toy/tiny-llama model.policy_dtype=float32
+COMMON=(datasets=[toy] model.tokenizer_name_or_path=toy/tiny-llama model.block_name=null model.policy_dtype=float32
         model.reference_dtype=float32 loss=dpo loss.beta=0.1 optimizer=AdamW lr=1e-5 warmup_steps=0
         batch_size=$BATCH eval_batch_size=$BATCH n_eval_examples=$BATCH n_examples=$(( BATCH * STEPS ))
         eval_every=$(( BATCH * STEPS )) n_epochs=null max_length=256 max_prompt_length=128 do_first_eval=false
@@ -96,7 +96,7 @@ while IFS=$'\t' read -r arch path; do
       printf '%-8s %-28s %-5s %-6s %10s %8s\n' "$arch" "$name" "$gpus" ok "$pairs" "$mfu"
     else
       failed=$((failed + 1))
-      printf '%-8s %-28s %-5s %-6s %10s %8s   (%s)\n' "$arch" "$name" "$gpus" FAIL - - "$(grep -E 'Error|error' "$WORK/logs/$arch-$name.log" | tail -1 | cut -c1-100)"
+      printf '%-8s %-28s %-5s %-6s %10s %8s   (%s)\n' "$arch" "$name" "$gpus" FAIL - - "$(grep -m1 -E '(Error|Exception|what\(\)):' "$WORK/logs/$arch-$name.log" | cut -c1-160)"
     fi
   done
 done <<< "$MODELS"

@@ -85,7 +85,7 @@ def test_precomputed_reference_tables_go_through_nccl_runs(tmp_path):
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
 def test_architectures_train_under_fsdp_in_bf16(tmp_path, models, arch, strategy):
-    train(tmp_path, f"{arch}-{strategy}", f"model.name_or_path={models[arch]}", "trainer=FSDPTrainer",
+    train(tmp_path, f"{arch}-{strategy}", f"model.name_or_path={models[arch]}", "model.block_name=null", "trainer=FSDPTrainer",
           f"fsdp.strategy={strategy}", "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}")
 
 
