@@ -28,12 +28,13 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
   5. Checkpoints are atomic, resumable (optimizer, scheduler, RNG, data position) and come with a
      Hugging Face export; `debug=true` writes none.
   6. The final evaluation runs at the end of training too, and evaluation metrics average the whole eval set.
+  7. On GPUs the process group is cpu:gloo,cuda:nccl (CPU tensors take gloo); the non-finite guard decides once for
+     all ranks; rank 0's lone work (loading weights, writing checkpoints) is waited for with a long timeout of its own.
 """
 from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
@@ -133,6 +134,9 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
                                " device_map, which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
+    if world_size > 1:  # rank 0 read the weights alone; the others wait without collective_timeout_secs
+        from utils import wait_for_rank0
+        wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy.to("cuda")
         if reference is not None:
@@ -173,20 +177,19 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
 def distributed_worker(cfg, run_dir: str | None) -> None:
     """Join the process group (env://), agree on the run directory, train, leave."""
     import torch
-    import torch.distributed as dist
 
-    from utils import broadcast_object
+    from utils import broadcast_object, destroy_distributed, init_distributed
 
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    # A hung collective (a dead peer) raises after this timeout instead of waiting forever.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.collective_timeout_secs))
+    # cpu:gloo,cuda:nccl on GPUs (CPU tensors take gloo); collectives time out after collective_timeout_secs.
+    init_distributed(cfg.collective_timeout_secs, cuda=torch.cuda.is_available())
     try:
         run_dir = broadcast_object(str(prepare_run_dir(cfg)) if rank == 0 and run_dir is None else run_dir)
         worker_main(rank, world_size, cfg, run_dir)
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def launch(cfg) -> None:

@@ -122,23 +122,30 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     """
     n = inputs["input_ids"].size(0)
     kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
-    scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
-    owner = owner[:, 1:][scored]
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
+    # Under device_map (several GPUs) the inputs sit on the first GPU, the backbone's output and the LM head on
+    # the last: labels, the scored-position mask and the owners follow the tensor they index (`to` is free when
+    # the devices are the same), so every op below runs on one device.
     if tiled:
         hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
-        hidden = hidden.to(head.weight.dtype)  # under autocast the backbone's output is in the compute dtype
+        # under autocast the backbone's output is in the compute dtype
+        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
+        labels, owner = labels.to(hidden.device), owner.to(hidden.device)
+        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
         out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
                                         with_entropy=entropy is not None, **lm_head_extras(model.config))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
         logits = model(**kwargs, use_cache=False).logits
+        labels, owner = labels.to(logits.device), owner.to(logits.device)
+        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
         logps = losses.per_token_logps(logits, labels)[0][scored]
         token_entropy = None
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 token_entropy = losses.entropy_from_logits(logits, **entropy)[:, :-1][scored]
+    owner = owner[:, 1:][scored]
     sums = logps.new_zeros(n).index_add(0, owner, logps)
     counts = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
     mean_entropy = None
@@ -245,6 +252,9 @@ class BasicTrainer:
 
     def barrier(self) -> None:
         pass  # one process
+
+    def all_ranks_finite(self, finite: bool) -> bool:
+        return finite  # one process: its own decision
 
     # --- geometry ---------------------------------------------------------------------------------------
     def print_geometry(self) -> None:
@@ -385,6 +395,7 @@ class BasicTrainer:
         step_metrics["tokens"] = [torch.tensor([float(tokens)], device=self.device)]
         grad_norm = self.clip_gradient()
         finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
+        finite = self.all_ranks_finite(finite)  # every rank steps, or every rank skips
         if finite:
             self.step_optimizer()
             self.scheduler.step()
@@ -498,6 +509,7 @@ class BasicTrainer:
         self.precompute_reference()
         wandb_id = self.maybe_resume()
         self.init_logging(wandb_id)
+        self.barrier()  # W&B starts on rank 0 alone (up to minutes online); the others wait here, not in a collective
         resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
         bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=self.rank != 0,
                         dynamic_ncols=True)
@@ -1031,7 +1043,9 @@ class FSDPTrainer(BasicTrainer):
     def step_optimizer(self) -> None:
         """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl)."""
         if self.fsdp.optimizer_offload:
-            move_optimizer_state(self.optimizer, self.device)
+            # to each parameter's device, not self.device: under FSDP1 CPUOffload / FSDP2 CPUOffloadPolicy the
+            # parameters (and so the step) stay on CPU
+            move_optimizer_state(self.optimizer, None)
         super().step_optimizer()
         if self.fsdp.optimizer_offload:
             move_optimizer_state(self.optimizer, torch.device("cpu"))
@@ -1048,8 +1062,15 @@ class FSDPTrainer(BasicTrainer):
         return [x for part in out for x in part]
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-        dist.barrier()
+        """Wait for rank 0's lone checkpoint work (writes, fsyncs, hashes): a barrier that slow disks do not
+        time out (utils.RANK0_WORK_TIMEOUT, not collective_timeout_secs)."""
+        from utils import wait_for_rank0
+        wait_for_rank0()
+
+    def all_ranks_finite(self, finite: bool) -> bool:
+        """The losses are per rank: one rank's NaN must skip the step on all ranks, or the shards diverge."""
+        from utils import all_ranks_true
+        return all_ranks_true(finite, self.device)
 
     # --- checkpoints: sharded for resume, consolidated on rank 0 for everyone else -------------------------
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
@@ -1092,8 +1113,13 @@ def materialize(device: torch.device):
     return init
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> None:
+    """Every state tensor (not the step counters, which stay on CPU) to `device`, or with None to the device
+    of its own parameter (where the optimizer step runs)."""
+    for param, state in optimizer.state.items():
+        target = param.device if device is None else device
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+                # non_blocking only towards the GPU: a non-blocking copy to pageable CPU memory can be read
+                # before it has landed
+                state[key] = value.to(target, non_blocking=target.type == "cuda")

@@ -8,7 +8,7 @@ import os
 import random
 import socket
 from contextlib import closing
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -165,13 +165,71 @@ def user() -> str:
 # --------------------------------------------------------------------------------------------------------
 # Distributed helpers (the single-process path never calls these with world_size > 1)
 # --------------------------------------------------------------------------------------------------------
+# How long the other ranks wait for rank 0's lone work (loading the weights, writing, fsyncing and hashing a
+# checkpoint: ~140 GB at 7B with AdamW) before giving up. Far above collective_timeout_secs on purpose: that one
+# bounds waits for a dead or stuck peer inside training, this one bounds disk I/O. A rank 0 that dies still ends
+# the job at once (torchrun / mp.spawn stop the others); only a rank 0 that hangs is waited for this long.
+RANK0_WORK_TIMEOUT = timedelta(hours=2)
+_rank0_work_group = None  # a gloo group with RANK0_WORK_TIMEOUT, made by init_distributed
+
+
+def process_group_backend(cuda: bool) -> str:
+    """The backend string of the default process group: with GPUs "cpu:gloo,cuda:nccl" (as torchtitan), so
+    every collective takes the backend of its tensor's device (NCCL takes CUDA tensors only; the precomputed
+    reference tables, FSDP2 CPU-offloaded gradients and CPU flags go through gloo); without GPUs gloo alone."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_distributed(collective_timeout_secs: float, cuda: bool) -> None:
+    """Join the default process group (env://) and make the group `wait_for_rank0` waits in."""
+    global _rank0_work_group
+    # A hung collective (a dead peer) raises after this timeout instead of waiting forever.
+    dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=collective_timeout_secs))
+    _rank0_work_group = dist.new_group(backend="gloo", timeout=RANK0_WORK_TIMEOUT)
+
+
+def destroy_distributed() -> None:
+    global _rank0_work_group
+    _rank0_work_group = None
+    dist.destroy_process_group()
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here until rank 0 has finished work it does alone (loading weights, writing a
+    checkpoint). A barrier in a gloo group with RANK0_WORK_TIMEOUT, not collective_timeout_secs: slow disks
+    must not end a healthy run. Without init_distributed (a process group made elsewhere), the default group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=_rank0_work_group)
+
+
+def collective_device(tensor: torch.Tensor) -> torch.device:
+    """Where a collective on `tensor` can run: its own device when the default group has a backend for that
+    device type ("cpu:gloo,cuda:nccl" has both), else the current GPU (a group of nccl alone: CUDA only)."""
+    config = dist.get_backend_config()  # e.g. "cpu:gloo,cuda:nccl", or "cuda:nccl" for init_process_group("nccl")
+    types = {part.split(":")[0] for part in config.split(",")}
+    return tensor.device if tensor.device.type in types else torch.device("cuda")
+
+
 def all_gather_if_needed(values: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Concatenate `values` (same shape on every rank) across ranks along dim 0; a no-op in one process."""
+    """Concatenate `values` (same shape on every rank) across ranks along dim 0; a no-op in one process.
+    The result is on `values`' device whatever device the collective ran on."""
     if world_size == 1:
         return values
-    gathered = [torch.empty_like(values) for _ in range(world_size)]
-    dist.all_gather(gathered, values)
-    return torch.cat(gathered, dim=0)
+    sent = values.to(collective_device(values))
+    gathered = [torch.empty_like(sent) for _ in range(world_size)]
+    dist.all_gather(gathered, sent)
+    return torch.cat(gathered, dim=0).to(values.device)
+
+
+def all_ranks_true(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is True on every rank, else False on every rank: one decision for all
+    (e.g. skip a non-finite step everywhere, or nowhere). A CPU-GPU sync point."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    value = value.to(collective_device(value))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def formatted_dict(d: dict[str, Any]) -> dict[str, Any]:

@@ -196,14 +196,26 @@ def test_forward_only_evaluates_once_and_trains_nothing(tmp_path):
     assert not list((tmp_path / "run").glob("step-*")) and "Running evaluation after 0" in result.stdout
 
 
-def test_full_determinism_switches_on_deterministic_algorithms(tmp_path):
+def test_full_determinism_is_on_where_the_step_runs_only_when_asked(tmp_path, monkeypatch):
+    """On CPU two runs give equal weights with or without the flag, so equal weights cannot test it. What can:
+    inside a training step, deterministic algorithms are on and cuBLAS has its fixed workspace with the flag,
+    and neither without it."""
+    import os
+
+    import trainers
+    seen = []
+    step = trainers.BasicTrainer.train_step
+
+    def recorded(self, batch):
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return step(self, batch)
+    monkeypatch.setattr(trainers.BasicTrainer, "train_step", recorded)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    args = ["loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false", "do_first_eval=false"]
     try:
-        a = train(tmp_path / "a", "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false",
-                  "fsdp.full_determinism=true")
-        assert torch.are_deterministic_algorithms_enabled()
-        b = train(tmp_path / "b", "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false",
-                  "fsdp.full_determinism=true")
-        assert a.returncode == b.returncode == 0
-        assert_states_equal(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
+        train(tmp_path / "off", *args)
+        train(tmp_path / "on", *args, "fsdp.full_determinism=true")
     finally:
         torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, False
+    assert seen == [(False, None), (True, ":4096:8")]

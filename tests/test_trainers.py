@@ -108,14 +108,29 @@ def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
         assert worst <= 1e-5, (name, worst)
 
 
-def test_precomputed_reference_equals_online_and_is_cached(tmp_path, capsys):
-    run(tmp_path / "first", "precompute_ref_log_probs=true", "local_dirs=[" + str(tmp_path / "cache") + "]")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        train_py.main([*FAST, f"run_dir={tmp_path / 'second'}", "precompute_ref_log_probs=true",
-                       "local_dirs=[" + str(tmp_path / "cache") + "]"])
-    assert "reference log-probs of train: 16 cached" in out.getvalue() and "0 to compute" in out.getvalue()
-    assert "reference model freed" in out.getvalue()
+def test_precomputed_reference_equals_online_and_is_read_from_the_cache(tmp_path):
+    """Precomputed equals online: the same weights after two steps and the same rewards. Then the cache is what a
+    later run reads: shifting its chosen column by +1 nat shifts that run's chosen rewards by -beta = -0.1
+    (rewards are beta * (policy - reference)) and leaves the rejected rewards alone."""
+    cache, log_all = "local_dirs=[" + str(tmp_path / "cache") + "]", "minimum_log_interval_secs=0"
+    online = run(tmp_path / "online", log_all)
+    first = run(tmp_path / "first", "precompute_ref_log_probs=true", cache, log_all)
+    assert max((first[k] - online[k]).abs().max().item() for k in online) <= 1e-5
+
+    def first_step(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return next(r for r in map(json.loads, lines) if "loss/train" in r)
+    assert first_step("first")["rewards_train/chosen"] == pytest.approx(first_step("online")["rewards_train/chosen"], abs=1e-6)
+    tables = sorted((tmp_path / "cache" / "reference_logps").glob("*.pt"))
+    assert [p.name.split("-")[0] for p in tables] == ["test", "train"]
+    for path in tables:
+        table = torch.load(path, weights_only=True)
+        table[:, 0] += 1.0
+        torch.save(table, path)
+    run(tmp_path / "second", "precompute_ref_log_probs=true", cache, log_all)
+    before, after = first_step("first"), first_step("second")
+    assert after["rewards_train/chosen"] == pytest.approx(before["rewards_train/chosen"] - 0.1, abs=1e-5)
+    assert after["rewards_train/rejected"] == pytest.approx(before["rewards_train/rejected"], abs=1e-6)
 
 
 def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
@@ -144,3 +159,46 @@ def test_token_budget_groups_pairs_and_trims_padding(skewed_inputs):
     sizes = [int(m["chosen_attention_mask"].sum() + m["rejected_attention_mask"].sum()) for m in micro]
     assert all(s <= 100 or len(m["prompt"]) == 1 for s, m in zip(sizes, micro))  # within budget, or one big pair
     assert all(m["chosen_input_ids"].size(1) == int(m["chosen_attention_mask"].sum(1).max()) for m in micro)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkeypatch):
+    """device_map on several GPUs: inputs on the first device, the LM head (and so hidden states and logits) on
+    the last. CPU has one device, so the head goes to `meta` with a pre-hook moving its input there, as
+    accelerate's device_map hooks do; every tensor forward_logps indexes must follow it to `meta` (a mask or
+    label left on the input device raises). Meta cannot run data-dependent masking, so nonzero is told to
+    assume every element is selected: shapes, not values, are what this checks."""
+    import torch.fx.experimental._config as fx_config
+    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: contextlib.nullcontext())  # no autocast on meta
+    model = tiny_models()["llama"].eval()
+    head = model.get_output_embeddings().to("meta")
+    head.register_forward_pre_hook(lambda module, args: tuple(a.to("meta") for a in args))
+    with torch.no_grad():
+        sums, counts, _ = trainers.forward_logps(model, skewed_inputs, tiled=tiled)
+    n = skewed_inputs["input_ids"].size(0)
+    assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
+
+
+def test_offloaded_optimizer_state_steps_on_the_parameters_device():
+    """fsdp.optimizer_offload with parameters kept on CPU (FSDP1 CPUOffload, FSDP2 CPUOffloadPolicy) while the
+    trainer's device is the GPU: the Adam state must come to the parameters' device for the step, and go back to
+    CPU after it. `meta` stands in for the GPU (a step on CPU parameters with state there raises)."""
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    trainer = object.__new__(trainers.FSDPTrainer)  # only the hook under test: no process group needed
+    trainer.fsdp, trainer.optimizer, trainer.device = SimpleNamespace(optimizer_offload=True), optimizer, torch.device("meta")
+    expected = torch.nn.Linear(4, 3)
+    expected.load_state_dict(layer.state_dict())
+    expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=0.1)
+    for _ in range(2):  # the second step is the one that reads offloaded state
+        for model in (layer, expected):
+            model.zero_grad()
+            model(torch.ones(2, 4)).pow(2).sum().backward()
+        trainer.step_optimizer()
+        expected_optimizer.step()
+    assert {v.device.type for s in optimizer.state.values() for v in s.values()} == {"cpu"}
+    for a, b in zip(layer.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

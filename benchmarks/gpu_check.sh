@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU check of issue 11: small random GPT-2 / Llama / Qwen2 models (benchmarks/gpu_models.py) trained with DPO
+# on 1 GPU and on all GPUs of this node (nccl; train.py starts one process per GPU), fp32 and bf16, under
+# BasicTrainer, FSDP1 and FSDP2 with each FSDP knob. Prints one row per run (pairs/s and MFU: medians over the
+# steps after the first) and exits non-zero when any run failed; each run's log is under $WORK/logs/.
+#
+#   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs (~40 runs of ~30 s)
+#   bash benchmarks/gpu_check.sh --dry-run       # print the commands, run nothing
+#   bash benchmarks/gpu_check.sh --cpu           # the script's own check on CPU: tiny Llama, 1 process + 2 gloo ranks
+#
+# Environment: ARCHS ("gpt2 llama qwen2"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS (the GPU's bf16
+# matmul peak for MFU, e.g. 989 for an H100 SXM; unset = measured by each run), WORK (a temporary directory),
+# RUN_TIMEOUT (seconds per run, 900).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=gpu
+case "${1:-}" in
+  --dry-run) MODE=dry ;;
+  --cpu) MODE=cpu ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run|--cpu]" >&2; exit 2 ;;
+esac
+
+if [ "$MODE" = cpu ]; then
+  NGPU=0; ARCHS=${ARCHS:-llama}; SIZE=${SIZE:-tiny}
+else
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())") || exit 1
+  if [ "$MODE" = gpu ] && [ "$NGPU" -lt 1 ]; then echo "no CUDA device: use --cpu or --dry-run" >&2; exit 1; fi
+  [ "$NGPU" -lt 1 ] && NGPU=8  # --dry-run without GPUs: show the commands of an 8-GPU node
+  ARCHS=${ARCHS:-gpt2 llama qwen2}; SIZE=${SIZE:-small}
+fi
+STEPS=${STEPS:-5}
+WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+RUN_TIMEOUT=${RUN_TIMEOUT:-900}
+mkdir -p "$WORK/logs" "$WORK/runs"
+
+WORLD=$(( NGPU > 1 ? NGPU : 1 )); [ "$MODE" = cpu ] && WORLD=2  # the CPU check runs 2 gloo ranks
+BATCH=$(( 4 * WORLD ))
+COMMON=(datasets=[toy] model.tokenizer_name_or_path=toy/tiny-llama model.block_name=null model.policy_dtype=float32
+        model.reference_dtype=float32 loss=dpo loss.beta=0.1 optimizer=AdamW lr=1e-5 warmup_steps=0
+        batch_size=$BATCH eval_batch_size=$BATCH n_eval_examples=$BATCH n_examples=$(( BATCH * STEPS ))
+        eval_every=$(( BATCH * STEPS )) n_epochs=null max_length=256 max_prompt_length=128 do_first_eval=false
+        sample_during_eval=false minimum_log_interval_secs=0 wandb.enabled=false)
+[ -n "${PEAK_TFLOPS:-}" ] && COMMON+=(peak_tflops=$PEAK_TFLOPS)
+BF16_MP="fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"
+
+# name | GPUs used ("1" or "all") | arguments, separated by ';'
+SETTINGS=()
+if [ "$MODE" = cpu ]; then
+  SETTINGS+=("basic_fp32|1|trainer=BasicTrainer"
+             "fsdp2_fp32|all|trainer=FSDPTrainer;fsdp.strategy=fsdp2;n_workers=2"
+             "fsdp1_knobs|all|trainer=FSDPTrainer;fsdp.strategy=fsdp;n_workers=2;activation_checkpointing=true;fsdp.optimizer_offload=true")
+else
+  SETTINGS+=("basic_fp32|1|trainer=BasicTrainer" "basic_bf16|1|trainer=BasicTrainer;fsdp.mixed_precision={param_dtype: bf16}")
+  [ "$NGPU" -gt 1 ] && SETTINGS+=("basic_device_map_tiled|all|trainer=BasicTrainer;tiled_lm_head=true")
+  for s in fsdp fsdp2; do
+    offload=$([ $s = fsdp ] && echo fsdp.param_offload=true || echo fsdp.offload_policy=true)
+    SETTINGS+=("${s}_fp32|all|trainer=FSDPTrainer;fsdp.strategy=$s"
+               "${s}_bf16|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP"
+               "${s}_bf16_no_reshard|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.reshard_after_forward=false"
+               "${s}_bf16_prefetch|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.forward_prefetch=true"
+               "${s}_bf16_act_ckpt|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;activation_checkpointing=true"
+               "${s}_bf16_offload|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;$offload;fsdp.optimizer_offload=true"
+               "${s}_bf16_precomputed_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;precompute_ref_log_probs=true;padding_free=true")
+    [ "$NGPU" -gt 1 ] && SETTINGS+=("${s}_bf16_replicate|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.fsdp_size=1")
+  done
+  SETTINGS+=("fsdp_bf16_orig_params|all|trainer=FSDPTrainer;fsdp.strategy=fsdp;$BF16_MP;fsdp.use_orig_params=true")
+fi
+
+if [ "$MODE" = dry ]; then
+  MODELS=$(for a in $ARCHS; do printf '%s\t%s\n' "$a" "$WORK/models/$a-$SIZE"; done)
+else
+  MODELS=$(python benchmarks/gpu_models.py build "$WORK/models" --size "$SIZE") || { echo "building the models failed" >&2; exit 1; }
+fi
+
+echo "gpu_check: mode $MODE, $NGPU GPU(s), world $WORLD for 'all', archs [$ARCHS], size $SIZE, $STEPS steps, work dir $WORK"
+printf '%-8s %-28s %-5s %-6s %10s %8s\n' arch setting gpus status pairs/s MFU
+failed=0
+while IFS=$'\t' read -r arch path; do
+  [[ " $ARCHS " == *" $arch "* ]] || continue
+  for setting in "${SETTINGS[@]}"; do
+    IFS='|' read -r name gpus args <<< "$setting"
+    run_dir="$WORK/runs/$arch-$name"
+    IFS=';' read -ra argv <<< "$args"
+    cmd=(python -u train.py "${COMMON[@]}" "model.name_or_path=$path" "run_dir=$run_dir" "${argv[@]}")
+    visible=$([ "$gpus" = 1 ] && [ "$MODE" = gpu ] && echo "CUDA_VISIBLE_DEVICES=0" || echo "")
+    if [ "$MODE" = dry ]; then
+      printf '%s ' $visible; printf '%q ' "${cmd[@]}"; echo
+      continue
+    fi
+    rm -rf "$run_dir"
+    if env $visible timeout "$RUN_TIMEOUT" "${cmd[@]}" > "$WORK/logs/$arch-$name.log" 2>&1 \
+       && numbers=$(python benchmarks/gpu_models.py summarize "$run_dir" 2>>"$WORK/logs/$arch-$name.log"); then
+      IFS=$'\t' read -r pairs mfu <<< "$numbers"
+      printf '%-8s %-28s %-5s %-6s %10s %8s\n' "$arch" "$name" "$gpus" ok "$pairs" "$mfu"
+    else
+      failed=$((failed + 1))
+      printf '%-8s %-28s %-5s %-6s %10s %8s   (%s)\n' "$arch" "$name" "$gpus" FAIL - - "$(grep -m1 -E '(Error|Exception|what\(\)):' "$WORK/logs/$arch-$name.log" | cut -c1-160)"
+    fi
+  done
+done <<< "$MODELS"
+
+[ "$MODE" = dry ] && exit 0
+echo "gpu_check: $failed run(s) failed; logs in $WORK/logs"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,84 @@
+"""The helper benchmarks/gpu_check.sh calls: build small random models, summarize a run.
+
+    python benchmarks/gpu_models.py build OUT_DIR [--size tiny|small]   # prints "name<TAB>path" per model
+    python benchmarks/gpu_models.py summarize RUN_DIR                   # prints "pairs/s<TAB>MFU" (median of steps)
+
+Models are built offline from transformers config classes, with random weights and the toy tokenizer's vocabulary
+(512), one per architecture family whose quirks break distributed code: GPT-2 (tied embeddings, learned positions,
+Conv1D), Llama (RoPE, GQA, untied), Qwen2 (tied, qkv bias). `tiny` (~0.3M parameters) checks correctness fast;
+`small` (~20-40M) gives throughput numbers worth reading.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+VOCAB = 512  # the toy tokenizer's (toy/tiny-llama), which every model here is trained with
+SIZES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128),
+         "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, mlp=2048)}
+
+
+def configs(size: str) -> dict:
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    s = SIZES[size]
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return {
+        "gpt2": GPT2Config(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"], n_inner=s["mlp"], n_positions=512,
+                           tie_word_embeddings=True, **common),
+        "llama": LlamaConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                             num_key_value_heads=s["kv_heads"], intermediate_size=s["mlp"], max_position_embeddings=512,
+                             tie_word_embeddings=False, **common),
+        "qwen2": Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                             num_key_value_heads=s["kv_heads"], intermediate_size=s["mlp"], max_position_embeddings=512,
+                             tie_word_embeddings=True, **common),
+    }
+
+
+def build(out: Path, size: str) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    transformers.utils.logging.disable_progress_bar()  # stdout is the list of models the script reads
+    for name, config in configs(size).items():
+        path = out / f"{name}-{size}"
+        if not (path / "config.json").exists():  # reused between runs of the script
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        print(f"{name}\t{path}")
+
+
+def summarize(run_dir: Path) -> int:
+    """Median pairs/s and MFU over the training steps after the first (warm-up, compilation, allocator)."""
+    path = run_dir / "metrics.jsonl"
+    steps = [r for r in map(json.loads, path.read_text().splitlines())
+             if "throughput/pairs_per_second" in r] if path.exists() else []
+    steps = steps[1:] or steps
+    if not steps or any(r.get("loss/train") is None for r in steps):  # no step, or a non-finite loss (logged as null)
+        print(f"no finite training step in {path}", file=sys.stderr)
+        return 1
+    pairs = statistics.median(r["throughput/pairs_per_second"] for r in steps)
+    mfu = statistics.median(r["throughput/mfu"] for r in steps)
+    print(f"{pairs:.2f}\t{100 * mfu:.2f}%")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("out", type=Path)
+    b.add_argument("--size", choices=sorted(SIZES), default="small")
+    s = sub.add_parser("summarize")
+    s.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    if args.command == "build":
+        build(args.out, args.size)
+        return 0
+    return summarize(args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

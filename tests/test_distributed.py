@@ -1,0 +1,158 @@
+"""What two ranks must agree on, with real gloo processes: the collective helpers, one non-finite decision for
+all ranks, and rank 0's lone slow work (loading weights, writing and hashing checkpoints) under a short
+collective_timeout_secs.
+
+As tests/test_fsdp.py, ONE pair of processes (~15 s of imports) runs every scenario in turn, each through
+train.py's own distributed_worker (its process group, its run directory) on its own port; each rank saves what
+it saw and the tests read it.
+"""
+import contextlib
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+import train as train_py
+import trainers
+import utils
+from config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+        "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
+        "loss=dpo", "do_first_eval=false", "sample_during_eval=false", "minimum_log_interval_secs=0",
+        "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "trainer=FSDPTrainer"]
+TIMEOUT_SECS, SLOW_SECS = 3, 6  # rank 0's slow work takes twice collective_timeout_secs
+
+
+def helpers(rank: int, world_size: int) -> dict:
+    """utils' collective helpers on CPU tensors, in a process group made as train.py makes it."""
+    utils.init_distributed(30, cuda=False)
+    try:
+        values = torch.arange(3.0) + 10 * rank
+        gathered = utils.all_gather_if_needed(values, rank, world_size)
+        return {"backend": dist.get_backend_config(), "gathered": gathered, "gathered_device": str(gathered.device),
+                "all_true_when_one_false": utils.all_ranks_true(rank == 0, torch.device("cpu")),
+                "all_true_when_all_true": utils.all_ranks_true(True, torch.device("cpu"))}
+    finally:
+        utils.destroy_distributed()
+
+
+def slow_rank0(rank: int, run_dir: Path) -> dict:
+    """Rank 0 takes SLOW_SECS to load the weights and SLOW_SECS to hash each checkpoint while the other rank waits;
+    collective_timeout_secs is TIMEOUT_SECS. The run must complete."""
+    load_models, write_manifest = train_py.load_models, trainers.write_manifest
+
+    def slow(fn):
+        def run(*args, **kwargs):
+            if rank == 0:
+                time.sleep(SLOW_SECS)
+            return fn(*args, **kwargs)
+        return run
+    train_py.load_models, trainers.write_manifest = slow(load_models), slow(write_manifest)
+    cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp", f"collective_timeout_secs={TIMEOUT_SECS}", f"run_dir={run_dir}"])
+    start = time.time()
+    try:
+        train_py.distributed_worker(cfg, None)
+        return {"completed": True, "seconds": time.time() - start}
+    except Exception as e:  # recorded for the test to show; the other rank fails the same way
+        return {"completed": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        train_py.load_models, trainers.write_manifest = load_models, write_manifest
+
+
+def nan_on_rank1(rank: int, run_dir: Path) -> dict:
+    """Rank 1's loss is NaN at the one step (its gradient stays finite: a NaN constant added to the loss), rank 0's
+    is finite. Both ranks must skip the step."""
+    get_batch_metrics, train_step = trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step
+    seen = {}
+
+    def poisoned(self, batch, split):
+        loss, metrics = get_batch_metrics(self, batch, split)
+        if rank == 1 and split == "train":
+            nan = torch.tensor(float("nan"))
+            loss = loss + nan
+            metrics = {k: v + nan if k.startswith("loss") else v for k, v in metrics.items()}
+        return loss, metrics
+
+    def recorded(self, batch):
+        out = train_step(self, batch)
+        seen["nonfinite_steps"] = out["nonfinite_steps"]
+        return out
+    trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step = poisoned, recorded
+    cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"])
+    start = time.time()
+    try:
+        train_py.distributed_worker(cfg, None)
+        return {**seen, "seconds": time.time() - start}
+    finally:
+        trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step = get_batch_metrics, train_step
+
+
+def worker(rank, world_size, ports, out_dir):
+    out = Path(out_dir)
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = {}
+    scenarios = {"helpers": lambda: helpers(rank, world_size), "slow_rank0": lambda: slow_rank0(rank, out / "slow"),
+                 "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan")}
+    for (name, scenario), port in zip(scenarios.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        with contextlib.redirect_stdout(io.StringIO()):
+            results[name] = scenario()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    ports = [utils.get_open_port() for _ in range(3)]
+    mp.spawn(worker, args=(2, ports, str(out)), nprocs=2, join=True)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_process_group_backend_gives_cpu_tensors_gloo_next_to_nccl():
+    assert utils.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
+    assert utils.process_group_backend(cuda=False) == "gloo"
+
+
+def test_collective_device_moves_cpu_tensors_to_the_gpu_only_for_an_nccl_only_group(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    assert utils.collective_device(cpu) == torch.device("cuda")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert utils.collective_device(cpu) == torch.device("cpu")
+
+
+def test_helpers_gather_on_the_inputs_device_and_agree_on_one_flag(distributed_results):
+    _, ranks = distributed_results
+    for r in ranks:
+        assert r["helpers"]["backend"] == "cpu:gloo,cuda:gloo"
+        assert r["helpers"]["gathered"].tolist() == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+        assert r["helpers"]["gathered_device"] == "cpu"
+        assert r["helpers"]["all_true_when_one_false"] is False and r["helpers"]["all_true_when_all_true"] is True
+
+
+def test_slow_rank0_loading_and_hashing_do_not_trip_a_short_collective_timeout(distributed_results):
+    out, ranks = distributed_results
+    for r in ranks:
+        assert r["slow_rank0"]["completed"], r["slow_rank0"].get("error")
+        assert r["slow_rank0"]["seconds"] > 2 * SLOW_SECS  # the slow work really happened: load + one checkpoint
+    assert (out / "slow" / "LATEST" / "manifest.json").is_file()
+
+
+def test_one_rank_nan_skips_the_step_on_every_rank(distributed_results):
+    """SGD, one step: skipped everywhere means the gathered weights are exactly the initial ones (rank 0 stepping
+    its own shard alone would change half of them)."""
+    out, ranks = distributed_results
+    assert [r["nan_on_rank1"]["nonfinite_steps"] for r in ranks] == [1.0, 1.0]
+    initial = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    final = torch.load(out / "nan" / "LATEST" / "policy.pt", weights_only=True)["state"]
+    assert final.keys() == initial.keys()
+    changed = [k for k in initial if not torch.equal(initial[k], final[k])]
+    assert not changed, f"parameters changed by a step that one rank skipped: {changed[:4]}"
