@@ -196,7 +196,7 @@ class LossConfig(BaseConfig):
     rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
     f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence")
-    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; the same number as TRL's f_alpha_divergence_coef")
+    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
 

@@ -569,9 +569,10 @@ def _js_divergence(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
 
 def _alpha_divergence(log_ratio: Tensor, beta: float, f_alpha: float) -> Tensor:
     # f(u) = (u^(1-a) - (1-a) u - a) / (a (a-1)), f'(u) = (1 - u^-a) / a with a = f_alpha in (0, 1]:
-    # a -> 0 gives reverse KL, a = 1 forward KL. This a is Wang et al.'s alpha and the same number as
-    # TRL's f_alpha_divergence_coef (TRL: (u_l^-a - u_w^-a) / a; tests/test_losses.py checks it); in
-    # Amari's convention, where alpha -> 1 is reverse KL, it is 1 - alpha. Stable form as _forward_kl.
+    # a -> 0 gives reverse KL, a = 1 forward KL (Wang et al.'s alpha). TRL 1.x writes the same term as
+    # f'(u) = (u^(c-1) - 1) / (c - 1) with c = f_alpha_divergence_coef, c = 1 being reverse KL: our
+    # f_alpha = 1 - c. (TRL's first f-DPO code, 2024, used our a directly; tests/test_losses.py checks
+    # both.) Stable form as _forward_kl.
     return beta / f_alpha - _exp_capped(math.log(beta / f_alpha) - f_alpha * log_ratio)
 
 

@@ -192,13 +192,17 @@ def test_f_divergences_stay_finite_in_fp32_far_from_the_reference(divergence, f_
         torch.testing.assert_close(fp32[1][0].double(), policy_chosen.grad[0], rtol=1e-5, atol=0)
 
 
-def test_f_alpha_is_trls_alpha_divergence_coefficient():
-    """TRL's alpha divergence: logits = (exp(-c b) - exp(-c a)) / c, loss = -log sigma(beta logits)
-    with c = f_alpha_divergence_coef. Our f_alpha is the same number c (Wang et al.'s alpha), not 1 - c:
-    c = 0.3, a = [0, 5, 10], b = [0, -5, -10], beta = 0.1."""
-    for c in (0.3, 1.0):
-        trl = [neg_log_sigmoid(0.1 * (math.exp(-c * b) - math.exp(-c * a)) / c) for a, b in zip(A, B)]
-        close(run("dpo", beta=0.1, f_divergence="alpha_divergence", f_alpha=c)[0], trl)
+def test_f_alpha_is_one_minus_trls_alpha_divergence_coefficient():
+    """TRL 1.x's alpha divergence: score(x) = (exp((c - 1) x) - 1) / (c - 1) with c =
+    f_alpha_divergence_coef (c = 1 is reverse KL), loss = -log sigma(beta (score(a) - score(b))). Ours at
+    f_alpha = 1 - c is the same loss; TRL's first f-DPO code wrote (exp(-c b) - exp(-c a)) / c, which is
+    ours at f_alpha = c. c = 0.3 and 0.7, a = [0, 5, 10], b = [0, -5, -10], beta = 0.1."""
+    for c in (0.3, 0.7):
+        score = lambda x: (math.exp((c - 1) * x) - 1) / (c - 1)
+        trl = [neg_log_sigmoid(0.1 * (score(a) - score(b))) for a, b in zip(A, B)]
+        close(run("dpo", beta=0.1, f_divergence="alpha_divergence", f_alpha=1 - c)[0], trl)
+        old_trl = [neg_log_sigmoid(0.1 * (math.exp(-c * b) - math.exp(-c * a)) / c) for a, b in zip(A, B)]
+        close(run("dpo", beta=0.1, f_divergence="alpha_divergence", f_alpha=c)[0], old_trl)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
