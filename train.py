@@ -46,6 +46,16 @@ def resolve_local(path: str) -> str:
     return path
 
 
+def load_tokenizer(cfg):
+    """The tokenizer of the config (the model's own unless model.tokenizer_name_or_path says otherwise)."""
+    from transformers import AutoTokenizer
+    path = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    return tokenizer
+
+
 def load_models(cfg, device_map=None, on_meta: bool = False):
     """tokenizer, policy, reference (None when the loss needs none), as the config says.
 
@@ -54,7 +64,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     per rank)."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
 
@@ -62,10 +72,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     from utils import disable_dropout, dtype_of, rank0_print
 
     model_path = resolve_local(cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_local(cfg.model.tokenizer_name_or_path or model_path),
-                                              trust_remote_code=cfg.model.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    tokenizer = load_tokenizer(cfg)
 
     def load(dtype):
         if on_meta:
@@ -133,6 +140,9 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
                                " device_map, which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
+    if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
+        import run_manifest
+        run_manifest.write(run_dir, cfg, tokenizer, world_size)
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy.to("cuda")
         if reference is not None:
@@ -223,19 +233,47 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    # --replay <run dir> and --estimate [gpu=NAME] are read here; everything else is config.
+    replay_of, gpu = None, None
+    estimating = "--estimate" in argv
+    if estimating:
+        i = argv.index("--estimate")
+        gpu = argv[i + 1][len("gpu="):] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
+        argv = argv[:i] + argv[i + 1 + (gpu is not None):]
+    if "--replay" in argv:
+        i = argv.index("--replay")
+        if i + 1 >= len(argv):
+            print("error: --replay needs the run directory to replay: --replay <run dir>", file=sys.stderr)
+            return 2
+        replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     try:
-        cfg, flags = load_config(argv)
-    except ConfigError as e:
+        if replay_of is not None:
+            import run_manifest
+            cfg, flags = run_manifest.replay_config(replay_of, argv), set()
+        else:
+            cfg, flags = load_config(argv)
+        if estimating:  # from config.json alone: no weights, no torch
+            import estimate
+            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), gpu))
+            return 0
+    except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if "--cfg" in flags:
         print(to_yaml(cfg), end="")
         return 0
     import preference_datasets
+    import run_manifest
     try:
         preference_datasets.validate_sources(cfg.datasets)  # bad data fails here, before any model is loaded
+        if cfg.resume_from or replay_of:  # the data must be the recorded run's: checked before any model loads
+            run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg),
+                                       "resume" if cfg.resume_from else "replay")
         launch(cfg)
-    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError) as e:
+        if replay_of is not None:
+            print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
+    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError,
+            run_manifest.ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
         return 2
     except Exception as e:
