@@ -227,7 +227,9 @@ def launch(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import estimate  # json and math only: --estimate must not wait for torch
     from config import ConfigError, help_text, load_config, to_yaml
+    from estimate import EstimateError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -253,10 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg, flags = load_config(argv)
         if estimating:  # from config.json alone: no weights, no torch
-            import estimate
             print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), gpu))
             return 0
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, EstimateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if "--cfg" in flags:
