@@ -88,13 +88,13 @@ def geometry(config: dict) -> Geometry:
         i = config["intermediate_size"]
         qkv_bias = config.get("attention_bias", family == "qwen2")
         o_bias = config.get("attention_bias", False)
-        mlp_bias = 3 * i + h if config.get("mlp_bias") else 0
+        mlp_bias = 2 * i + h if config.get("mlp_bias") else 0  # gate, up, down
         block = (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h + mlp_bias
                  + ((heads + 2 * kv) * d if qkv_bias else 0) + (h if o_bias else 0) + (2 * d if family == "qwen3" else 0))
         tied = config.get("tie_word_embeddings", False)
         embed, head = vocab * h, h + (0 if tied else vocab * h)
     else:
-        i = get("intermediate_size", "n_inner", default=4 * h)
+        i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
         tied = config.get("tie_word_embeddings", family == "gpt2")
         positions = config.get("n_positions", 0) * h if family == "gpt2" else 0
