@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GiB = 2 ** 30
+CHUNK_ROWS = 1024  # losses.DEFAULT_CHUNK_SIZE: rows of one LM-head / entropy tile
 
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
 DEVICES = {
@@ -144,12 +145,13 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     else:
         out["activations"] = g.layers * per_block
     out["activations"] += 2 * g.hidden * tokens * c  # final norm
-    rows_v = tokens * g.vocab
+    chunk_rows = min(tokens, CHUNK_ROWS)
     tiled = cfg.tiled_lm_head and not fsdp and not cfg.loss.entropy_coeff
-    if tiled:  # a few (chunk, V) fp32 tiles, and the head's fp32 gradient accumulator
-        out["logits"] = 3 * min(tokens, 1024) * g.vocab * 4 + (g.vocab * g.hidden * 4 if not g.tied else 0)
-    else:  # logits kept for backward, then their gradient beside them
-        out["logits"] = 2 * rows_v * c
+    if tiled:  # the logged entropy and the log-probs: a few (chunk, V) fp32 tiles at a time, never (tokens, V)
+        out["logits"] = 4 * chunk_rows * g.vocab * 4
+    else:  # the logits kept for backward, and beside them the fp32 softmax work of the logged entropy
+        entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens
+        out["logits"] = tokens * g.vocab * c + 3 * entropy_rows * g.vocab * 4
     gathered = 0
     if fsdp:  # one block gathered (two with prefetch), its unsharded gradient in backward, and the root unit
         units = 2 if cfg.fsdp.forward_prefetch else 1
@@ -157,10 +159,12 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     out["FSDP gathered"] = gathered
 
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
-    first_block_grads = g.block_params * w / shard
-    backward = max(out["activations"] + out["logits"], out["gradients"] + per_block / max(1, g.layers) + first_block_grads) + gathered
-    optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)
-    reference = (P * dtype_bytes(cfg.model.reference_dtype) / shard + per_block / max(1, g.layers) + gathered
+    one_block = per_block  # a block's activations (the first block, or the one being recomputed)
+    # gradients are None between steps (zero_grad(set_to_none=True)): backward allocates them as it frees
+    # activations, so the phase peaks at its start (activations + head) or at its end (gradients + one block)
+    backward = max(out["activations"] + out["logits"], out["gradients"] + one_block) + gathered
+    optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)  # foreach sqrt(second moment)
+    reference = (P * dtype_bytes(cfg.model.reference_dtype) / shard + one_block + gathered
                  if _needs_reference(cfg) and cfg.precompute_ref_log_probs else 0)
     out["phases"] = {"backward": static + backward, "optimizer step": static + optimizer,
                      "reference pass": out["weights"] + reference}

@@ -64,16 +64,16 @@ def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
 
 def build(cfg, tokenizer, world_size: int) -> tuple[dict, str]:
     """The manifest of a run starting now, and the diff of the working tree (saved beside it)."""
-    import datasets
+    from importlib.metadata import version  # not `import datasets`: that costs ~1 s and tens of MB of pyarrow
+
     import torch
-    import transformers
     code, diff = git_state()
     device = {"type": "cuda" if torch.cuda.is_available() else "cpu",
               "name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()}
     return {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "config": cfg.to_dict(), "code": code,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__, "datasets": datasets.__version__},
+                         **{name: version(name) for name in ("transformers", "datasets")}},
             "device": device, "world_size": world_size, "data": fingerprints(cfg, tokenizer)}, diff
 
 

@@ -16,6 +16,8 @@ Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
 
 `python -u train.py --help` lists every key; `--cfg` prints the resolved config and exits.
 Resume a run exactly where it stopped: `python -u train.py <same arguments> resume_from=<run dir>`.
+Run a recorded run again and compare its metrics: `python -u train.py --replay <run dir>` (run_manifest.py).
+Memory per rank and FLOPs per step before booking a GPU: `python -u train.py <args> --estimate [gpu=H100]` (estimate.py).
 
 Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
   1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.

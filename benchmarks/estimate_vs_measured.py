@@ -7,7 +7,8 @@ Each configuration is a real `train.py` run (2 optimizer steps, then the final e
 Llama-style model written to a temporary directory, with data whose every sequence is truncated to exactly
 max_length (the estimate's worst case is then the actual case). A run's memory is measured in its own process
 (each rank's own process under FSDP, started as torchrun would): the peak RSS (ru_maxrss) at the end minus the
-RSS after every import, before anything is built. The estimate is computed from the config and config.json
+RSS after every import and a warm-up step on the 2 MB toy model (one-time costs of the libraries, ~120 MB
+whatever the model size, belong to no estimate), before anything of the run is built. The estimate is computed from the config and config.json
 alone, as `--estimate` does. debug=true: no checkpoints are written (their serialization is not a training
 phase); peak_tflops is given so the matmul probe of the MFU metric allocates nothing; torch.compile is off.
 """
@@ -94,8 +95,20 @@ def worker(args: list[str], out: str) -> None:
     import losses  # noqa: F401
     import train
     import trainers  # noqa: F401
-    from transformers import LlamaForCausalLM  # noqa: F401
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Warm-up on the 2 MB toy model: load, one step. What a first step costs once whatever the model (lazily
+    # imported modules, thread pools, kernels: ~120 MB, the same for a 4M- and a 21M-parameter model) is then in
+    # the baseline, not in the run's increase.
+    import gc
+    model = transformers.AutoModelForCausalLM.from_pretrained(REPO / "toy/tiny-llama")
+    inputs = {"chosen_input_ids": torch.randint(0, 512, (2, 16))}
+    inputs = trainers.concatenated_inputs({**inputs, "chosen_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                                           "chosen_labels": inputs["chosen_input_ids"].clone()})
+    opt = torch.optim.AdamW(model.parameters())
+    trainers.forward_logps(model, inputs, tiled=True, entropy={})[0].sum().backward()
+    opt.step()
+    del model, opt, inputs
+    gc.collect()
+    baseline = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # RSS now
     code = train.main(args)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(out).write_text(json.dumps({"code": code, "increase": peak - baseline}))
@@ -106,7 +119,11 @@ def measure(root: Path, args: list[str]) -> float:
     import config
     cfg, _ = config.load_config(args)
     world = (cfg.n_workers or 2) if cfg.trainer == "FSDPTrainer" else 1
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in the heap, so RSS would
+    # count tensors long freed; a fixed 64 KiB threshold returns every freed tensor, and RSS follows live memory
+    # as a GPU's allocated memory does. Nothing else about the run changes.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               MALLOC_MMAP_THRESHOLD_="65536")
     if world > 1:  # torchrun's environment: each rank is its own process, measured on its own
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
