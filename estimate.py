@@ -22,7 +22,6 @@ norms 2 x 2h, qkv 3h, attention out 2h, MLP 2 i (fc out, gelu out).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,11 +214,12 @@ def report(cfg, model_dir: str, gpu: str | None = None) -> str:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     world = world_size_of(cfg)
     e = estimate(cfg, config, world)
+    hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2 ** 20)
     gb = lambda b: f"{b / size:10.1f} {unit}"
     lines = [f"estimate for {cfg.trainer} x {world} rank(s), {config.get('model_type')} with {e['parameters'] / 1e6:.2f}M "
              f"parameters ({e['parameters per rank'] / 1e6:.2f}M per rank); micro-batch {e['micro-batch tokens']} tokens "
-             f"(every sequence at max_length={cfg.max_length}); no weights read",
+             f"(every sequence at max_length={cfg.max_length}); no weights read{hint}",
              "memory per rank:"]
     for name in ("weights", "reference weights", "gradients", "optimizer state", "activations", "logits", "FSDP gathered"):
         lines.append(f"  {name:<22} {gb(e[name])}")
