@@ -892,7 +892,7 @@ def _write_cache(path: Path, key: str, examples: list[TokenizedExample], stats: 
 
 def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_prompt_length: int,
                  sft_mode: bool, truncation_mode: Optional[str], cache_dir: Optional[str],
-                 tokenizer_fp: str) -> tuple[list[TokenizedExample], SourceStats]:
+                 tokenizer_fp: str, key_only: bool = False) -> tuple[list[TokenizedExample], SourceStats]:
     source, path = resolve_source(name, split)
     mode = truncation_mode or source.truncation_mode
     if path is not None:
@@ -921,11 +921,13 @@ def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_
         stats.origin = origin
         return examples, stats
 
-    if cache_dir is None:
-        return build()
     key = cache_key(code_version=CODE_VERSION, source=name, split=split, content=content, tokenizer=tokenizer_fp,
                     max_length=max_length, max_prompt_length=max_prompt_length, truncation_mode=mode,
                     sft_mode=sft_mode, max_pairs_per_prompt=MAX_PAIRS_PER_PROMPT)
+    if key_only:  # data_fingerprints: everything the tokenized result depends on, without tokenizing
+        return key
+    if cache_dir is None:
+        return build()
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(name).stem if path is not None else name)[:40]
     file = Path(cache_dir) / "tokenized" / f"{slug}-{split}-{'sft' if sft_mode else 'pairs'}-{key[:16]}.pkl"
     file.parent.mkdir(parents=True, exist_ok=True)
@@ -969,6 +971,18 @@ def load_tokenized(names: list[str], tokenizer: Any, split: str, *, max_length: 
     if not silent:
         print(dataset_summary(all_stats))
     return examples, all_stats
+
+
+def data_fingerprints(names: list[str], tokenizer: Any, split: str, *, max_length: int = 512,
+                      max_prompt_length: int = 256, sft_mode: bool = False, truncation_mode: Optional[str] = None,
+                      cache_dir: Optional[str] = None) -> dict[str, str]:
+    """{source name: sha256} of the tokenized data of `split`, without tokenizing: the cache key, which hashes the
+    raw content, the tokenizer, the lengths, truncation, mode and CODE_VERSION (the run manifest records these;
+    a resume or replay refuses when one differs)."""
+    fp = tokenizer_fingerprint(tokenizer)
+    return {name: _load_source(name, tokenizer, split, max_length=max_length, max_prompt_length=max_prompt_length,
+                               sft_mode=sft_mode, truncation_mode=truncation_mode, cache_dir=cache_dir,
+                               tokenizer_fp=fp, key_only=True) for name in names}
 
 
 def count_examples(names: list[str], tokenizer: Any, *, split: str, max_length: int = 512,

@@ -16,6 +16,8 @@ Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
 
 `python -u train.py --help` lists every key; `--cfg` prints the resolved config and exits.
 Resume a run exactly where it stopped: `python -u train.py <same arguments> resume_from=<run dir>`.
+Run a recorded run again and compare its metrics: `python -u train.py --replay <run dir>` (run_manifest.py).
+Memory per rank and FLOPs per step before booking a GPU: `python -u train.py <args> --estimate [gpu=H100]` (estimate.py).
 
 Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
   1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.
@@ -47,6 +49,16 @@ def resolve_local(path: str) -> str:
     return path
 
 
+def load_tokenizer(cfg):
+    """The tokenizer of the config (the model's own unless model.tokenizer_name_or_path says otherwise)."""
+    from transformers import AutoTokenizer
+    path = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    return tokenizer
+
+
 def load_models(cfg, device_map=None, on_meta: bool = False):
     """tokenizer, policy, reference (None when the loss needs none), as the config says.
 
@@ -55,7 +67,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     per rank)."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
 
@@ -63,10 +75,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     from utils import disable_dropout, dtype_of, rank0_print
 
     model_path = resolve_local(cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_local(cfg.model.tokenizer_name_or_path or model_path),
-                                              trust_remote_code=cfg.model.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    tokenizer = load_tokenizer(cfg)
 
     def load(dtype):
         if on_meta:
@@ -134,7 +143,10 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
                                " device_map, which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
-    if world_size > 1:  # rank 0 read the weights alone; the others wait without collective_timeout_secs
+    if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
+        import run_manifest
+        run_manifest.write(run_dir, cfg, tokenizer, world_size)
+    if world_size > 1:  # rank 0 read the weights (and wrote the manifest) alone; the others wait without collective_timeout_secs
         from utils import wait_for_rank0
         wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
@@ -220,25 +232,54 @@ def launch(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import estimate  # json and math only: --estimate must not wait for torch
     from config import ConfigError, help_text, load_config, to_yaml
+    from estimate import EstimateError
 
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    # --replay <run dir> and --estimate [gpu=NAME] are read here; everything else is config.
+    replay_of, gpu = None, None
+    estimating = "--estimate" in argv
+    if estimating:
+        i = argv.index("--estimate")
+        gpu = argv[i + 1][len("gpu="):] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
+        argv = argv[:i] + argv[i + 1 + (gpu is not None):]
+    if "--replay" in argv:
+        i = argv.index("--replay")
+        if i + 1 >= len(argv):
+            print("error: --replay needs the run directory to replay: --replay <run dir>", file=sys.stderr)
+            return 2
+        replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     try:
-        cfg, flags = load_config(argv)
-    except ConfigError as e:
+        if replay_of is not None:
+            import run_manifest
+            cfg, flags = run_manifest.replay_config(replay_of, argv), set()
+        else:
+            cfg, flags = load_config(argv)
+        if estimating:  # from config.json alone: no weights, no torch
+            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), gpu))
+            return 0
+    except (ConfigError, EstimateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if "--cfg" in flags:
         print(to_yaml(cfg), end="")
         return 0
     import preference_datasets
+    import run_manifest
     try:
         preference_datasets.validate_sources(cfg.datasets)  # bad data fails here, before any model is loaded
+        if cfg.resume_from or replay_of:  # the data must be the recorded run's: checked before any model loads
+            run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg),
+                                       "resume" if cfg.resume_from else "replay")
         launch(cfg)
-    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError) as e:
+        if replay_of is not None:
+            print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
+    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError,
+            run_manifest.ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
         return 2
     except Exception as e:
