@@ -986,6 +986,7 @@ class FSDPTrainer(BasicTrainer):
         buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
         if self.rank == 0:
             model.to("meta")  # every rank shards the same empty structure, then rank 0's values are broadcast
+            retie(ties)  # `to` gave each module its own copy: a tied weight must be ONE FSDP parameter on every rank
         if checkpoint:  # before sharding, so that each sharded unit is the checkpointed block
             checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
         units = self.unit_modules(model)
