@@ -48,11 +48,18 @@ ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no ro
 PROMPT = torch.randint(2, architectures.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 LONG = torch.randint(2, architectures.VOCAB, (1, 260), generator=torch.Generator().manual_seed(1))
 SAMPLE_SEED = 1234
+# CI runs the bf16 step under one strategy per architecture (alternating, so both strategies are covered);
+# ARCH_MATRIX_FULL=1 runs both, for the full architecture x trainer x precision table (test_matrix_table).
+FULL = os.environ.get("ARCH_MATRIX_FULL") == "1"
 
 
 def checkpointed(arch: str, strategy: str) -> bool:
     """Activation checkpointing on for FSDP1 on even architectures and for FSDP2 on odd ones."""
     return (ARCHS.index(arch) % 2 == 0) == (strategy == "fsdp")
+
+
+def bf16_in_ci(arch: str, strategy: str) -> bool:
+    return (ARCHS.index(arch) % 2 == 0) == (strategy == "fsdp2")
 
 
 def scenarios() -> dict[str, list[str]]:
@@ -61,7 +68,8 @@ def scenarios() -> dict[str, list[str]]:
         for strategy in ("fsdp", "fsdp2"):
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"
             out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP]
-            out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
+            if FULL or bf16_in_ci(arch, strategy):
+                out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
         out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
         out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
@@ -185,6 +193,20 @@ def single(tmp_path_factory, models):
     return out
 
 
+@pytest.fixture(scope="module")
+def one_process(models) -> dict[str, dict]:
+    """Per architecture, the fp32 model in this process: its samples for SAMPLE_SEED and its late-token log-probs."""
+    out = {}
+    for arch in ARCHS:
+        model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
+        torch.manual_seed(SAMPLE_SEED)
+        with torch.no_grad():
+            samples = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
+                                     do_sample=True, pad_token_id=1)
+        out[arch] = {"samples": samples, "late_logps": late_token_logps(model)}
+    return out
+
+
 def final_state(run_dir: Path) -> dict:
     return torch.load(run_dir / "LATEST" / "policy.pt", weights_only=True)["state"]
 
@@ -241,6 +263,8 @@ def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy
 def test_tied_embeddings_survive_sharding_checkpoints_resume_and_export(sharded, single, arch, strategy):
     out, results = sharded
     for name in (f"{arch}-{strategy}-fp32", f"{arch}-{strategy}-bf16"):
+        if name not in results[0]:
+            continue  # a bf16 run not in CI (bf16_in_ci)
         for info in ok(results, name):  # every rank, after sharding and after training
             assert info["tie"] == info["tie_after_training"] == info["reference_tie"] == {"same_parameter": True, "equal_values": True}
     run = out / f"{arch}-{strategy}-fp32"
@@ -256,30 +280,31 @@ def test_tied_embeddings_survive_sharding_checkpoints_resume_and_export(sharded,
         assert max_difference(resumed, final_state(single / "gpt2-two-steps")) <= 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-@pytest.mark.parametrize("arch", ROTARY)
-def test_bf16_keeps_rotary_tables_fp32_and_late_positions_close(sharded, models, arch, strategy):
-    """bf16 compute with fp32 buffers: per-token log-probs at positions 200-258 stay within 0.05 nats of the fp32
-    model. Why 0.05: bf16 keeps 8 bits of mantissa, so each matmul output is off by ~0.4% relative; through two
-    layers and a 512-way softmax that is a few hundredths of a nat. An inv_freq table rounded to bf16 instead shifts
-    the rotary angle at position p by up to p * 0.4% rad (~0.8 rad at 200), which moves these log-probs far more."""
+@pytest.mark.parametrize("arch,strategy", [(a, s) for a in ROTARY for s in ("fsdp", "fsdp2") if FULL or bf16_in_ci(a, s)])
+def test_bf16_keeps_rotary_tables_fp32_and_late_positions_close(sharded, one_process, arch, strategy):
+    """Under bf16 mixed precision every floating buffer (the rotary inv_freq tables) of policy and reference stays
+    fp32 on every rank, and per-token log-probs at positions 200-258 stay within 0.02 nats of the fp32 model.
+
+    Why 0.02: bf16 keeps 8 bits of mantissa (~0.4% relative per matmul); measured on these models the bf16 forward
+    is 0.002-0.005 nats off at those positions, so 0.02 is a 4x margin. An inv_freq rounded to bf16 turns the angle
+    at position p by up to p * 0.4% of its frequency (~0.8 rad at p = 200 for the fastest one) — but a random tiny
+    model's near-uniform attention hides that in its log-probs (measured: ~0.001-0.002 nats), so the dtype assertion
+    is the check that catches it (it failed before the fix: FSDP1's buffer_dtype defaulted to bf16)."""
     _, results = sharded
-    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
-    fp32 = late_token_logps(model)
-    for info in ok(results, f"{arch}-{strategy}-bf16"):
+    name = f"{arch}-{strategy}-bf16"
+    fp32 = one_process[arch]["late_logps"]
+    for info in ok(results, name):
         assert info["buffer_dtypes"] == info["reference_buffer_dtypes"] == ["torch.float32"]
-        assert (info["late_logps"] - fp32).abs().max().item() < 0.05
+        assert (info["late_logps"] - fp32).abs().max().item() < 0.02
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sampling_equals_one_process(sharded, models, arch, strategy):
+def test_sampling_equals_one_process(sharded, one_process, arch, strategy):
+    """8 sampled tokens (temperature 1) for 2 prompts, seed SAMPLE_SEED, as the run's first forward under FSDP."""
     _, results = sharded
-    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
-    torch.manual_seed(SAMPLE_SEED)
-    with torch.no_grad():
-        expected = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
-                                  do_sample=True, pad_token_id=1)
+    expected = one_process[arch]["samples"]
+    assert expected.shape == (2, PROMPT.size(1) + 8)
     for info in ok(results, f"{arch}-{strategy}-fp32"):
         assert torch.equal(info["samples"], expected)
 
@@ -294,6 +319,9 @@ def test_matrix_table(sharded, single, capsys):
             cells = [f"{max_difference(final_state(single / f'{arch}-{precision}'), base):.2e}"]
             for strategy in ("fsdp", "fsdp2"):
                 name = f"{arch}-{strategy}-{precision}"
+                if name not in results[0]:
+                    cells.append("   -    ")  # not run in CI (bf16_in_ci)
+                    continue
                 cells.append("error" if "error" in results[0][name] else f"{max_difference(final_state(out / name), base):.2e}")
             rows.append(f"{arch:9s} {precision}  basic {cells[0]}  fsdp1 {cells[1]}  fsdp2 {cells[2]}")
     with capsys.disabled():
