@@ -246,6 +246,22 @@ def test_log_probs_equal_the_models_own_logits(models, arch):
             assert (sums / counts - expected).abs().max().item() < 1e-5, path
 
 
+@pytest.mark.parametrize("order", ["embedding first", "head first"])
+def test_fsdp1_param_init_fn_keeps_ties(models, order):
+    """On GPU, FSDP1 materializes the meta model of ranks > 0 one module at a time (param_init_fn), which a CPU
+    run cannot reach (it broadcasts a whole module instead): called in either order, the LM head and the
+    embedding end up one real Parameter, and nothing stays on meta."""
+    from transformers import AutoConfig
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["gpt2"]))
+    init = trainers.materialize(torch.device("cpu"), trainers.tied_slots(model))
+    modules = list(model.modules())
+    for module in (modules if order == "embedding first" else modules[::-1]):
+        init(module)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy):
