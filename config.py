@@ -631,6 +631,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
         if cfg.trainer == "FSDPTrainer":
             p.append("max_tokens_per_microbatch: not supported yet with trainer=FSDPTrainer (ranks would run different"
                      " numbers of micro-batches, and FSDP's collectives must line up)")
+    if cfg.model.reference_mixed_precision and cfg.fsdp.mixed_precision is None:
+        p.append("model.reference_mixed_precision=true: there is no mixed precision to give the reference"
+                 " (fsdp.mixed_precision / model.fsdp_policy_mp is null)")
     if cfg.fused_optimizer and cfg.optimizer != "AdamW":
         p.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={cfg.optimizer})")
     if not cfg.datasets:
