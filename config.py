@@ -127,7 +127,7 @@ class EngineConfig(BaseConfig):
     optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
     seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (one source of truth, both set and different is an error)")
     full_determinism: bool = param(False, "deterministic algorithms everywhere (torch.use_deterministic_algorithms); slower, for debugging")
-    dtype: str = param("bfloat16", "dtype of mixed-precision compute; used for any dtype that fsdp.mixed_precision leaves out")
+    dtype: str = param("bfloat16", "dtype of mixed-precision compute; the param_dtype when fsdp.mixed_precision leaves it out")
     forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
 
 
@@ -150,7 +150,7 @@ class FSDPEngineConfig(EngineConfig):
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
     model_dtype: str = param("fp32", "dtype of the master weights the model is loaded in (alias: model.policy_dtype)")
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (needed for per-parameter optimizer groups)")
-    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
+    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}; param_dtype defaults to fsdp.dtype, the other two to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
     ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism; > 1 is not supported yet")
     entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
     use_torch_compile: bool = param(True, "torch.compile the entropy kernel")
@@ -180,7 +180,8 @@ class ModelConfig(BaseConfig):
     block_name: Optional[str] = param(None, "transformer block class name for FSDP wrapping (alias of fsdp.wrap_policy); null = from _no_split_modules")
     policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)")
     fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision); null = none")
-    reference_dtype: str = param("float16", "dtype of the frozen reference model (the original's float16; use float32 on CPU)")
+    reference_dtype: Optional[str] = param(None, "dtype of the frozen reference model; null = the policy's (fsdp.model_dtype): fp16 overflows bf16-native models")
+    reference_mixed_precision: bool = param(False, "compute the reference under fsdp.mixed_precision too (FSDP MixedPrecision / autocast); false = in reference_dtype")
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
@@ -589,7 +590,8 @@ def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]
 
     mp_dtype = lambda s: None if s is None else dtype(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
     _alias(values, explicit, problems, "model.fsdp_policy_mp", "fsdp.mixed_precision",
-           to_source=lambda a: None if a is None else {k: a for k in MIXED_PRECISION_KEYS},
+           # compute in `a`; reductions and buffers stay fp32 (FSDPTrainer.mixed_precision_dtypes)
+           to_source=lambda a: None if a is None else {"param_dtype": a},
            from_source=mp_dtype, same=lambda a, s: dtype(a) == mp_dtype(s))
 
     layers = wp.get("transformer_layer_cls_to_wrap")
@@ -674,6 +676,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
         if cfg.trainer == "FSDPTrainer":
             p.append("max_tokens_per_microbatch: not supported yet with trainer=FSDPTrainer (ranks would run different"
                      " numbers of micro-batches, and FSDP's collectives must line up)")
+    if cfg.model.reference_mixed_precision and cfg.fsdp.mixed_precision is None:
+        p.append("model.reference_mixed_precision=true: there is no mixed precision to give the reference"
+                 " (fsdp.mixed_precision / model.fsdp_policy_mp is null)")
     if cfg.fused_optimizer and cfg.optimizer != "AdamW":
         p.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={cfg.optimizer})")
     if not cfg.datasets:

@@ -93,8 +93,9 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     policy = load(cfg.fsdp.model_dtype)
     reference = None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free):
-        rank0_print(f"loading reference {model_path} in {cfg.model.reference_dtype}")
-        reference = load(cfg.model.reference_dtype).eval().requires_grad_(False)
+        reference_dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
+        rank0_print(f"loading reference {model_path} in {reference_dtype}")
+        reference = load(reference_dtype).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
         policy.load_state_dict(state)

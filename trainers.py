@@ -103,6 +103,25 @@ def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int) -> tuple[dict,
     return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, labels, owner
 
 
+def packed_attention_mask(mask: torch.Tensor, config):
+    """The packed block-diagonal boolean mask (R, 1, T, T) as each attention layer of `config` needs it. A model
+    given a 4-D mask uses it as is, so (1) the sliding window (Mistral, Gemma2/3, Qwen2 with use_sliding_window)
+    must be in it already: models with `layer_types` take one mask per layer type, the others slide in every
+    layer; (2) eager attention adds the mask to the scores, so it must be additive (0 or -inf-like), not boolean."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    masks = {"full_attention": mask}
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        t = torch.arange(mask.size(-1), device=mask.device)
+        masks["sliding_attention"] = mask & ((t[:, None] - t[None, :]) < window)  # query i sees keys i-window+1..i
+    if getattr(config, "_attn_implementation", None) == "eager":
+        # float32 min: added to scores of any dtype it still zeroes the softmax (eager softmaxes in fp32)
+        masks = {k: torch.zeros(m.shape, device=m.device).masked_fill(~m, torch.finfo(torch.float32).min) for k, m in masks.items()}
+    if layer_types is not None:
+        return masks
+    return masks.get("sliding_attention", masks["full_attention"])
+
+
 def lm_head_extras(config) -> dict:
     """What some LM heads do after the matmul (Cohere's logit_scale, Gemma's softcapping, Granite's scaling)."""
     scale = getattr(config, "logit_scale", None) or 1.0
@@ -122,6 +141,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     """
     n = inputs["input_ids"].size(0)
     kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
+    if packed_capacity:
+        kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config)
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
     # Under device_map (several GPUs) the inputs sit on the first GPU, the backbone's output and the LM head on
     # the last: labels, the scored-position mask and the owners follow the tensor they index (`to` is free when
@@ -311,7 +332,9 @@ class BasicTrainer:
             return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
         if self.reference_model is None:
             return None
-        with torch.no_grad():
+        # The reference computes in model.reference_dtype unless model.reference_mixed_precision asks for autocast.
+        mixed = self.autocast() if self.config.model.reference_mixed_precision else contextlib.nullcontext()
+        with torch.no_grad(), mixed:
             ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
             return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
 
@@ -341,7 +364,7 @@ class BasicTrainer:
         if wanted is None:
             wanted = list(range(min(self.config.n_eval_examples, len(examples))))
         archive = Path(self.config.model.archive) if self.config.model.archive else None
-        digest = hashlib.sha256(repr((self.config.model.name_or_path, self.config.model.reference_dtype,
+        digest = hashlib.sha256(repr((self.config.model.name_or_path, self.config.model.reference_dtype or self.config.fsdp.model_dtype,
                                       archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
                                       data.tokenizer_fingerprint(self.tokenizer), len(examples))).encode())
         for e in examples:
@@ -874,7 +897,8 @@ class FSDPTrainer(BasicTrainer):
         policy = self.shard(policy, checkpoint=config.activation_checkpointing)
         if reference_model is not None:
             rank0_print("sharding reference model (forward only)")
-            reference_model = self.shard(reference_model, checkpoint=False)
+            reference_model = self.shard(reference_model, checkpoint=False,
+                                         mixed_precision=config.model.reference_mixed_precision)
         super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
 
     # --- wrapping -----------------------------------------------------------------------------------------
@@ -902,21 +926,29 @@ class FSDPTrainer(BasicTrainer):
                 or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
+        """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to
+        fp32 (as verl): gradients summed over ranks in bf16 lose bits, and rotary `inv_freq` tables rounded to
+        bf16 shift every angle by up to 0.4% of its value, an error that grows with the position."""
         from utils import dtype_of
         mp = self.fsdp.mixed_precision
         if mp is None:
             return None
-        return {k: dtype_of(mp.get(k, self.fsdp.dtype)) for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
+        return {"param_dtype": dtype_of(mp.get("param_dtype", self.fsdp.dtype)),
+                "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")), "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32"))}
 
     def describe(self) -> str:
         return (f"units {sorted(getattr(b, '__name__', str(b)) for b in self.blocks) if not isinstance(self.blocks, tuple) else self.blocks},"
                 f" mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward},"
                 f" mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
 
-    def shard(self, model: nn.Module, checkpoint: bool) -> nn.Module:
-        return self.shard_fsdp2(model, checkpoint) if self.fsdp.strategy == "fsdp2" else self.shard_fsdp1(model, checkpoint)
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
+        """`mixed_precision=False`: the model computes in the dtype it was loaded in (the reference, unless
+        model.reference_mixed_precision)."""
+        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
+        fsdp = self.shard_fsdp2 if self.fsdp.strategy == "fsdp2" else self.shard_fsdp1
+        return fsdp(model, checkpoint, dtypes)
 
-    def shard_fsdp1(self, model: nn.Module, checkpoint: bool) -> nn.Module:
+    def shard_fsdp1(self, model: nn.Module, checkpoint: bool, dtypes: Optional[dict]) -> nn.Module:
         from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
                                             ShardingStrategy)
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
@@ -933,7 +965,6 @@ class FSDPTrainer(BasicTrainer):
             strategy = ShardingStrategy.HYBRID_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
         else:
             strategy = ShardingStrategy.FULL_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-        dtypes = self.mixed_precision_dtypes()
         on_gpu = self.device.type == "cuda"
         if not on_gpu:
             broadcast_module(model, self.rank)
@@ -946,26 +977,28 @@ class FSDPTrainer(BasicTrainer):
                        use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False,
                        # Only rank 0 loaded weights; on GPU the others' meta tensors are allocated per unit and
                        # filled with rank 0's values by FSDP (on CPU, FSDP1 refuses: broadcast_module did it).
-                       sync_module_states=on_gpu, param_init_fn=materialize(self.device) if on_gpu else None,
+                       sync_module_states=on_gpu, param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
                        device_mesh=self.mesh if hybrid else None)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
             checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
         return wrapped
 
-    def shard_fsdp2(self, model: nn.Module, checkpoint: bool) -> nn.Module:
+    def shard_fsdp2(self, model: nn.Module, checkpoint: bool, dtypes: Optional[dict]) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        dtypes = self.mixed_precision_dtypes()
         mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
-        if dtypes:  # FSDP2 has no buffer dtype: cast the buffers once, as FSDP1's buffer_dtype would
+        # FSDP2 has no buffer dtype: buffers keep the dtype they were loaded in unless buffer_dtype is set explicitly
+        # (then they are cast once, as FSDP1's buffer_dtype would).
+        if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:
             for buffer in model.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(dtypes["buffer_dtype"])
-        # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
+        ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter        # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
         full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (others: meta)
         buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
         if self.rank == 0:
             model.to("meta")  # every rank shards the same empty structure, then rank 0's values are broadcast
+            retie(ties)  # `to` gave each module its own copy: a tied weight must be ONE FSDP parameter on every rank
         if checkpoint:  # before sharding, so that each sharded unit is the checkpointed block
             checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
         units = self.unit_modules(model)
@@ -974,18 +1007,20 @@ class FSDPTrainer(BasicTrainer):
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
-        self.load_from_rank0(model, full_state, buffers, cpu=self.fsdp.offload_policy)
+        self.load_from_rank0(model, full_state, buffers, cpu=self.fsdp.offload_policy, ties=ties)
         if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
             for unit, following in zip(units, units[1:]):
                 unit.set_modules_to_forward_prefetch([following])
         return model
 
-    def load_from_rank0(self, model: nn.Module, full_state: dict, buffers: dict, cpu: bool) -> None:
-        """Allocate the sharded empty model, then fill it: parameters and persistent buffers scattered from
-        rank 0's full state dict, every buffer (rotary tables are not in the state dict) broadcast."""
+    def load_from_rank0(self, model: nn.Module, full_state: dict, buffers: dict, cpu: bool, ties: list) -> None:
+        """Allocate the sharded empty model, re-tie what `to_empty` untied (the sharded DTensor of a tied
+        embedding must be ONE Parameter on every rank), then fill it: parameters and persistent buffers scattered
+        from rank 0's full state dict, every buffer (rotary tables are not in the state dict) broadcast."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         model.to_empty(device="cpu" if cpu else self.device)
+        retie(ties)
         set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for name, buffer in model.named_buffers():
             if self.rank == 0:
@@ -1052,8 +1087,10 @@ class FSDPTrainer(BasicTrainer):
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
         """Every rank runs the same number of forwards (synced_gpus) so that the all-gathers line up:
-        the original's sampling hung when ranks stopped at different lengths."""
-        return model.generate(**kwargs, synced_gpus=True)
+        the original's sampling hung when ranks stopped at different lengths. Each forward runs through the
+        root FSDP1 unit (through_root_unit); FSDP2's units are hooks on the model itself."""
+        with through_root_unit(model):
+            return model.generate(**kwargs, synced_gpus=True)
 
     def gather_objects(self, items: list) -> list:
         import torch.distributed as dist
@@ -1097,19 +1134,75 @@ class FSDPTrainer(BasicTrainer):
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+@contextlib.contextmanager
+def through_root_unit(model: nn.Module):
+    """FSDP1 wraps the model: `wrapped.generate` is the inner model's, whose `self(...)` would skip the root
+    unit's pre-forward (the all-gather of the embeddings, final norm and LM head, the input casts of mixed
+    precision). Inside this block the inner model's forward goes through the root unit; the root then calls the
+    inner model's own forward. Anything else (FSDP2, one process) is left as it is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if not isinstance(model, FSDP):
+        yield
+        return
+    inner = model.module
+
+    def forward(*args, **kwargs):
+        del inner.forward  # the root unit calls inner(...): its class forward this time
+        try:
+            return model(*args, **kwargs)
+        finally:
+            inner.forward = forward
+    inner.forward = forward
+    try:
+        yield
+    finally:
+        del inner.forward
+
+
+def tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) that share one Parameter (a tied input/output embedding). `to`,
+    `to_empty` and per-module materialization give each module its own copy: `retie` restores the sharing."""
+    groups: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                groups[id(param)].append((module, name))
+    return [slots for slots in groups.values() if len(slots) > 1]
+
+
+def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every slot of each group at one Parameter: the first one that has memory (else the first)."""
+    for slots in ties:
+        params = [module._parameters[name] for module, name in slots]
+        keep = next((p for p in params if not p.is_meta), params[0])
+        for module, name in slots:
+            module._parameters[name] = keep
+
+
 def broadcast_module(model: nn.Module, rank: int) -> None:
-    """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first)."""
+    """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first,
+    then are re-tied: the broadcast must see the same list of tensors on every rank)."""
     import torch.distributed as dist
     if rank != 0:
+        ties = tied_slots(model)
         model.to_empty(device="cpu")
+        retie(ties)
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=0)
 
 
-def materialize(device: torch.device):
-    """FSDP1's param_init_fn: give a meta module real (uninitialized) memory; sync_module_states then fills it."""
+def materialize(device: torch.device, ties: list):
+    """FSDP1's param_init_fn, called once per module of each unit: give the module's meta tensors real
+    (uninitialized) memory, sharing a tied Parameter that another module already materialized; then
+    sync_module_states fills everything with rank 0's values."""
     def init(module: nn.Module) -> None:
-        module.to_empty(device=device, recurse=False)
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+        retie(ties)
     return init
 
 

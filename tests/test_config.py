@@ -103,7 +103,8 @@ def test_the_original_long_command_resolves_to_typed_values():
     assert (cfg["gradient_accumulation_steps"], cfg["batch_size"], cfg["eval_batch_size"]) == (2, 64, 32)
     assert cfg["trainer"] == "FSDPTrainer" and cfg["sample_during_eval"] is False
     assert cfg["model"]["fsdp_policy_mp"] == "bfloat16"
-    assert cfg["fsdp"]["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "buffer_dtype": "bfloat16"}
+    # the alias sets the compute dtype only: reductions and buffers stay fp32 (FSDPTrainer.mixed_precision_dtypes)
+    assert cfg["fsdp"]["mixed_precision"] == {"param_dtype": "bfloat16"}
     assert cfg["model"]["archive"] == "/path/to/LATEST/policy.pt"
 
 
