@@ -192,10 +192,13 @@ class BasicTrainer:
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
-        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0.
-        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
-                                   checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
         self.device = self.input_device(policy)
+        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
+        # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
+        use_compile = config.fsdp.use_torch_compile
+        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
+                                   checkpointing=config.fsdp.entropy_checkpointing,
+                                   use_compile=self.device.type == "cuda" if use_compile is None else use_compile)
         if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
             self.flops_params = flops_params(policy)
         if config.activation_checkpointing:
@@ -213,10 +216,18 @@ class BasicTrainer:
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
                                           n_examples=config.n_examples)
+        # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
+        # size), rather than refused for the size of a batch the user may never have chosen.
+        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **self.data_kwargs)
+        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
+        if self.eval_batch_size < config.eval_batch_size:
+            rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
+                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, world size {world_size}")
         self.eval_batches = list(data.get_batch_iterator(
-            config.datasets, tokenizer, split="test", batch_size=config.eval_batch_size, shuffle=False, n_epochs=1,
+            config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
             n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
             **self.data_kwargs))
+        self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
@@ -252,7 +263,8 @@ class BasicTrainer:
         per_rank = c.batch_size // self.world_size
         rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
-                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {c.n_eval_examples}")
+                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
+                    f" in batches of {self.eval_batch_size}")
 
     # --- the loss of one micro-batch ---------------------------------------------------------------------
     def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -415,13 +427,19 @@ class BasicTrainer:
             mean.update(self.sample_and_log())
         return mean
 
-    def sample(self, model: nn.Module, batch: dict) -> list[str]:
-        """Sample completions of the batch's prompts (left-padded), decoded without the prompt."""
+    def sample(self, model: nn.Module, batch: dict, seed: int) -> list[str]:
+        """Sample completions of the batch's prompts (left-padded), decoded without the prompt.
+
+        The draw uses its own random stream seeded by `seed`, and the training RNG is left as it was: samples
+        are a function of (weights, prompts, seed), identical with or without a resume in between."""
         ids = batch["prompt_input_ids"].to(self.input_device(model))
         mask = batch["prompt_attention_mask"].to(ids.device)
-        out = self.generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
-                            do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
-                            pad_token_id=self.tokenizer.pad_token_id)
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []  # device_map: any GPU
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
+            out = self.generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
+                                do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                                pad_token_id=self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
@@ -429,13 +447,15 @@ class BasicTrainer:
         log a W&B table, and where the data has a checkable rule (the toy task) the rate samples follow it."""
         n_local = -(-self.config.n_eval_model_samples // self.world_size)
         prompts, policy_samples, reference_samples = [], [], []
-        for batch in self.eval_batches:  # every rank has as many eval batches: the loop ends together
+        for i, batch in enumerate(self.eval_batches):  # every rank has as many eval batches: the loop ends together
             if len(prompts) >= n_local:
                 break
             prompts += batch["prompt"]
-            policy_samples += self.sample(self.policy, batch)
+            # The policy's stream depends on the examples seen; the frozen reference's does not (the same samples
+            # at every eval), and at step 0 both streams are one: equal weights give equal samples.
+            policy_samples += self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, i))
             if self.reference_model is not None:
-                reference_samples += self.sample(self.reference_model, batch)
+                reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
         prompts = self.gather_objects(prompts[:n_local])
         policy_samples = self.gather_objects(policy_samples[:n_local])
         reference_samples = self.gather_objects(reference_samples[:n_local])
@@ -614,7 +634,7 @@ class BasicTrainer:
             return None
         ckpt = validate_checkpoint(Path(self.config.resume_from) / "LATEST")
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        check_compatible(state, self)
+        check_compatible(state, self.config, self.world_size)
         self.load_policy_and_optimizer(ckpt)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
@@ -640,6 +660,13 @@ class BasicTrainer:
 # ------------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ------------------------------------------------------------------------------------------------------
+def sampling_seed(seed: int, examples_seen: int, batch_index: int) -> int:
+    """The seed of one eval batch's samples: a pure function of the run's seed, the training pairs seen and the
+    batch, mixed by numpy's SeedSequence (so nearby inputs give unrelated streams)."""
+    import numpy as np
+    return int(np.random.SeedSequence([seed, examples_seen, batch_index]).generate_state(1)[0])
+
+
 def flops_params(model: nn.Module) -> int:
     """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
     return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
@@ -765,11 +792,12 @@ def validate_checkpoint(ckpt: Path) -> Path:
     return ckpt
 
 
-def check_compatible(state: dict, trainer: BasicTrainer) -> None:
+def check_compatible(state: dict, config, world_size: int) -> None:
     """Refuse to resume a checkpoint of another model, data, geometry or objective: a resume must continue the
-    same run. Called before anything is loaded, so a refused checkpoint is never half-loaded."""
-    expected = {"model": trainer.config.model.name_or_path, "datasets": list(trainer.config.datasets),
-                "seed": trainer.seed, "batch_size": trainer.config.batch_size, "world_size": trainer.world_size}
+    same run. Called before anything is loaded (train.check_inputs, before any model; maybe_resume again), so a
+    refused checkpoint is never half-loaded."""
+    expected = {"model": config.model.name_or_path, "datasets": list(config.datasets),
+                "seed": config.seed, "batch_size": config.batch_size, "world_size": world_size}
     wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
     if state.get("format") != CHECKPOINT_FORMAT:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
@@ -778,14 +806,14 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
     # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
     must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
                   "max_prompt_length", "truncation_mode")
-    original = Path(trainer.config.resume_from or "") / "config.yaml"
-    if trainer.config.resume_from and original.is_file():  # what the run was started with
+    original = Path(config.resume_from or "") / "config.yaml"
+    if config.resume_from and original.is_file():  # what the run was started with
         import yaml
 
         def flat(d: dict, prefix: str = "") -> dict:
             return {k2: v2 for k, v in d.items()
                     for k2, v2 in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
-        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(trainer.config.to_dict())
+        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(config.to_dict())
         for key in sorted(set(saved) | set(now)):
             if any(key == m or key.startswith(m + ".") for m in must_match) and saved.get(key) != now.get(key):
                 wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}")
@@ -847,7 +875,8 @@ class FSDPTrainer(BasicTrainer):
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         import torch.distributed as dist
-        assert dist.is_initialized(), "FSDPTrainer needs a process group (train.py starts one)"
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
         # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
