@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -180,6 +181,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from: damaged, incomplete or of another run. Nothing was loaded."""
 
 
+PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
+
 # ------------------------------------------------------------------------------------------------------
 # BasicTrainer
 # ------------------------------------------------------------------------------------------------------
@@ -256,6 +259,10 @@ class BasicTrainer:
 
     def barrier(self) -> None:
         pass  # one process
+
+    def show_bars(self) -> bool:
+        """tqdm bars only on rank 0 and only on a terminal: in a log file they are \r-redraw noise."""
+        return self.rank == 0 and sys.stderr.isatty()
 
     # --- geometry ---------------------------------------------------------------------------------------
     def print_geometry(self) -> None:
@@ -368,7 +375,7 @@ class BasicTrainer:
         mine += mine[-1:] * (-(-len(indices) // self.world_size) - len(mine))
         size = max(1, self.config.eval_batch_size // self.world_size)
         values = []
-        for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=self.rank != 0, mininterval=10):
+        for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=not self.show_bars(), mininterval=10):
             batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
             inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
             sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
@@ -393,8 +400,13 @@ class BasicTrainer:
                 (loss * len(micro["chosen_input_ids"]) / n).backward()
             for name, v in metrics.items():
                 step_metrics[name].append(v.detach())
-        tokens = sum(int(batch[f"{side}_attention_mask"].sum()) for side in ("chosen", "rejected") if f"{side}_input_ids" in batch)
-        step_metrics["tokens"] = [torch.tensor([float(tokens)], device=self.device)]
+        # What the step's FLOPs are counted from (throughput): real tokens, the positions the LM head scores, and
+        # the sum of squared sequence lengths (query-key pairs of attention).
+        sides = [side for side in ("chosen", "rejected") if f"{side}_input_ids" in batch]
+        lengths = torch.cat([batch[f"{side}_attention_mask"].sum(-1) for side in sides]).double()
+        scored = sum(int((batch[f"{side}_labels"][:, 1:] != losses.IGNORE_INDEX).sum()) for side in sides)
+        for name, value in (("tokens", lengths.sum().item()), ("scored_tokens", scored), ("attention_pairs", (lengths ** 2).sum().item())):
+            step_metrics[name] = [torch.tensor([float(value)], device=self.device)]
         grad_norm = self.clip_gradient()
         finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
         if finite:
@@ -408,7 +420,8 @@ class BasicTrainer:
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
         mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
-        mean["tokens"] *= self.world_size  # real (non-padding) tokens of the whole step, over all ranks
+        for name in ("tokens", "scored_tokens", "attention_pairs"):
+            mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
         return mean
 
@@ -418,7 +431,7 @@ class BasicTrainer:
         """Metrics averaged over the whole eval set (all ranks), then samples from policy and reference."""
         self.policy.eval()
         collected = defaultdict(list)
-        for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=self.rank != 0, leave=False):
+        for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.show_bars(), leave=False):
             _, metrics = self.get_batch_metrics(batch, "eval")
             for name, v in metrics.items():
                 collected[name].append(v)
@@ -519,8 +532,9 @@ class BasicTrainer:
         wandb_id = self.maybe_resume()
         self.init_logging(wandb_id)
         resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
-        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=self.rank != 0,
+        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.show_bars(),
                         dynamic_ncols=True)
+        last_progress = time.time()
         start, start_examples = time.time(), self.example_counter
         for batch in self.train_batches():
             if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
@@ -530,12 +544,19 @@ class BasicTrainer:
                     self.save_checkpoint()
             step_start = time.time()
             metrics = self.train_step(batch)
-            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start))
+            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start,
+                                           metrics.pop("scored_tokens"), metrics.pop("attention_pairs")))
             self.batch_counter += 1
             self.example_counter += self.config.batch_size
             rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
             bar.update(1)
             bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
+            if self.rank == 0 and bar.disable and (time.time() - last_progress >= PROGRESS_EVERY_SECS
+                                                   or self.batch_counter == self.total_steps):
+                # a log file gets plain lines instead of the bar's \r redraws
+                print(f"progress: step {self.batch_counter}/{self.total_steps}, pairs seen {self.example_counter},"
+                      f" pairs/s {rate:.2f}, loss/train {metrics.get('loss/train', float('nan')):.4f}", flush=True)
+                last_progress = time.time()
             if time.time() - self.last_log >= self.config.minimum_log_interval_secs:
                 self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
                           "counters/updates": self.batch_counter})
@@ -549,15 +570,27 @@ class BasicTrainer:
             self.evaluate_and_log()
             self.save_checkpoint()
 
-    def throughput(self, tokens: float, seconds: float) -> dict[str, float]:
-        """pairs/s, real tokens/s and model FLOPs utilization of one step: 6 N FLOPs per trained token plus 2 N
-        per token through an online reference (N = parameters outside the input embedding), over the peak."""
+    def throughput(self, tokens: float, seconds: float, scored_tokens: float = 0.0, attention_pairs: float = 0.0
+                   ) -> dict[str, float]:
+        """pairs/s, real tokens/s and two model FLOPs utilizations of one step, over the peak:
+
+        throughput/mfu: the 6N rule, 6 N FLOPs per trained token plus 2 N per token through an online reference
+            (N = parameters outside the input embedding), as usually reported; it counts the LM head at every
+            token and no attention.
+        throughput/mfu_executed: the matmuls the step runs on its real tokens (executed_flops): the LM head only
+            at the positions it projects (the scored ones under tiled_lm_head), attention included.
+        """
         if not hasattr(self, "peak_flops"):
             self.peak_flops, source = measure_peak_flops(self.config, self.device)
             rank0_print(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s ({source})")
-        per_token = 6 * self.flops_params + (2 * self.flops_params if self.reference_model is not None else 0)
+        reference = self.reference_model is not None
+        per_token = 6 * self.flops_params + (2 * self.flops_params if reference else 0)
+        head_positions = scored_tokens if self.forward_options()["tiled"] else tokens
+        executed = executed_flops(flops_shape(self.policy, self.flops_params), tokens, head_positions, attention_pairs,
+                                  passes=3 + (1 if reference else 0))
         return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
-                "throughput/mfu": per_token * tokens / seconds / self.peak_flops}
+                "throughput/mfu": per_token * tokens / seconds / self.peak_flops,
+                "throughput/mfu_executed": executed / seconds / self.peak_flops}
 
     def evaluate_and_log(self) -> None:
         rank0_print(f"Running evaluation after {self.example_counter} train examples")
@@ -670,6 +703,27 @@ def sampling_seed(seed: int, examples_seen: int, batch_index: int) -> int:
 def flops_params(model: nn.Module) -> int:
     """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
     return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+def flops_shape(model: nn.Module, n_params: int) -> dict[str, int]:
+    """What executed_flops needs, from the model's config (readable on a sharded model too): parameters of the
+    backbone's matmuls (`n_params` = flops_params less an untied LM head), of the LM head, layers and width."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = config.vocab_size * config.hidden_size
+    tied = getattr(config, "tie_word_embeddings", False)  # then flops_params already left the head out
+    return {"body": n_params - (0 if tied else head), "head": head, "layers": config.num_hidden_layers,
+            "width": config.hidden_size}
+
+
+def executed_flops(shape: dict[str, int], tokens: float, head_positions: float, attention_pairs: float,
+                   passes: int) -> float:
+    """Matmul FLOPs of one step's real tokens: per forward, 2 x backbone parameters per token, 2 x head
+    parameters per position the LM head projects, and 4 x width per layer per query-key pair (QK^T and the
+    weighted sum of V; no causal discount, as PaLM's appendix B); `passes` forwards' worth (3 = forward and
+    backward of the policy, +1 for an online reference forward)."""
+    forward = (2 * shape["body"] * tokens + 2 * shape["head"] * head_positions
+               + 4 * shape["layers"] * shape["width"] * attention_pairs)
+    return passes * forward
 
 
 def measure_peak_flops(config, device: torch.device) -> tuple[float, str]:

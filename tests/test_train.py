@@ -317,3 +317,15 @@ def test_reference_samples_are_the_same_at_every_eval_and_equal_the_policy_at_st
     assert [line.replace("reference", "policy", 1) for line in first] == samples[0]["policy"]  # equal weights
     rates = [r for r in metrics(dpo_run[0]) if "samples/reference_rule_rate" in r]
     assert len({r["samples/reference_rule_rate"] for r in rates}) == 1
+
+
+def test_a_log_file_gets_plain_progress_lines_not_tqdm_redraws(dpo_run):
+    """Output captured (not a terminal): no \\r bar redraws, a plain named progress line instead."""
+    result = dpo_run[1]
+    assert "\r" not in result.stdout and "\r" not in result.stderr
+    assert "progress: step 4/4, pairs seen 32, pairs/s " in result.stdout
+
+
+def test_executed_flops_mfu_is_logged_beside_the_6n_figure(dpo_run):
+    steps = [r for r in metrics(dpo_run[0]) if "throughput/mfu" in r]
+    assert steps and all(0 < r["throughput/mfu_executed"] != r["throughput/mfu"] for r in steps)

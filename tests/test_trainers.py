@@ -144,3 +144,17 @@ def test_token_budget_groups_pairs_and_trims_padding(skewed_inputs):
     sizes = [int(m["chosen_attention_mask"].sum() + m["rejected_attention_mask"].sum()) for m in micro]
     assert all(s <= 100 or len(m["prompt"]) == 1 for s, m in zip(sizes, micro))  # within budget, or one big pair
     assert all(m["chosen_input_ids"].size(1) == int(m["chosen_attention_mask"].sum(1).max()) for m in micro)
+
+
+def test_executed_flops_count_the_head_where_it_runs_and_attention():
+    """Llama, 2 layers, width 32, vocab 512, untied: head = 512 x 32 = 16384; body = flops_params - head.
+    One forward of 10 tokens, 4 projected by the head, sequences of 6 and 4 tokens (36 + 16 = 52 query-key pairs):
+    2 body 10 + 2 16384 4 + 4 2 32 52; training = 3 forwards."""
+    model = tiny_models()["llama"]
+    shape = trainers.flops_shape(model, trainers.flops_params(model))
+    assert shape["head"] == 16384 and shape["layers"] == 2 and shape["width"] == 32
+    assert shape["body"] == sum(p.numel() for p in model.parameters()) - 2 * 16384  # less embedding and head
+    forward = 2 * shape["body"] * 10 + 2 * 16384 * 4 + 4 * 2 * 32 * 52
+    assert trainers.executed_flops(shape, 10, 4, 52, passes=3) == 3 * forward
+    tied = tiny_models()["gpt2"]  # GPT-2 ties its head to the input embedding: flops_params has no head in it
+    assert trainers.flops_shape(tied, trainers.flops_params(tied))["body"] == trainers.flops_params(tied)
