@@ -261,3 +261,19 @@ def test_loss_names_known_to_config_are_the_registered_losses():
         load_config(["loss.name=mpo"])
     cfg, _ = load_config(["loss=mpo"])  # the preset is a mixture of registered losses
     assert cfg.loss_names == ["dpo", "bco_pair", "sft"]
+
+
+def test_the_sweep_example_starts_from_the_sft_checkpoint_and_targets_a_metric_that_can_rank_it():
+    """Each grid point of sweeps/dpo_beta_lr.yaml is a valid run from model.archive (the SFT checkpoint), ranked by
+    the toy task's sampled rule rate (rewards_eval/accuracies is 1.0 at every point after a few steps)."""
+    import itertools
+    sweep = yaml.safe_load((REPO / "sweeps" / "dpo_beta_lr.yaml").read_text())
+    assert sweep["metric"]["name"] == "samples/policy_rule_rate" and sweep["method"] == "grid"
+    fixed = [a for a in sweep["command"] if not str(a).startswith("${") and a not in ("python", "-u")]
+    grid = list(itertools.product(*([f"{k}={v}" for v in p["values"]] for k, p in sweep["parameters"].items())))
+    assert len(grid) == 9
+    for point in grid:
+        cfg, _ = load_config([*fixed, *point])
+        assert cfg.model.archive and cfg.loss_names == ["dpo"] and cfg.sample_during_eval
+        assert cfg.n_eval_model_samples >= 256 and cfg.n_eval_examples >= cfg.n_eval_model_samples
+    assert "python sweeps/run_grid.py sweeps/dpo_beta_lr.yaml" in (REPO / "README.md").read_text()

@@ -14,11 +14,13 @@ from transformers import AutoModelForCausalLM
 
 import train as train_py
 
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+
 REPO = Path(__file__).resolve().parent.parent
 # Small and fast: 8-pair steps, short sequences, no torch.compile warm-up, no W&B.
 FAST = ["model=tiny", "datasets=[toy]", "optimizer=AdamW", "warmup_steps=0", "batch_size=8", "eval_batch_size=8",
         "n_eval_examples=16", "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8",
-        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null"]
+        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null", LOCAL_DIRS]
 
 
 def train(run_dir, *args, check=True) -> subprocess.CompletedProcess:

@@ -15,6 +15,8 @@ import train as train_py
 import trainers
 from utils import disable_dropout
 
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -88,7 +90,7 @@ def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
 FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
         "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
         "loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=16", "do_first_eval=false",
-        "sample_during_eval=false"]
+        "sample_during_eval=false", LOCAL_DIRS]
 
 
 def run(run_dir, *args) -> dict:
