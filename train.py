@@ -14,7 +14,8 @@ Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HOST:29500 train.py trainer=FSDPTrainer ...
 
-`python -u train.py --help` lists every key; `--cfg` prints the resolved config and exits.
+`python -u train.py --help` lists every key; `--cfg` runs every check the run makes before it loads a model
+(config, data, archive, resume checkpoint), then prints the resolved config and exits.
 Resume a run exactly where it stopped: `python -u train.py <same arguments> resume_from=<run dir>`.
 
 Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
