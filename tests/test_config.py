@@ -100,26 +100,6 @@ def test_mixed_precision_shorthand_is_one_dtype_for_all_three():
     assert cfg.model.fsdp_policy_mp == "bfloat16"
 
 
-def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
-    """null (the default) compiles the entropy kernel only on CUDA; true set explicitly is honoured on CPU."""
-    default, explicit = tiny_trainer_cpu
-    assert default.entropy_kwargs["use_compile"] is False
-    assert explicit.entropy_kwargs["use_compile"] is True
-
-
-@pytest.fixture(scope="module")
-def tiny_trainer_cpu(tmp_path_factory):
-    import trainers
-    import train
-    out = []
-    for extra in ([], ["fsdp.use_torch_compile=true"]):
-        cfg, _ = load_config(["model=tiny", "loss=sft", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
-                              "max_length=64", "max_prompt_length=32", "wandb.enabled=false",
-                              f"local_dirs=[{tmp_path_factory.mktemp('cache')}]", *extra])
-        tokenizer, policy, _ = train.load_models(cfg)
-        out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
-    return out
-
 
 def test_config_yaml_holds_every_default_of_the_dataclasses():
     """config/config.yaml and the dataclass defaults are two views of one set of defaults: they must agree."""

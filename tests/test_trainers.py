@@ -12,6 +12,7 @@ from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXCon
 
 import preference_datasets as data
 import train as train_py
+from config import load_config
 import trainers
 from utils import disable_dropout
 
@@ -160,3 +161,22 @@ def test_executed_flops_count_the_head_where_it_runs_and_attention():
     assert trainers.executed_flops(shape, 10, 4, 52, passes=3) == 3 * forward
     tied = tiny_models()["gpt2"]  # GPT-2 ties its head to the input embedding: flops_params has no head in it
     assert trainers.flops_shape(tied, trainers.flops_params(tied))["body"] == trainers.flops_params(tied)
+
+
+def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
+    """null (the default) compiles the entropy kernel only on CUDA; true set explicitly is honoured on CPU."""
+    default, explicit = tiny_trainer_cpu
+    assert default.entropy_kwargs["use_compile"] is False
+    assert explicit.entropy_kwargs["use_compile"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer_cpu(tmp_path_factory):
+    out = []
+    for extra in ([], ["fsdp.use_torch_compile=true"]):
+        cfg, _ = load_config(["model=tiny", "loss=sft", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+                              "max_length=64", "max_prompt_length=32", "wandb.enabled=false",
+                              f"local_dirs=[{tmp_path_factory.mktemp('cache')}]", *extra])
+        tokenizer, policy, _ = train_py.load_models(cfg)
+        out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
+    return out
