@@ -150,16 +150,13 @@ class FSDPEngineConfig(EngineConfig):
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
     model_dtype: str = param("fp32", "dtype of the master weights the model is loaded in (alias: model.policy_dtype)")
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (needed for per-parameter optimizer groups)")
-    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}; param_dtype defaults to fsdp.dtype, the other two to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
+    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype (bf16) for param_dtype; param_dtype defaults to fsdp.dtype, the other two to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
     ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism; > 1 is not supported yet")
     entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
-    use_torch_compile: bool = param(True, "torch.compile the entropy kernel")
+    use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA (on CPU the compile costs ~20 s per run for a logged figure)")
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)")
 
-    def __post_init__(self):
-        super().__post_init__()
-        assert self.strategy in ["fsdp", "fsdp2"], f"strategy {self.strategy} not supported"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -535,12 +532,7 @@ def _build(cls, values: dict, prefix: str, problems: list[str]):
         if not ok:
             problems.append(f"{key}={values[key]!r}: expected {_type_name(t)}, got {type(values[key]).__name__}")
         kwargs[f.name] = value
-    try:
-        return cls(**kwargs)
-    except AssertionError as e:
-        problems.append(f"{prefix.rstrip('.')}: {e}")
-        object_kwargs = dict(kwargs, strategy="fsdp") if cls is FSDPEngineConfig else kwargs
-        return cls(**object_kwargs)
+    return cls(**kwargs)  # values are checked by validate(): CHOICES, ranges, cross-field rules
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -563,6 +555,12 @@ def _alias(values: dict, explicit: dict[str, int], problems: list[str], alias: s
     values[alias] = from_source(values[source])
 
 
+def mixed_precision_of(dtype: str) -> dict:
+    """The fsdp.mixed_precision dict that one dtype stands for (the shorthand and model.fsdp_policy_mp): compute in
+    `dtype`; gradient reductions and buffers (rotary tables) stay fp32, as verl (FSDPTrainer.mixed_precision_dtypes)."""
+    return {"param_dtype": dtype}
+
+
 def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]) -> None:
     """Make each original-DPO key agree with the FSDPEngineConfig field that names the same knob.
 
@@ -571,6 +569,13 @@ def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]
     (`activation_checkpointing` has no FSDPEngineConfig twin, so it stays the one key for that knob.)
     """
     n_before = len(problems)
+    mp = values["fsdp.mixed_precision"]
+    if isinstance(mp, str):  # the shorthand fsdp.mixed_precision=bf16 means what model.fsdp_policy_mp=bf16 means
+        if mp in DTYPES:
+            values["fsdp.mixed_precision"] = mixed_precision_of(mp)
+        else:
+            problems.append(f"fsdp.mixed_precision={mp!r}: expected one dtype ({', '.join(DTYPES)}), a dict"
+                            f" {{{', '.join(MIXED_PRECISION_KEYS)}}} of dtypes, or null")
     for key in ("model.policy_dtype", "fsdp.model_dtype", "model.fsdp_policy_mp", "model.reference_dtype", "fsdp.dtype"):
         if values[key] is not None and values[key] not in DTYPES:
             problems.append(f"{key}={values[key]!r}: expected a dtype, one of {', '.join(DTYPES)}")
@@ -590,8 +595,7 @@ def _resolve_aliases(values: dict, explicit: dict[str, int], problems: list[str]
 
     mp_dtype = lambda s: None if s is None else dtype(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
     _alias(values, explicit, problems, "model.fsdp_policy_mp", "fsdp.mixed_precision",
-           # compute in `a`; reductions and buffers stay fp32 (FSDPTrainer.mixed_precision_dtypes)
-           to_source=lambda a: None if a is None else {"param_dtype": a},
+           to_source=lambda a: None if a is None else mixed_precision_of(a),
            from_source=mp_dtype, same=lambda a, s: dtype(a) == mp_dtype(s))
 
     layers = wp.get("transformer_layer_cls_to_wrap")

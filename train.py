@@ -14,7 +14,8 @@ Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HOST:29500 train.py trainer=FSDPTrainer ...
 
-`python -u train.py --help` lists every key; `--cfg` prints the resolved config and exits.
+`python -u train.py --help` lists every key; `--cfg` runs every check the run makes before it loads a model
+(config, data, archive, resume checkpoint), then prints the resolved config and exits.
 Resume a run exactly where it stopped: `python -u train.py <same arguments> resume_from=<run dir>`.
 Run a recorded run again and compare its metrics: `python -u train.py --replay <run dir>` (run_manifest.py).
 Memory per rank and FLOPs per step before booking a GPU: `python -u train.py <args> --estimate [gpu=H100]` (estimate.py).
@@ -47,16 +48,6 @@ def resolve_local(path: str) -> str:
     if path and not Path(path).exists() and (REPO / path).exists():
         return str(REPO / path)
     return path
-
-
-def load_tokenizer(cfg):
-    """The tokenizer of the config (the model's own unless model.tokenizer_name_or_path says otherwise)."""
-    from transformers import AutoTokenizer
-    path = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
-    return tokenizer
 
 
 def load_models(cfg, device_map=None, on_meta: bool = False):
@@ -103,6 +94,83 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
             reference.load_state_dict(state)
         rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
     return tokenizer, policy, reference
+
+
+def load_tokenizer(cfg):
+    """The run's tokenizer (cheap: no weights), with a pad token."""
+    from transformers import AutoTokenizer
+    name = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:  # transformers raises OSError for a missing/offline repo
+        from config import ConfigError
+        raise ConfigError([f"model.tokenizer_name_or_path / model.name_or_path={name!r}: cannot load a tokenizer"
+                           f" ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    return tokenizer
+
+
+def world_size_of(cfg) -> int:
+    """Processes that will train: 1 (BasicTrainer), torchrun's WORLD_SIZE, or what `launch` starts."""
+    if cfg.trainer == "BasicTrainer":
+        return 1
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    import torch
+    return cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+
+
+def check_inputs(cfg, world_size: int) -> None:
+    """Every check of the user's input that needs no model, run by `--cfg` and before any model loads:
+    the config against the world size, dataset names and files, model.archive, the checkpoint a resume reads,
+    and the data after tokenization (hub datasets fetched, pairs left after filtering)."""
+    import preference_datasets as data
+    from config import ConfigError, validate
+
+    problems = validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    data.validate_sources(cfg.datasets)
+    if cfg.model.archive and not Path(cfg.model.archive).is_file():
+        raise ArchiveError(f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)")
+    if cfg.resume_from:
+        check_resumable(cfg, world_size)
+    check_data(cfg, world_size)
+
+
+def check_data(cfg, world_size: int) -> None:
+    """Tokenize both splits as the trainer will (the result is cached for it) and refuse data that leaves
+    fewer training pairs than one step, or fewer eval pairs than ranks, naming each source and its drops."""
+    import losses
+    import preference_datasets as data
+    from utils import first_usable_dir
+
+    tokenizer = load_tokenizer(cfg)
+    kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
+                  sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode,
+                  cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"))
+    for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
+                                ("test", world_size, f"world size {world_size} (one eval pair per rank)")):
+        examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **kwargs)
+        if len(examples) < needed:
+            per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
+                                   + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
+                                   for s in stats)
+            raise data.DataError(f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after"
+                                 f" filtering, fewer than {knob} ({per_source}); add data, or for dropped"
+                                 f" over-long pairs raise max_length={cfg.max_length}")
+
+
+def check_resumable(cfg, world_size: int) -> None:
+    """The checkpoint resume_from points at is complete and belongs to this run (nothing is loaded)."""
+    import torch
+
+    import trainers
+    if not (Path(cfg.resume_from) / "LATEST").exists():
+        raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
+    ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
+    trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
 
 
 class ArchiveError(ValueError):
@@ -160,24 +228,37 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
     trainer.train()
 
 
-def prepare_run_dir(cfg) -> Path:
-    """The run directory; the resolved config is saved in it as config.yaml."""
+def prepare_run_dir(cfg) -> tuple[Path, bool]:
+    """(the run directory, whether this run created it); the resolved config is saved in it as config.yaml
+    (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
     from config import to_yaml
     from utils import atomic_write_text, get_local_run_dir
 
     if cfg.resume_from:
-        run_dir = Path(cfg.resume_from)
+        run_dir, created = Path(cfg.resume_from), False
         if not (run_dir / "LATEST").exists():
             raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
     elif cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         if (run_dir / "LATEST").exists():
             raise FileExistsError(f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir")
+        created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        run_dir = get_local_run_dir(cfg.exp_name, cfg.local_dirs)
+        run_dir, created = get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
     atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
-    return run_dir
+    return run_dir, created
+
+
+def remove_orphan(run_dir: Path, created: bool) -> None:
+    """After a failure: remove the run directory this run created if it holds nothing but what a run writes at
+    its start (config.yaml, the run manifest): it failed before training wrote anything. Never touches a
+    directory that existed before."""
+    import shutil
+
+    import run_manifest
+    if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml", run_manifest.MANIFEST, run_manifest.DIFF}:
+        shutil.rmtree(run_dir)
 
 
 def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> None:
@@ -198,9 +279,17 @@ def distributed_worker(cfg, run_dir: str | None) -> None:
         torch.cuda.set_device(local_rank)
     # cpu:gloo,cuda:nccl on GPUs (CPU tensors take gloo); collectives time out after collective_timeout_secs.
     init_distributed(cfg.collective_timeout_secs, cuda=torch.cuda.is_available())
+    created = False
     try:
-        run_dir = broadcast_object(str(prepare_run_dir(cfg)) if rank == 0 and run_dir is None else run_dir)
+        if rank == 0 and run_dir is None:  # started by torchrun: rank 0 makes the directory
+            made, created = prepare_run_dir(cfg)
+            run_dir = str(made)
+        run_dir = broadcast_object(run_dir)
         worker_main(rank, world_size, cfg, run_dir)
+    except BaseException:
+        if created:
+            remove_orphan(Path(run_dir), created)
+        raise
     finally:
         destroy_distributed()
 
@@ -209,26 +298,23 @@ def launch(cfg) -> None:
     """One process (BasicTrainer), this process as one torchrun rank, or N local processes (FSDPTrainer)."""
     from utils import get_open_port, rank0_print
 
-    if cfg.trainer == "BasicTrainer":
-        run_dir = prepare_run_dir(cfg)
-        print(f"run directory: {run_dir}", flush=True)
-        worker_main(0, 1, cfg, str(run_dir))
-        print(f"done; run directory: {run_dir}", flush=True)
-        return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+    if cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         distributed_worker(cfg, None)
         return
-    import torch
-    import torch.multiprocessing as mp
-
-    world_size = cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    from config import ConfigError, validate
-    problems = validate(cfg, world_size)
-    if problems:
-        raise ConfigError(problems)
-    run_dir = prepare_run_dir(cfg)
-    rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
-    mp.spawn(spawned_worker, nprocs=world_size, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or get_open_port()), join=True)
+    run_dir, created = prepare_run_dir(cfg)
+    try:
+        if cfg.trainer == "BasicTrainer":
+            print(f"run directory: {run_dir}", flush=True)
+            worker_main(0, 1, cfg, str(run_dir))
+        else:
+            import torch.multiprocessing as mp
+            world_size = world_size_of(cfg)
+            rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
+            mp.spawn(spawned_worker, nprocs=world_size, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or get_open_port()),
+                     join=True)
+    except BaseException:
+        remove_orphan(run_dir, created)
+        raise
     rank0_print(f"done; run directory: {run_dir}")
 
 
@@ -266,16 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EstimateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if "--cfg" in flags:
-        print(to_yaml(cfg), end="")
-        return 0
     import preference_datasets
     import run_manifest
     try:
-        preference_datasets.validate_sources(cfg.datasets)  # bad data fails here, before any model is loaded
+        check_inputs(cfg, world_size_of(cfg))  # bad input fails here, before any model is loaded; --cfg too
         if cfg.resume_from or replay_of:  # the data must be the recorded run's: checked before any model loads
             run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg),
                                        "resume" if cfg.resume_from else "replay")
+        if "--cfg" in flags:
+            print(to_yaml(cfg), end="")
+            return 0
         launch(cfg)
         if replay_of is not None:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -208,6 +209,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from: damaged, incomplete or of another run. Nothing was loaded."""
 
 
+PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
+
 # ------------------------------------------------------------------------------------------------------
 # BasicTrainer
 # ------------------------------------------------------------------------------------------------------
@@ -220,10 +223,13 @@ class BasicTrainer:
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
-        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0.
-        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
-                                   checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
         self.device = self.input_device(policy)
+        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
+        # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
+        use_compile = config.fsdp.use_torch_compile
+        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
+                                   checkpointing=config.fsdp.entropy_checkpointing,
+                                   use_compile=self.device.type == "cuda" if use_compile is None else use_compile)
         if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
             self.flops_params = flops_params(policy)
         if config.activation_checkpointing:
@@ -241,10 +247,18 @@ class BasicTrainer:
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
                                           n_examples=config.n_examples)
+        # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
+        # size), rather than refused for the size of a batch the user may never have chosen.
+        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **self.data_kwargs)
+        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
+        if self.eval_batch_size < config.eval_batch_size:
+            rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
+                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, world size {world_size}")
         self.eval_batches = list(data.get_batch_iterator(
-            config.datasets, tokenizer, split="test", batch_size=config.eval_batch_size, shuffle=False, n_epochs=1,
+            config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
             n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
             **self.data_kwargs))
+        self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
@@ -277,13 +291,18 @@ class BasicTrainer:
     def all_ranks_finite(self, finite: bool) -> bool:
         return finite  # one process: its own decision
 
+    def show_bars(self) -> bool:
+        """tqdm bars only on rank 0 and only on a terminal: in a log file they are \r-redraw noise."""
+        return self.rank == 0 and sys.stderr.isatty()
+
     # --- geometry ---------------------------------------------------------------------------------------
     def print_geometry(self) -> None:
         c = self.config
         per_rank = c.batch_size // self.world_size
         rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
-                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {c.n_eval_examples}")
+                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
+                    f" in batches of {self.eval_batch_size}")
 
     # --- the loss of one micro-batch ---------------------------------------------------------------------
     def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -389,7 +408,7 @@ class BasicTrainer:
         mine += mine[-1:] * (-(-len(indices) // self.world_size) - len(mine))
         size = max(1, self.config.eval_batch_size // self.world_size)
         values = []
-        for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=self.rank != 0, mininterval=10):
+        for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=not self.show_bars(), mininterval=10):
             batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
             inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
             sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
@@ -414,8 +433,13 @@ class BasicTrainer:
                 (loss * len(micro["chosen_input_ids"]) / n).backward()
             for name, v in metrics.items():
                 step_metrics[name].append(v.detach())
-        tokens = sum(int(batch[f"{side}_attention_mask"].sum()) for side in ("chosen", "rejected") if f"{side}_input_ids" in batch)
-        step_metrics["tokens"] = [torch.tensor([float(tokens)], device=self.device)]
+        # What the step's FLOPs are counted from (throughput): real tokens, the positions the LM head scores, and
+        # the sum of squared sequence lengths (query-key pairs of attention).
+        sides = [side for side in ("chosen", "rejected") if f"{side}_input_ids" in batch]
+        lengths = torch.cat([batch[f"{side}_attention_mask"].sum(-1) for side in sides]).double()
+        scored = sum(int((batch[f"{side}_labels"][:, 1:] != losses.IGNORE_INDEX).sum()) for side in sides)
+        for name, value in (("tokens", lengths.sum().item()), ("scored_tokens", scored), ("attention_pairs", (lengths ** 2).sum().item())):
+            step_metrics[name] = [torch.tensor([float(value)], device=self.device)]
         grad_norm = self.clip_gradient()
         finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
         finite = self.all_ranks_finite(finite)  # every rank steps, or every rank skips
@@ -430,7 +454,8 @@ class BasicTrainer:
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
         mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
-        mean["tokens"] *= self.world_size  # real (non-padding) tokens of the whole step, over all ranks
+        for name in ("tokens", "scored_tokens", "attention_pairs"):
+            mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
         return mean
 
@@ -440,7 +465,7 @@ class BasicTrainer:
         """Metrics averaged over the whole eval set (all ranks), then samples from policy and reference."""
         self.policy.eval()
         collected = defaultdict(list)
-        for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=self.rank != 0, leave=False):
+        for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.show_bars(), leave=False):
             _, metrics = self.get_batch_metrics(batch, "eval")
             for name, v in metrics.items():
                 collected[name].append(v)
@@ -449,13 +474,19 @@ class BasicTrainer:
             mean.update(self.sample_and_log())
         return mean
 
-    def sample(self, model: nn.Module, batch: dict) -> list[str]:
-        """Sample completions of the batch's prompts (left-padded), decoded without the prompt."""
+    def sample(self, model: nn.Module, batch: dict, seed: int) -> list[str]:
+        """Sample completions of the batch's prompts (left-padded), decoded without the prompt.
+
+        The draw uses its own random stream seeded by `seed`, and the training RNG is left as it was: samples
+        are a function of (weights, prompts, seed), identical with or without a resume in between."""
         ids = batch["prompt_input_ids"].to(self.input_device(model))
         mask = batch["prompt_attention_mask"].to(ids.device)
-        out = self.generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
-                            do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
-                            pad_token_id=self.tokenizer.pad_token_id)
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []  # device_map: any GPU
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
+            out = self.generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
+                                do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                                pad_token_id=self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
@@ -463,13 +494,15 @@ class BasicTrainer:
         log a W&B table, and where the data has a checkable rule (the toy task) the rate samples follow it."""
         n_local = -(-self.config.n_eval_model_samples // self.world_size)
         prompts, policy_samples, reference_samples = [], [], []
-        for batch in self.eval_batches:  # every rank has as many eval batches: the loop ends together
+        for i, batch in enumerate(self.eval_batches):  # every rank has as many eval batches: the loop ends together
             if len(prompts) >= n_local:
                 break
             prompts += batch["prompt"]
-            policy_samples += self.sample(self.policy, batch)
+            # The policy's stream depends on the examples seen; the frozen reference's does not (the same samples
+            # at every eval), and at step 0 both streams are one: equal weights give equal samples.
+            policy_samples += self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, i))
             if self.reference_model is not None:
-                reference_samples += self.sample(self.reference_model, batch)
+                reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
         prompts = self.gather_objects(prompts[:n_local])
         policy_samples = self.gather_objects(policy_samples[:n_local])
         reference_samples = self.gather_objects(reference_samples[:n_local])
@@ -534,8 +567,9 @@ class BasicTrainer:
         self.init_logging(wandb_id)
         self.barrier()  # W&B starts on rank 0 alone (up to minutes online); the others wait here, not in a collective
         resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
-        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=self.rank != 0,
+        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.show_bars(),
                         dynamic_ncols=True)
+        last_progress = time.time()
         start, start_examples = time.time(), self.example_counter
         for batch in self.train_batches():
             if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
@@ -545,12 +579,19 @@ class BasicTrainer:
                     self.save_checkpoint()
             step_start = time.time()
             metrics = self.train_step(batch)
-            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start))
+            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start,
+                                           metrics.pop("scored_tokens"), metrics.pop("attention_pairs")))
             self.batch_counter += 1
             self.example_counter += self.config.batch_size
             rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
             bar.update(1)
             bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
+            if self.rank == 0 and bar.disable and (time.time() - last_progress >= PROGRESS_EVERY_SECS
+                                                   or self.batch_counter == self.total_steps):
+                # a log file gets plain lines instead of the bar's \r redraws
+                print(f"progress: step {self.batch_counter}/{self.total_steps}, pairs seen {self.example_counter},"
+                      f" pairs/s {rate:.2f}, loss/train {metrics.get('loss/train', float('nan')):.4f}", flush=True)
+                last_progress = time.time()
             if time.time() - self.last_log >= self.config.minimum_log_interval_secs:
                 self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
                           "counters/updates": self.batch_counter})
@@ -564,15 +605,27 @@ class BasicTrainer:
             self.evaluate_and_log()
             self.save_checkpoint()
 
-    def throughput(self, tokens: float, seconds: float) -> dict[str, float]:
-        """pairs/s, real tokens/s and model FLOPs utilization of one step: 6 N FLOPs per trained token plus 2 N
-        per token through an online reference (N = parameters outside the input embedding), over the peak."""
+    def throughput(self, tokens: float, seconds: float, scored_tokens: float = 0.0, attention_pairs: float = 0.0
+                   ) -> dict[str, float]:
+        """pairs/s, real tokens/s and two model FLOPs utilizations of one step, over the peak:
+
+        throughput/mfu: the 6N rule, 6 N FLOPs per trained token plus 2 N per token through an online reference
+            (N = parameters outside the input embedding), as usually reported; it counts the LM head at every
+            token and no attention.
+        throughput/mfu_executed: the matmuls the step runs on its real tokens (executed_flops): the LM head only
+            at the positions it projects (the scored ones under tiled_lm_head), attention included.
+        """
         if not hasattr(self, "peak_flops"):
             self.peak_flops, source = measure_peak_flops(self.config, self.device)
             rank0_print(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s ({source})")
-        per_token = 6 * self.flops_params + (2 * self.flops_params if self.reference_model is not None else 0)
+        reference = self.reference_model is not None
+        per_token = 6 * self.flops_params + (2 * self.flops_params if reference else 0)
+        head_positions = scored_tokens if self.forward_options()["tiled"] else tokens
+        executed = executed_flops(flops_shape(self.policy, self.flops_params), tokens, head_positions, attention_pairs,
+                                  passes=3 + (1 if reference else 0))
         return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
-                "throughput/mfu": per_token * tokens / seconds / self.peak_flops}
+                "throughput/mfu": per_token * tokens / seconds / self.peak_flops,
+                "throughput/mfu_executed": executed / seconds / self.peak_flops}
 
     def evaluate_and_log(self) -> None:
         rank0_print(f"Running evaluation after {self.example_counter} train examples")
@@ -649,7 +702,7 @@ class BasicTrainer:
             return None
         ckpt = validate_checkpoint(Path(self.config.resume_from) / "LATEST")
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        check_compatible(state, self)
+        check_compatible(state, self.config, self.world_size)
         self.load_policy_and_optimizer(ckpt)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
@@ -675,9 +728,37 @@ class BasicTrainer:
 # ------------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ------------------------------------------------------------------------------------------------------
+def sampling_seed(seed: int, examples_seen: int, batch_index: int) -> int:
+    """The seed of one eval batch's samples: a pure function of the run's seed, the training pairs seen and the
+    batch, mixed by numpy's SeedSequence (so nearby inputs give unrelated streams)."""
+    import numpy as np
+    return int(np.random.SeedSequence([seed, examples_seen, batch_index]).generate_state(1)[0])
+
+
 def flops_params(model: nn.Module) -> int:
     """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
     return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+def flops_shape(model: nn.Module, n_params: int) -> dict[str, int]:
+    """What executed_flops needs, from the model's config (readable on a sharded model too): parameters of the
+    backbone's matmuls (`n_params` = flops_params less an untied LM head), of the LM head, layers and width."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = config.vocab_size * config.hidden_size
+    tied = getattr(config, "tie_word_embeddings", False)  # then flops_params already left the head out
+    return {"body": n_params - (0 if tied else head), "head": head, "layers": config.num_hidden_layers,
+            "width": config.hidden_size}
+
+
+def executed_flops(shape: dict[str, int], tokens: float, head_positions: float, attention_pairs: float,
+                   passes: int) -> float:
+    """Matmul FLOPs of one step's real tokens: per forward, 2 x backbone parameters per token, 2 x head
+    parameters per position the LM head projects, and 4 x width per layer per query-key pair (QK^T and the
+    weighted sum of V; no causal discount, as PaLM's appendix B); `passes` forwards' worth (3 = forward and
+    backward of the policy, +1 for an online reference forward)."""
+    forward = (2 * shape["body"] * tokens + 2 * shape["head"] * head_positions
+               + 4 * shape["layers"] * shape["width"] * attention_pairs)
+    return passes * forward
 
 
 def measure_peak_flops(config, device: torch.device) -> tuple[float, str]:
@@ -800,11 +881,12 @@ def validate_checkpoint(ckpt: Path) -> Path:
     return ckpt
 
 
-def check_compatible(state: dict, trainer: BasicTrainer) -> None:
+def check_compatible(state: dict, config, world_size: int) -> None:
     """Refuse to resume a checkpoint of another model, data, geometry or objective: a resume must continue the
-    same run. Called before anything is loaded, so a refused checkpoint is never half-loaded."""
-    expected = {"model": trainer.config.model.name_or_path, "datasets": list(trainer.config.datasets),
-                "seed": trainer.seed, "batch_size": trainer.config.batch_size, "world_size": trainer.world_size}
+    same run. Called before anything is loaded (train.check_inputs, before any model; maybe_resume again), so a
+    refused checkpoint is never half-loaded."""
+    expected = {"model": config.model.name_or_path, "datasets": list(config.datasets),
+                "seed": config.seed, "batch_size": config.batch_size, "world_size": world_size}
     wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
     if state.get("format") != CHECKPOINT_FORMAT:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
@@ -813,14 +895,14 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
     # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
     must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
                   "max_prompt_length", "truncation_mode")
-    original = Path(trainer.config.resume_from or "") / "config.yaml"
-    if trainer.config.resume_from and original.is_file():  # what the run was started with
+    original = Path(config.resume_from or "") / "config.yaml"
+    if config.resume_from and original.is_file():  # what the run was started with
         import yaml
 
         def flat(d: dict, prefix: str = "") -> dict:
             return {k2: v2 for k, v in d.items()
                     for k2, v2 in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
-        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(trainer.config.to_dict())
+        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(config.to_dict())
         for key in sorted(set(saved) | set(now)):
             if any(key == m or key.startswith(m + ".") for m in must_match) and saved.get(key) != now.get(key):
                 wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}")
@@ -882,7 +964,8 @@ class FSDPTrainer(BasicTrainer):
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         import torch.distributed as dist
-        assert dist.is_initialized(), "FSDPTrainer needs a process group (train.py starts one)"
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
         # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")

@@ -25,11 +25,13 @@ import trainers
 from config import load_config
 from utils import get_open_port
 
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=16",
         "max_length=64", "max_prompt_length=32", "max_new_tokens=8", "fsdp.use_torch_compile=false",
         "wandb.enabled=false", "n_epochs=null", "loss=dpo", "do_first_eval=false", "sample_during_eval=false",
-        "minimum_log_interval_secs=0"]
+        "minimum_log_interval_secs=0", LOCAL_DIRS]
 SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]   # parameter change = the gradient
 ADAMW_3 = ["optimizer=AdamW", "lr=1e-4", "n_examples=24", "eval_every=8"]
 

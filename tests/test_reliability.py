@@ -39,6 +39,8 @@ import torch
 
 from test_preference_datasets import BAD_CASES  # the expected message fragments of every bad data file
 
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+
 REPO = Path(__file__).resolve().parent.parent
 BAD_DATA = REPO / "tests" / "data" / "bad_data"
 BAD_CONFIGS = REPO / "tests" / "data" / "bad_configs.tsv"
@@ -47,7 +49,7 @@ BAD_CONFIGS = REPO / "tests" / "data" / "bad_configs.tsv"
 RUN = ["loss=dpo", "model=tiny", "datasets=[toy]", "n_epochs=null", "n_examples=96", "batch_size=8",
        "eval_batch_size=8", "eval_every=16", "lr=1e-4", "warmup_steps=2", "n_eval_examples=16",
        "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8", "sample_during_eval=true",
-       "minimum_log_interval_secs=0", "wandb.enabled=false", "fsdp.use_torch_compile=false"]
+       "minimum_log_interval_secs=0", "wandb.enabled=false", "fsdp.use_torch_compile=false", LOCAL_DIRS]
 SECRETS = {"WANDB_API_KEY": "wandbkey-3f9c1e7a5b2d4c6e8a0b1c2d3e4f5a6b7c8d9e0f", "HF_TOKEN": "hf_SeCrEtToKeN9271xQzLpWv"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", **SECRETS}
 STATE_FILES = ("policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-0.pt")
@@ -422,7 +424,7 @@ def build_trainer(run_dir: Path, *overrides: str):
     import trainers
     from utils import seed_everything
     cfg, _ = config.load_config([*RUN, f"run_dir={run_dir}", *overrides])
-    run_dir = train.prepare_run_dir(cfg)
+    run_dir, _ = train.prepare_run_dir(cfg)
     seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     tokenizer, policy, reference_model = train.load_models(cfg)
     return trainers.BasicTrainer(policy, cfg, cfg.seed, str(run_dir), reference_model=reference_model, tokenizer=tokenizer)

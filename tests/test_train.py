@@ -14,11 +14,13 @@ from transformers import AutoModelForCausalLM
 
 import train as train_py
 
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+
 REPO = Path(__file__).resolve().parent.parent
 # Small and fast: 8-pair steps, short sequences, no torch.compile warm-up, no W&B.
 FAST = ["model=tiny", "datasets=[toy]", "optimizer=AdamW", "warmup_steps=0", "batch_size=8", "eval_batch_size=8",
         "n_eval_examples=16", "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8",
-        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null"]
+        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null", LOCAL_DIRS]
 
 
 def train(run_dir, *args, check=True) -> subprocess.CompletedProcess:
@@ -120,7 +122,7 @@ def test_loss_falls_when_overfitting_eight_pairs(tmp_path):
 
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
     args = ["loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "minimum_log_interval_secs=0"]
-    train(tmp_path / "full", *args)
+    full = train(tmp_path / "full", *args)
     # The same run, killed right after its first checkpoint, then resumed.
     cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
@@ -134,6 +136,12 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
     result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
     assert "resumed from" in result.stdout and "at 16 examples" in result.stdout
     assert_states_equal(final_state(tmp_path / "full"), final_state(tmp_path / "cut"))
+    # samples and their rule rates too: sampling draws from its own stream seeded by (seed, examples seen)
+    full_samples, resumed_samples = sample_lines(full.stdout), sample_lines(result.stdout)
+    assert sorted(resumed_samples) == [32, 48]
+    assert all(resumed_samples[s] == full_samples[s] for s in resumed_samples)
+    sampled = lambda run: [r for r in metrics(tmp_path / run) if any(k.startswith("samples/") for k in r)]  # noqa: E731
+    assert sampled("full") == sampled("cut")
 
 
 def test_batch_8_accumulation_1_equals_batch_8_accumulation_4_after_one_step(tmp_path):
@@ -219,3 +227,119 @@ def test_full_determinism_is_on_where_the_step_runs_only_when_asked(tmp_path, mo
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, False
     assert seen == [(False, None), (True, ":4096:8")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input fails before any model is loaded, and a failed run leaves nothing behind (issue 12, items 5-7, 9)
+# ---------------------------------------------------------------------------------------------------------
+def toy_rows(n: int, same: bool = False) -> str:
+    rows = [json.loads(line) for line in (REPO / "toy" / "data" / "test.jsonl").read_text().splitlines()[:n]]
+    return "".join(json.dumps({"prompt": r["prompt"], "chosen": r["chosen"],
+                               "rejected": r["chosen"] if same else r["rejected"]}) + "\n" for r in rows)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: the checks under test must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+    monkeypatch.setattr(train_py, "load_models", refuse)
+
+
+@pytest.mark.parametrize("case", ["offline_hub", "missing_archive", "all_filtered", "all_filtered_cfg"])
+def test_bad_input_fails_before_any_model_is_loaded_and_leaves_no_run_dir(tmp_path, no_model, case):
+    same = tmp_path / "same.jsonl"
+    same.write_text(toy_rows(8, same=True))  # chosen == rejected: every pair is dropped
+    args, expected = {
+        "offline_hub": (["datasets=[hh]"], ["dataset 'Anthropic/hh-rlhf'", "not available offline"]),
+        "missing_archive": ([f"model.archive={tmp_path / 'nope.pt'}"], [f"model.archive={tmp_path / 'nope.pt'}: no such file"]),
+        "all_filtered": ([f"datasets=[{same}]"], [f"datasets=['{same}'] split 'train': 0 pairs left after filtering",
+                                                  "fewer than batch_size=8", "chosen_equals_rejected=8"]),
+        "all_filtered_cfg": ([f"datasets=[{same}]", "--cfg"], ["0 pairs left after filtering", "chosen_equals_rejected=8"]),
+    }[case]
+    result = train(tmp_path / "run", "loss=dpo", "n_examples=8", *args, check=False)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    for fragment in expected:
+        assert fragment in result.stderr, (fragment, result.stderr)
+    assert not (tmp_path / "run").exists()  # nothing was created for a run that never started
+
+
+def test_cfg_refuses_what_the_run_refuses(tmp_path):
+    result = train(tmp_path / "run", "datasets=[nonexistent]", "n_examples=8", "--cfg", check=False)
+    assert result.returncode == 2 and "unknown dataset 'nonexistent'" in result.stderr
+    assert result.stdout == "" and not (tmp_path / "run").exists()
+
+
+def test_a_run_failing_before_training_removes_only_the_directory_it_created(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")  # any failure while loading
+    monkeypatch.setattr(train_py, "load_models", broken)
+    with pytest.raises(OSError):
+        train(tmp_path / "new", "loss=sft", "n_examples=8")
+    assert not (tmp_path / "new").exists()  # no orphan holding only config.yaml
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    with pytest.raises(OSError):
+        train(tmp_path / "mine", "loss=sft", "n_examples=8")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"  # existed before: never deleted
+    with pytest.raises(OSError):
+        train_py.main([*FAST, "loss=sft", "n_examples=8", f"local_dirs=[{tmp_path / 'dirs'}]"])
+    assert list((tmp_path / "dirs" / "runs").iterdir()) == []  # the timestamped directory went too
+
+
+def test_a_refused_resume_leaves_config_resumed_yaml_alone(dpo_run, tmp_path, no_model):
+    import shutil
+    run_dir = shutil.copytree(dpo_run[0], tmp_path / "run", symlinks=True)
+    (run_dir / "config.resumed.yaml").write_text("# the last accepted resume\n")
+    result = train(run_dir, "loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "seed=1",
+                   f"resume_from={run_dir}", check=False)
+    assert result.returncode == 2 and "seed: checkpoint has 0, this run has 1" in result.stderr, result.stderr
+    assert (run_dir / "config.resumed.yaml").read_text() == "# the last accepted resume\n"
+
+
+def test_a_six_pair_file_trains_with_batch_size_2_and_says_how_many_eval_pairs_exist(tmp_path):
+    six = tmp_path / "six.jsonl"
+    six.write_text(toy_rows(6))  # one file serves both splits (no {split} in the path)
+    result = train(tmp_path / "run", "loss=dpo", f"datasets=[{six}]", "batch_size=2", "eval_batch_size=16",
+                   "n_eval_examples=256", "n_examples=4", "eval_every=4", "sample_during_eval=false")
+    assert "eval pairs 6 in batches of 6" in result.stdout, result.stdout
+    assert "eval_batch_size=16 lowered to 6: 6 eval pairs in the data" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Samples come from their own seeded stream (issue 12, item 10)
+# ---------------------------------------------------------------------------------------------------------
+def sample_lines(stdout: str) -> dict[int, dict[str, list[str]]]:
+    """{examples seen at the eval: {'policy'/'reference': the printed sample lines}}."""
+    out, step = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("Running evaluation after "):
+            step = int(line.split()[3])
+            out[step] = {"policy": [], "reference": []}
+        elif " sample | " in line and step is not None:
+            who = line.split()[0]
+            out[step][who].append(line)
+    return out
+
+
+def test_reference_samples_are_the_same_at_every_eval_and_equal_the_policy_at_step_0(dpo_run):
+    samples = sample_lines(dpo_run[1].stdout)
+    assert sorted(samples) == [0, 16, 32]
+    first = samples[0]["reference"]
+    assert len(first) == 3
+    assert all(samples[s]["reference"] == first for s in samples)  # the frozen reference, the same stream
+    assert [line.replace("reference", "policy", 1) for line in first] == samples[0]["policy"]  # equal weights
+    rates = [r for r in metrics(dpo_run[0]) if "samples/reference_rule_rate" in r]
+    assert len({r["samples/reference_rule_rate"] for r in rates}) == 1
+
+
+def test_a_log_file_gets_plain_progress_lines_not_tqdm_redraws(dpo_run):
+    """Output captured (not a terminal): no \\r bar redraws, a plain named progress line instead."""
+    result = dpo_run[1]
+    assert "\r" not in result.stdout and "\r" not in result.stderr
+    assert "progress: step 4/4, pairs seen 32, pairs/s " in result.stdout
+
+
+def test_executed_flops_mfu_is_logged_beside_the_6n_figure(dpo_run):
+    steps = [r for r in metrics(dpo_run[0]) if "throughput/mfu" in r]
+    assert steps and all(0 < r["throughput/mfu_executed"] != r["throughput/mfu"] for r in steps)

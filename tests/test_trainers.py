@@ -12,8 +12,11 @@ from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXCon
 
 import preference_datasets as data
 import train as train_py
+from config import load_config
 import trainers
 from utils import disable_dropout
+
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,7 +91,7 @@ def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
 FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
         "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
         "loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=16", "do_first_eval=false",
-        "sample_during_eval=false"]
+        "sample_during_eval=false", LOCAL_DIRS]
 
 
 def run(run_dir, *args) -> dict:
@@ -202,3 +205,36 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
     assert {v.device.type for s in optimizer.state.values() for v in s.values()} == {"cpu"}
     for a, b in zip(layer.parameters(), expected.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_executed_flops_count_the_head_where_it_runs_and_attention():
+    """Llama, 2 layers, width 32, vocab 512, untied: head = 512 x 32 = 16384; body = flops_params - head.
+    One forward of 10 tokens, 4 projected by the head, sequences of 6 and 4 tokens (36 + 16 = 52 query-key pairs):
+    2 body 10 + 2 16384 4 + 4 2 32 52; training = 3 forwards."""
+    model = tiny_models()["llama"]
+    shape = trainers.flops_shape(model, trainers.flops_params(model))
+    assert shape["head"] == 16384 and shape["layers"] == 2 and shape["width"] == 32
+    assert shape["body"] == sum(p.numel() for p in model.parameters()) - 2 * 16384  # less embedding and head
+    forward = 2 * shape["body"] * 10 + 2 * 16384 * 4 + 4 * 2 * 32 * 52
+    assert trainers.executed_flops(shape, 10, 4, 52, passes=3) == 3 * forward
+    tied = tiny_models()["gpt2"]  # GPT-2 ties its head to the input embedding: flops_params has no head in it
+    assert trainers.flops_shape(tied, trainers.flops_params(tied))["body"] == trainers.flops_params(tied)
+
+
+def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
+    """null (the default) compiles the entropy kernel only on CUDA; true set explicitly is honoured on CPU."""
+    default, explicit = tiny_trainer_cpu
+    assert default.entropy_kwargs["use_compile"] is False
+    assert explicit.entropy_kwargs["use_compile"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer_cpu(tmp_path_factory):
+    out = []
+    for extra in ([], ["fsdp.use_torch_compile=true"]):
+        cfg, _ = load_config(["model=tiny", "loss=sft", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+                              "max_length=64", "max_prompt_length=32", "wandb.enabled=false",
+                              f"local_dirs=[{tmp_path_factory.mktemp('cache')}]", *extra])
+        tokenizer, policy, _ = train_py.load_models(cfg)
+        out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
+    return out
