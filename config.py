@@ -199,6 +199,8 @@ class LossConfig(BaseConfig):
     f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; the same number as TRL's f_alpha_divergence_coef")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
+    desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]")
+    undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions")
 
 
 @dataclass
@@ -238,6 +240,7 @@ class Config(BaseConfig):
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
+    pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each training pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps the pairs")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
@@ -253,6 +256,11 @@ class Config(BaseConfig):
     @property
     def loss_names(self) -> list:
         return [self.loss.name] if isinstance(self.loss.name, str) else list(self.loss.name)
+
+    @property
+    def unpaired_loss(self) -> bool:
+        """True when a selected loss scores labelled completions (kto) instead of pairs."""
+        return any(loss_registry().get(n, {}).get("unpaired") for n in self.loss_names)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -713,6 +721,22 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
                  "run them with one micro-batch per step on one process")
     if loss.discopop_tau <= 0:
         p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
+    unpaired = [n for n in names if loss_registry().get(n, {}).get("unpaired")]
+    if unpaired and len(names) > 1:
+        p.append(f"loss.name={loss.name!r}: {unpaired[0]} scores labelled completions, not pairs; it cannot be summed with other losses")
+    if unpaired:
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not loss[key] > 0:
+                p.append(f"loss.{key}={loss[key]}: expected > 0")
+        for key in ("batch_size", "eval_batch_size"):
+            if cfg[key] // ws < 2:
+                p.append(f"{key}={cfg[key]}: {unpaired[0]} estimates its KL reference point from each completion paired with "
+                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank (world size {ws})")
+        if cfg.precompute_ref_log_probs:
+            p.append(f"precompute_ref_log_probs=true: not supported with loss {unpaired[0]} (its KL reference point needs the"
+                     " reference on mismatched prompt/completion pairs of each batch)")
+    elif cfg.pairs_to_unpaired:
+        p.append(f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {loss.name!r}")
     # model and engine
     if cfg.fsdp.fsdp_size == 0 or cfg.fsdp.fsdp_size < -1:
         p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected -1 (all ranks) or a positive number")

@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import preference_datasets
     try:
-        preference_datasets.validate_sources(cfg.datasets)  # bad data fails here, before any model is loaded
+        # bad data fails here, before any model is loaded
+        preference_datasets.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
         launch(cfg)
     except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError) as e:
         print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback

@@ -192,6 +192,7 @@ class BasicTrainer:
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
+        self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0.
         self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
                                    checkpointing=config.fsdp.entropy_checkpointing, use_compile=config.fsdp.use_torch_compile)
@@ -210,13 +211,19 @@ class BasicTrainer:
         cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
         self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
                                 sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
+        eval_kwargs = self.data_kwargs
+        if self.unpaired:
+            self.data_kwargs = dict(self.data_kwargs, unpaired=True, pairs_to_unpaired=config.pairs_to_unpaired)
+            # pairs_to_unpaired: training sees each pair as two labelled completions; eval keeps the pairs, so that
+            # rewards_eval/accuracies ranks chosen over rejected as for DPO
+            eval_kwargs = self.data_kwargs if not config.pairs_to_unpaired else eval_kwargs
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
                                           n_examples=config.n_examples)
         self.eval_batches = list(data.get_batch_iterator(
             config.datasets, tokenizer, split="test", batch_size=config.eval_batch_size, shuffle=False, n_epochs=1,
             n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
-            **self.data_kwargs))
+            kl_rows=self.unpaired, **eval_kwargs))
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
@@ -263,17 +270,21 @@ class BasicTrainer:
         with self.autocast():
             sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
                                                   entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
+        paired = "rejected_input_ids" in batch  # SFT and unpaired (KTO) batches carry one sequence per example
         reference = {}
         ref_sums = self.reference_logps(batch, inputs, split)
         if ref_sums is not None:
             ref_sums = ref_sums.to(sums.device)
-            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=None if self.sft_mode else ref_sums[n:])
-        rejected = {} if self.sft_mode else dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
+            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=ref_sums[n:] if paired else None)
+        rejected = dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:]) if paired else {}
+        if self.unpaired:
+            kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.kl_reference_point(batch)
+            rejected.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
         out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
                                   policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
         metrics = dict(out.metrics)
         metrics["entropy/chosen"] = entropy[:n].detach()
-        if not self.sft_mode:
+        if paired:
             metrics["entropy/rejected"] = entropy[n:].detach()
         loss = out.losses.mean()
         if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
@@ -304,6 +315,45 @@ class BasicTrainer:
         with torch.no_grad():
             ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
             return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
+
+    # --- KTO's KL reference point ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def kl_reference_point(self, batch: dict) -> torch.Tensor:
+        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the batch's mismatched
+        (prompt, completion) rows (kl_* keys, see data.collate), over ALL ranks' rows of the step.
+
+        Detached (no_grad) by definition, so it is computed once per step, before the micro-batches, and every
+        micro-batch's loss uses the same value: the loss is the same for any split of the step (accumulation,
+        ranks), unlike a per-micro-batch estimate. The rows are scored in gradient_accumulation_steps chunks, so
+        this pass needs no more activation memory than a training micro-batch.
+        """
+        rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
+        average = self.config.loss.average_log_prob
+        average = losses.LOSSES[self.loss_names[0]].average_log_prob if average is None else average
+        size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
+        for start in range(0, len(rows["input_ids"]), size):
+            chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
+            with self.autocast():
+                sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
+            if self.reference_model is not None and not self.config.loss.reference_free:
+                ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
+                sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
+            logratios = losses.sequence_logps(sums, counts, average)
+            total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
+        # every rank's (sum, count); a gather of two numbers, CPU-free on NCCL since total lives on self.device
+        total = all_gather_if_needed(total[None], self.rank, self.world_size).sum(0)
+        return (total[0] / total[1]).float().reshape(1)
+
+    def step_statistics(self, batch: dict) -> dict:
+        """What a loss needs from the whole step before it is split into micro-batches: KTO's KL reference point,
+        stored per row (so micro-batch splitting slices it like any other column), its kl_* rows dropped."""
+        if not self.unpaired:
+            return batch
+        kl = self.kl_reference_point(batch)
+        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
+        batch["kl_reference_point"] = kl.cpu().expand(len(batch["chosen_input_ids"])).clone()
+        return batch
 
     # --- precomputed reference log-probs ---------------------------------------------------------------------
     def precompute_reference(self) -> None:
@@ -370,6 +420,7 @@ class BasicTrainer:
     def train_step(self, batch: dict) -> dict[str, float]:
         """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
         self.policy.train()
+        batch = self.step_statistics(batch)
         budget = self.config.max_tokens_per_microbatch
         micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
         n = len(batch["chosen_input_ids"])
@@ -395,7 +446,8 @@ class BasicTrainer:
             rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
+        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
         mean["tokens"] *= self.world_size  # real (non-padding) tokens of the whole step, over all ranks
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
         return mean
@@ -410,7 +462,7 @@ class BasicTrainer:
             _, metrics = self.get_batch_metrics(batch, "eval")
             for name, v in metrics.items():
                 collected[name].append(v)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in collected.items()}
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in collected.items()}
         if self.config.sample_during_eval and self.config.n_eval_model_samples > 0:
             mean.update(self.sample_and_log())
         return mean
@@ -486,7 +538,8 @@ class BasicTrainer:
         return data.get_batch_iterator(
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
             n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
-            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True, **self.data_kwargs)
+            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True,
+            kl_rows=self.unpaired, **self.data_kwargs)
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
