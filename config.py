@@ -204,6 +204,15 @@ class LossConfig(BaseConfig):
 
 
 @dataclass
+class RefUpdateConfig(BaseConfig):
+    """TR-DPO (Gorbatovski et al. 2024, arXiv:2404.09656): every `tau` optimizer steps the reference moves toward the
+    policy, ref <- alpha * policy + (1 - alpha) * ref; alpha = 1 is the hard update (ref <- policy)."""
+
+    tau: Optional[int] = param(None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)")
+    alpha: float = param(0.6, "weight of the policy in the update, in (0, 1]: 0.6 = TR-DPO's soft update, 1.0 = the hard update")
+
+
+@dataclass
 class Config(BaseConfig):
     seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
     exp_name: Optional[str] = param(None, "name of the run (directory and W&B); null = '<loss>_<model>'")
@@ -251,6 +260,7 @@ class Config(BaseConfig):
     n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU")
     model: ModelConfig = param(ModelConfig(), "the policy model")
     loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
+    ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
 
     @property
@@ -721,6 +731,19 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
                  "run them with one micro-batch per step on one process")
     if loss.discopop_tau <= 0:
         p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
+    ru = cfg.ref_update
+    if not 0 < ru.alpha <= 1:
+        p.append(f"ref_update.alpha={ru.alpha}: expected 0 < alpha <= 1 (1 = hard update)")
+    if ru.tau is not None:
+        if ru.tau < 1:
+            p.append(f"ref_update.tau={ru.tau}: expected a positive number of optimizer steps, or null")
+        needs_ref = not loss.reference_free and any(loss_registry().get(n, {}).get("needs_reference") for n in names)
+        if not needs_ref:
+            p.append(f"ref_update.tau={ru.tau}: the selected loss {loss.name!r} runs no reference model"
+                     + (" (loss.reference_free=true)" if loss.reference_free else "") + ", so there is nothing to update")
+        if cfg.precompute_ref_log_probs:
+            p.append(f"ref_update.tau={ru.tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
+                     "initial reference, but TR-DPO changes the reference during training; set one of them off")
     unpaired = [n for n in names if loss_registry().get(n, {}).get("unpaired")]
     if unpaired and len(names) > 1:
         p.append(f"loss.name={loss.name!r}: {unpaired[0]} scores labelled completions, not pairs; it cannot be summed with other losses")
@@ -771,6 +794,8 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if world_size is None and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
     problems = validate(cfg, world_size) + unread_loss_keys(cfg, explicit)
+    if explicit.get("ref_update.alpha") and cfg.ref_update.tau is None:
+        problems.append(f"ref_update.alpha={cfg.ref_update.alpha}: read only with ref_update.tau set (null: the reference never changes)")
     # A knob typed on the command line that this trainer or strategy does not have would be silently ignored.
     typed = [k for k in FSDPEngineConfig() if explicit.get(f"fsdp.{k}") == 2 and cfg.fsdp[k] != FSDPEngineConfig()[k]]
     if cfg.trainer == "BasicTrainer":

@@ -316,6 +316,34 @@ class BasicTrainer:
             ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
             return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
 
+    # --- TR-DPO: the reference follows the policy ----------------------------------------------------------
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Every ref_update.tau optimizer steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO, Eq. 4 soft, Eq. 5
+        hard with alpha = 1), in place, parameter by parameter. Under FSDP, policy and reference are sharded by the
+        same code with the same units, so each rank's local shards of the two correspond element by element:
+        the update is local, with no gather and no communication."""
+        tau = self.config.ref_update.tau
+        if tau is None or self.batch_counter % tau:
+            return
+        policy, reference = dict(self.policy.named_parameters()), dict(self.reference_model.named_parameters())
+        if policy.keys() != reference.keys():
+            raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
+        for name, ref in reference.items():
+            ref, pol = local_tensor(ref), local_tensor(policy[name])
+            if ref.shape != pol.shape:
+                raise RuntimeError(f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference")
+            ref.lerp_(pol.to(ref.device, ref.dtype), self.config.ref_update.alpha)  # ref + alpha (policy - ref)
+
+    def write_reference(self, tmp_dir: Path) -> None:
+        """TR-DPO's reference is trained state: the checkpoint keeps it (reference.pt), so a resume is exact."""
+        if self.config.ref_update.tau is not None and self.rank == 0:
+            torch.save({k: v.detach().cpu() for k, v in self.reference_model.state_dict().items()}, tmp_dir / "reference.pt")
+
+    def load_reference(self, ckpt: Path) -> None:
+        if self.config.ref_update.tau is not None:
+            self.reference_model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
+
     # --- KTO's KL reference point ---------------------------------------------------------------------------
     @torch.no_grad()
     def kl_reference_point(self, batch: dict) -> torch.Tensor:
@@ -566,6 +594,7 @@ class BasicTrainer:
             metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start))
             self.batch_counter += 1
             self.example_counter += self.config.batch_size
+            self.update_reference()
             rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
             bar.update(1)
             bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
@@ -613,6 +642,7 @@ class BasicTrainer:
     def write_checkpoint(self, tmp_dir: Path) -> None:
         """Every file of a checkpoint: what resume needs of each rank, then rank 0's consolidated policy."""
         self.write_resume_state(tmp_dir)
+        self.write_reference(tmp_dir)
         state = self.policy_state_dict()  # under FSDP a collective: every rank takes part, rank 0 keeps the result
         if self.rank == 0:
             torch.save({"step_idx": self.example_counter, "state": state, "metrics": getattr(self, "last_eval_metrics", {})},
@@ -669,6 +699,7 @@ class BasicTrainer:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         check_compatible(state, self)
         self.load_policy_and_optimizer(ckpt)
+        self.load_reference(ckpt)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
         self.nonfinite_in_a_row, self.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
@@ -830,7 +861,7 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
     # the reference comes from model.archive (not from the checkpoint), the objective, the optimizer whose state
     # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
     must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
-                  "max_prompt_length", "truncation_mode")
+                  "max_prompt_length", "truncation_mode", "ref_update")
     original = Path(trainer.config.resume_from or "") / "config.yaml"
     if trainer.config.resume_from and original.is_file():  # what the run was started with
         import yaml
@@ -1120,6 +1151,23 @@ class FSDPTrainer(BasicTrainer):
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_dir / "sharded"))
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
 
+    def write_reference(self, tmp_dir: Path) -> None:
+        """The TR-DPO reference, sharded like the policy (each rank writes its shards: no gather)."""
+        if self.config.ref_update.tau is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        dcp.save({"model": get_model_state_dict(self.reference_model)}, checkpoint_id=str(tmp_dir / "reference_sharded"))
+
+    def load_reference(self, ckpt: Path) -> None:
+        if self.config.ref_update.tau is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        state = {"model": get_model_state_dict(self.reference_model)}
+        dcp.load(state, checkpoint_id=str(ckpt / "reference_sharded"))
+        set_model_state_dict(self.reference_model, state["model"])
+
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -1127,6 +1175,12 @@ class FSDPTrainer(BasicTrainer):
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an FSDP2 DTensor, the tensor itself otherwise (FSDP1's
+    flat parameters are already local shards outside forward/backward)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def broadcast_module(model: nn.Module, rank: int) -> None:

@@ -32,6 +32,7 @@ FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_
         "minimum_log_interval_secs=0"]
 SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]   # parameter change = the gradient
 ADAMW_3 = ["optimizer=AdamW", "lr=1e-4", "n_examples=24", "eval_every=8"]
+KTO = ["loss=kto", "pairs_to_unpaired=true"]
 
 SCENARIOS = {
     # name: (arguments, strategy-independent baseline name)
@@ -50,6 +51,8 @@ SCENARIOS = {
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
     "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
+    "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
+    "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     # killed after its first checkpoint (step 8), then resumed by the next scenario
     "fsdp2_interrupted": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
     "fsdp2_resumed": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
@@ -111,9 +114,20 @@ def run_scenario(name, args, rank, world_size, out_dir):
         trainer.train()
     except Preempted:
         info["preempted_at"] = trainer.example_counter
+    if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
+        rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
+        info["kl"] = trainer.kl_reference_point(rows).item()
     info["optimizer_state_devices"] = sorted({str(v.device) for s in trainer.optimizer.state.values()
                                               for k, v in s.items() if torch.is_tensor(v) and k != "step"})
     return info
+
+
+def kto_global_batch(tokenizer) -> dict:
+    """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
+    import preference_datasets as data
+    examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, silent=True,
+                                      unpaired=True, pairs_to_unpaired=True)
+    return data.collate(examples[:8], tokenizer.pad_token_id, kl_rows=True)
 
 
 def worker(rank, world_size, port, out_dir):
@@ -144,7 +158,7 @@ def fsdp_results(tmp_path_factory):
 def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
-    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3)):
+    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3), ("kto_sgd", [*SGD_ONE_STEP, *KTO])):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
     return out
@@ -292,3 +306,26 @@ def test_nccl_fsdp2_with_pinned_cpu_offload_on_gpus(tmp_path):
                              "fsdp.strategy=fsdp2", "fsdp.offload_policy=true", f"run_dir={tmp_path / 'run'}"],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_kto_under_two_ranks_equals_one_process_and_its_kl_spans_both_ranks(fsdp_results, baselines, strategy):
+    """One SGD step (lr 1) of KTO on 2 ranks equals one process on the full batch (step 0: policy = reference, so
+    the KL point is 0 both ways). After it, each rank scores half of one batch's mismatched rows and the KL point
+    both report is the mean over ALL 8 rows, computed here in one process with plain HF forwards."""
+    from transformers import AutoTokenizer
+    out, results = fsdp_results
+    assert_close_states(final_state(out / f"{strategy}_kto"), final_state(baselines / "kto_sgd"), atol=1e-6)
+    policy = AutoModelForCausalLM.from_pretrained(out / f"{strategy}_kto" / "LATEST" / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
+    batch = kto_global_batch(AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama"))
+
+    def sums(model):
+        with torch.no_grad():
+            logits = model(input_ids=batch["kl_input_ids"], attention_mask=batch["kl_attention_mask"]).logits
+        labels = batch["kl_labels"][:, 1:]
+        logps = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return (logps * (labels != -100)).sum(-1)
+    log_ratios = sums(policy) - sums(reference)
+    assert results[f"{strategy}_kto"]["kl"] == pytest.approx(log_ratios.mean().item(), abs=1e-4)
+    assert abs(log_ratios[:4].mean() - log_ratios[4:].mean()) > 1e-3  # a rank-local mean would differ

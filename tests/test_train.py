@@ -207,3 +207,46 @@ def test_full_determinism_switches_on_deterministic_algorithms(tmp_path):
         assert_states_equal(final_state(tmp_path / "a"), final_state(tmp_path / "b"))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def reference_state(run_dir) -> dict:
+    return torch.load(Path(run_dir) / "LATEST" / "reference.pt", weights_only=True)
+
+
+def test_tr_dpo_hard_update_every_step_keeps_the_loss_at_ln2_and_soft_update_mixes(tmp_path):
+    """Hard update (alpha 1) every step: each step starts with reference = policy, so every step's DPO loss is
+    ln 2 (plain DPO's second step is not). Soft update (alpha 0.6) after one SGD step: the saved reference is
+    0.6 * policy + 0.4 * the original weights, parameter by parameter."""
+    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "sample_during_eval=false", "do_first_eval=false",
+              "minimum_log_interval_secs=0"]
+    train(tmp_path / "hard", *common, "n_examples=24", "eval_every=24", "ref_update.tau=1", "ref_update.alpha=1.0")
+    losses = [r["loss/train"] for r in metrics(tmp_path / "hard") if "loss/train" in r]
+    assert len(losses) == 3 and all(abs(x - math.log(2)) < 1e-6 for x in losses)
+    assert_states_equal(reference_state(tmp_path / "hard"), final_state(tmp_path / "hard"))
+    train(tmp_path / "soft", *common, "n_examples=8", "eval_every=8", "ref_update.tau=1")
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    policy, reference = final_state(tmp_path / "soft"), reference_state(tmp_path / "soft")
+    assert max((policy[k] - original[k]).abs().max().item() for k in policy) > 1e-3  # a real step
+    assert_states_equal(reference, {k: 0.6 * policy[k] + 0.4 * original[k] for k in policy}, atol=1e-6)
+
+
+def test_tr_dpo_resumed_after_a_kill_ends_exactly_like_an_uninterrupted_run(tmp_path):
+    """Soft updates every 2 steps, killed after the first checkpoint (step 2, right after an update), resumed:
+    policy AND reference end bit-identical (the reference's weights are in the checkpoint)."""
+    args = ["loss=dpo", "lr=1e-3", "n_examples=48", "eval_every=16", "ref_update.tau=2", "sample_during_eval=false"]
+    train(tmp_path / "full", *args)
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if "checkpoint written" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "cut" / "step-16" / "reference.pt").is_file()
+    result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
+    assert "at 16 examples" in result.stdout
+    assert_states_equal(final_state(tmp_path / "full"), final_state(tmp_path / "cut"))
+    assert_states_equal(reference_state(tmp_path / "full"), reference_state(tmp_path / "cut"))
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    assert not torch.equal(reference_state(tmp_path / "full")["lm_head.weight"], original["lm_head.weight"])
