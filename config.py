@@ -213,6 +213,17 @@ class RefUpdateConfig(BaseConfig):
 
 
 @dataclass
+class LoraSettings(BaseConfig):
+    """LoRA adapters through `peft` (optional dependency: pip install peft). The reference is the base model with the
+    adapters disabled, so no second copy of the weights is held."""
+
+    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning (no adapters)")
+    alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A")
+    dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)")
+    target_modules: Union[str, list] = param("all-linear", "modules that get adapters: a list of names (q_proj, v_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)")
+
+
+@dataclass
 class Config(BaseConfig):
     seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
     exp_name: Optional[str] = param(None, "name of the run (directory and W&B); null = '<loss>_<model>'")
@@ -261,6 +272,7 @@ class Config(BaseConfig):
     model: ModelConfig = param(ModelConfig(), "the policy model")
     loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
     ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training")
+    lora: LoraSettings = param(LoraSettings(), "LoRA adapters (peft) instead of full fine-tuning")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
 
     @property
@@ -731,6 +743,22 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
                  "run them with one micro-batch per step on one process")
     if loss.discopop_tau <= 0:
         p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
+    lo = cfg.lora
+    if lo.r is not None:
+        if lo.r < 1:
+            p.append(f"lora.r={lo.r}: expected a positive rank, or null (no adapters)")
+        if not lo.alpha > 0:
+            p.append(f"lora.alpha={lo.alpha}: expected > 0")
+        if not 0 <= lo.dropout < 1:
+            p.append(f"lora.dropout={lo.dropout}: expected 0 <= dropout < 1")
+        if not lo.target_modules or not isinstance(lo.target_modules, (str, list)):
+            p.append(f"lora.target_modules={lo.target_modules!r}: expected module names or 'all-linear'")
+        if cfg.trainer == "FSDPTrainer" and cfg.fsdp.strategy == "fsdp" and not cfg.fsdp.use_orig_params:
+            p.append("lora.r with fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one "
+                     "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)")
+        if cfg.ref_update.tau is not None:
+            p.append(f"lora.r={lo.r} and ref_update.tau={cfg.ref_update.tau}: the LoRA reference is the base model with "
+                     "the adapters off, which TR-DPO cannot move; use one of them")
     ru = cfg.ref_update
     if not 0 < ru.alpha <= 1:
         p.append(f"ref_update.alpha={ru.alpha}: expected 0 < alpha <= 1 (1 = hard update)")
@@ -794,6 +822,9 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if world_size is None and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
     problems = validate(cfg, world_size) + unread_loss_keys(cfg, explicit)
+    problems += [f"lora.{k}={cfg.lora[k]!r}: read only with lora.r set (null: full fine-tuning, no adapters)"
+                 for k in ("alpha", "dropout", "target_modules") if explicit.get(f"lora.{k}") and cfg.lora.r is None
+                 and cfg.lora[k] != LoraSettings()[k]]
     if explicit.get("ref_update.alpha") and cfg.ref_update.tau is None:
         problems.append(f"ref_update.alpha={cfg.ref_update.alpha}: read only with ref_update.tau set (null: the reference never changes)")
     # A knob typed on the command line that this trainer or strategy does not have would be silently ignored.

@@ -82,7 +82,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     rank0_print(f"loading policy {model_path} in {cfg.fsdp.model_dtype}")
     policy = load(cfg.fsdp.model_dtype)
     reference = None
-    if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free):
+    if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:  # LoRA: see add_lora
         rank0_print(f"loading reference {model_path} in {cfg.model.reference_dtype}")
         reference = load(cfg.model.reference_dtype).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
@@ -91,7 +91,27 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         if reference is not None:
             reference.load_state_dict(state)
         rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
+    if cfg.lora.r is not None:
+        policy = add_lora(policy, cfg.lora)
     return tokenizer, policy, reference
+
+
+def add_lora(model, lora):
+    """The model with LoRA adapters (peft), only the adapters trainable. The trainer's reference is this same model
+    with its adapters disabled (trainers.BasicTrainer), so the base weights exist once."""
+    try:
+        import peft
+    except ImportError:
+        from config import ConfigError
+        raise ConfigError([f"lora.r={lora.r}: LoRA needs the optional dependency peft: pip install peft"]) from None
+    from utils import rank0_print
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                             target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: {trainable} trainable parameters of "
+                f"{sum(p.numel() for p in model.parameters())}")
+    return model
 
 
 class ArchiveError(ValueError):
@@ -231,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--cfg" in flags:
         print(to_yaml(cfg), end="")
         return 0
+    import importlib.util
+    if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:  # before any model loads
+        print(f"error: lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft", file=sys.stderr)
+        return 2
     import preference_datasets
     try:
         # bad data fails here, before any model is loaded

@@ -126,7 +126,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     owner = owner[:, 1:][scored]
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
     if tiled:
-        hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
+        backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
         hidden = hidden.to(head.weight.dtype)  # under autocast the backbone's output is in the compute dtype
         out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
@@ -190,6 +191,10 @@ class BasicTrainer:
         self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
         self.run_dir = Path(run_dir)
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
+        self.lora = config.lora.r is not None
+        if self.lora and losses.needs_reference(config.loss_names, config.loss.reference_free):
+            # LoRA's reference is the policy itself with its adapters off (reference_context): one copy of the weights
+            self.reference_model = policy
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
         self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
@@ -253,6 +258,10 @@ class BasicTrainer:
     def barrier(self) -> None:
         pass  # one process
 
+    def reference_context(self):
+        """Entered around every use of self.reference_model: under LoRA it is the policy, with the adapters off."""
+        return unwrap(self.policy).disable_adapter() if self.lora else contextlib.nullcontext()
+
     # --- geometry ---------------------------------------------------------------------------------------
     def print_geometry(self) -> None:
         c = self.config
@@ -312,7 +321,7 @@ class BasicTrainer:
             return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
         if self.reference_model is None:
             return None
-        with torch.no_grad():
+        with torch.no_grad(), self.reference_context():
             ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
             return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
 
@@ -366,7 +375,8 @@ class BasicTrainer:
                 sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
             if self.reference_model is not None and not self.config.loss.reference_free:
                 ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
-                sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
+                with self.reference_context():
+                    sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
             logratios = losses.sequence_logps(sums, counts, average)
             total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
         # every rank's (sum, count); a gather of two numbers, CPU-free on NCCL since total lives on self.device
@@ -515,7 +525,8 @@ class BasicTrainer:
             prompts += batch["prompt"]
             policy_samples += self.sample(self.policy, batch)
             if self.reference_model is not None:
-                reference_samples += self.sample(self.reference_model, batch)
+                with self.reference_context():
+                    reference_samples += self.sample(self.reference_model, batch)
         prompts = self.gather_objects(prompts[:n_local])
         policy_samples = self.gather_objects(policy_samples[:n_local])
         reference_samples = self.gather_objects(reference_samples[:n_local])
@@ -657,8 +668,13 @@ class BasicTrainer:
         torch.save(get_rng_state(), tmp_dir / "rng-0.pt")
 
     def export_hf(self, state: dict, out: Path) -> None:
-        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads."""
-        model = self.policy.module if hasattr(self.policy, "module") else self.policy
+        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads. Under LoRA: the
+        adapter alone (peft's format) in out/../adapter, and in `out` the base weights with the adapters merged."""
+        model = unwrap(self.policy)
+        if self.lora:
+            model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
+            state = merged_lora_state(state, self.config.lora.alpha / self.config.lora.r)
+            model = model.get_base_model()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 
@@ -1175,6 +1191,27 @@ class FSDPTrainer(BasicTrainer):
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """A peft LoRA model's full state dict -> the base model's, with each adapter merged: W + scaling * B @ A
+    (scaling = lora.alpha / lora.r), keys without peft's prefixes. Pure: the live model keeps its adapters."""
+    prefix, merged = "base_model.model.", {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = (key[len(prefix):] if key.startswith(prefix) else key).replace(".base_layer.", ".")
+        if key.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"]
+            value = value + (scaling * (b.double() @ a.double())).to(value.dtype)  # (out, r) @ (r, in)
+        merged[name] = value
+    return merged
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

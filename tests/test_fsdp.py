@@ -127,7 +127,8 @@ def kto_global_batch(tokenizer) -> dict:
     import preference_datasets as data
     examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, silent=True,
                                       unpaired=True, pairs_to_unpaired=True)
-    return data.collate(examples[:8], tokenizer.pad_token_id, kl_rows=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
+    return data.collate(examples[:8], pad, kl_rows=True)
 
 
 def worker(rank, world_size, port, out_dir):
