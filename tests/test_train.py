@@ -250,3 +250,51 @@ def test_tr_dpo_resumed_after_a_kill_ends_exactly_like_an_uninterrupted_run(tmp_
     assert_states_equal(reference_state(tmp_path / "full"), reference_state(tmp_path / "cut"))
     original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     assert not torch.equal(reference_state(tmp_path / "full")["lm_head.weight"], original["lm_head.weight"])
+
+
+LORA = ["lora.r=4", "lora.alpha=8"]
+
+
+def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_path):
+    """LoRA DPO: the reference is the base model with the adapters off (step-0 loss ln 2, B = 0 at start); only
+    the adapters train; a kill after the first checkpoint then a resume ends bit-identical; the checkpoint holds
+    the adapter (peft format) and an HF export of merged weights that plain from_pretrained loads and that
+    computes what base + adapter computes."""
+    import peft
+    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "sample_during_eval=false",
+            "minimum_log_interval_secs=0", *LORA]
+    train(tmp_path / "full", *args)
+    losses = [r["loss/train"] for r in metrics(tmp_path / "full") if "loss/train" in r]
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0]
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if "checkpoint written" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
+    assert "at 16 examples" in result.stdout
+    full, cut = final_state(tmp_path / "full"), final_state(tmp_path / "cut")
+    assert_states_equal(full, cut)
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    base_keys = {k: k.removeprefix("base_model.model.").replace(".base_layer.", ".") for k in full if ".lora_" not in k}
+    assert all(torch.equal(full[k], original[v]) for k, v in base_keys.items())  # the base weights never moved
+    latest = tmp_path / "full" / "LATEST"
+    exported = AutoModelForCausalLM.from_pretrained(latest / "hf")
+    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama"),
+                                                  latest / "adapter")
+    ids = torch.tensor([[0, 200, 200, 269, 27, 316, 340, 15]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
+        with with_adapter.disable_adapter():
+            assert not torch.allclose(exported(ids).logits, with_adapter(ids).logits, atol=1e-3)
+
+
+def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeypatch, capsys):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    assert train_py.main([*FAST, "loss=dpo", "lora.r=8", "n_examples=8"]) == 2
+    assert "pip install peft" in capsys.readouterr().err
