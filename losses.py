@@ -38,6 +38,10 @@ Departures from the papers and from the original DPO code, numbered:
      they are refused, not approximated, when a step is split (gradient accumulation, token-budget
      micro-batches, several ranks): config.py says so before anything loads.
 
+  9. `kto`'s KL reference point is estimated over the mismatched rows of the whole step (all micro-batches and
+     ranks, by the trainer) rather than per micro-batch as HALOs does, so the loss does not depend on the split;
+     it is clamped at 0 and detached, as in the paper (TRL all-gathers it across processes the same way).
+
 Which loss reads which `loss.<key>` is declared once, by the keyword-only parameters of its
 function; config.py refuses a key changed from its default that no selected loss reads (for
 example `loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
