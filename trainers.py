@@ -327,14 +327,14 @@ class BasicTrainer:
 
     # --- TR-DPO: the reference follows the policy ----------------------------------------------------------
     @torch.no_grad()
-    def update_reference(self) -> None:
+    def update_reference(self) -> bool:
         """Every ref_update.tau optimizer steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO, Eq. 4 soft, Eq. 5
         hard with alpha = 1), in place, parameter by parameter. Under FSDP, policy and reference are sharded by the
         same code with the same units, so each rank's local shards of the two correspond element by element:
         the update is local, with no gather and no communication."""
         tau = self.config.ref_update.tau
         if tau is None or self.batch_counter % tau:
-            return
+            return False
         policy, reference = dict(self.policy.named_parameters()), dict(self.reference_model.named_parameters())
         if policy.keys() != reference.keys():
             raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
@@ -343,6 +343,7 @@ class BasicTrainer:
             if ref.shape != pol.shape:
                 raise RuntimeError(f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference")
             ref.lerp_(pol.to(ref.device, ref.dtype), self.config.ref_update.alpha)  # ref + alpha (policy - ref)
+        return True
 
     def write_reference(self, tmp_dir: Path) -> None:
         """TR-DPO's reference is trained state: the checkpoint keeps it (reference.pt), so a resume is exact."""
@@ -447,7 +448,8 @@ class BasicTrainer:
         for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=self.rank != 0, mininterval=10):
             batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
             inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
-            sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
+            with self.reference_context():
+                sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
             values.append(torch.stack([sums, sums], 1) if self.sft_mode else sums.view(2, -1).T)
         order = all_gather_if_needed(torch.tensor(mine), self.rank, self.world_size)
         gathered = all_gather_if_needed(torch.cat(values), self.rank, self.world_size)
@@ -877,7 +879,7 @@ def check_compatible(state: dict, trainer: BasicTrainer) -> None:
     # the reference comes from model.archive (not from the checkpoint), the objective, the optimizer whose state
     # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
     must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
-                  "max_prompt_length", "truncation_mode", "ref_update")
+                  "max_prompt_length", "truncation_mode", "ref_update", "lora", "pairs_to_unpaired")
     original = Path(trainer.config.resume_from or "") / "config.yaml"
     if trainer.config.resume_from and original.is_file():  # what the run was started with
         import yaml
@@ -1166,6 +1168,18 @@ class FSDPTrainer(BasicTrainer):
         model_state, optim_state = get_state_dict(self.policy, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_dir / "sharded"))
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
+
+    def update_reference(self) -> bool:
+        updated = super().update_reference()
+        if updated and self.fsdp.strategy == "fsdp":
+            # FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward, which the
+            # reference never runs), and its next forward reuses them without gathering: free them, so that it
+            # gathers the updated shards. (FSDP2 reshards every unit after forward: nothing to do.)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            for unit in FSDP.fsdp_modules(self.reference_model):
+                if unit._handle is not None and unit._handle.uses_sharded_strategy:
+                    unit._handle.reshard(free_unsharded_flat_param=True)
+        return updated
 
     def write_reference(self, tmp_dir: Path) -> None:
         """The TR-DPO reference, sharded like the policy (each rank writes its shards: no gather)."""

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 import train as train_py
 import trainers
 from config import load_config
-from utils import get_open_port
+from utils import get_open_port, seed_everything
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=16",
@@ -107,6 +107,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
         run_dir.mkdir(parents=True)
     dist.barrier()
     # As train.py: only rank 0 loads weights, the other ranks build empty (meta) models that FSDP fills.
+    seed_everything(cfg.seed)  # as train.worker_main: LoRA's adapters are initialised from the RNG
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)
     assert all(p.is_meta for p in policy.parameters()) == (rank != 0)
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
