@@ -380,7 +380,7 @@ class BasicTrainer:
                     sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
             logratios = losses.sequence_logps(sums, counts, average)
             total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
-        # every rank's (sum, count); a gather of two numbers, CPU-free on NCCL since total lives on self.device
+        # every rank's (sum, count): two numbers per rank, on self.device (NCCL gathers CUDA tensors only)
         total = all_gather_if_needed(total[None], self.rank, self.world_size).sum(0)
         return (total[0] / total[1]).float().reshape(1)
 
