@@ -14,8 +14,10 @@ Read top to bottom:
      into what each loss wants (sum or per-token mean, reference or zeros), sums the weighted
      losses and builds the batch metrics.
 
-To add a loss: write a function like `dpo_loss`, add one line to `LOSSES`, add
-`config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py. No other file changes.
+To add a loss: write a function like `dpo_loss`, add one line to `LOSSES` (and one to
+`HYPERPARAMETERS` for a new hyperparameter, plus its default line in config/config.yaml, which a test
+holds equal to it), add `config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py.
+README.md "Adding a loss" walks through an example.
 
 Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original SFT trainer
@@ -1024,6 +1026,34 @@ class LossSpec:
     batch_statistics: bool = False
 
 
+@dataclass(frozen=True)
+class Hyperparameter:
+    """A `loss.<key>` config key that loss functions read: its default, a one-line doc (`train.py --help`), and
+    the values allowed: an interval written as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end), or
+    a tuple of the allowed strings. config.LossConfig's field, its --help line and its range check come from it.
+    """
+
+    default: object
+    doc: str
+    allowed: str | tuple
+
+
+# Every hyperparameter a loss function takes (by keyword, under the same name), declared once. A loss reads a key
+# by naming it as a keyword-only parameter; several losses may share one (beta). config.py reads this dict
+# literally (ast, no torch): keep each entry a plain `Hyperparameter(<literal>, "<doc>", <literal>)`.
+HYPERPARAMETERS: dict[str, Hyperparameter] = {
+    "beta": Hyperparameter(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", "(0, inf)"),
+    "label_smoothing": Hyperparameter(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)"),
+    "gamma": Hyperparameter(1.0, "SimPO target reward margin gamma", "[-inf, inf]"),
+    "rpo_alpha": Hyperparameter(1.0, "RPO weight of the chosen NLL term", "[-inf, inf]"),
+    "orpo_lambda": Hyperparameter(0.1, "ORPO weight of the odds-ratio term", "[-inf, inf]"),
+    "f_divergence": Hyperparameter("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence",
+                                   ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")),
+    "f_alpha": Hyperparameter(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]"),
+    "discopop_tau": Hyperparameter(0.05, "DiscoPOP temperature of the log-ratio modulation", "(0, inf)"),
+}
+
+
 # The one registry. compute_loss, the configs and the tests all read it. config.py reads this dict
 # literally (ast): keep each entry a plain `LossSpec(<function name>, <keyword>=<literal>, ...)`.
 LOSSES: dict[str, LossSpec] = {
@@ -1126,9 +1156,9 @@ def compute_loss(
     Args:
         names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a single str is accepted).
         weights: one per name; None means all 1.0.
-        hparams: mapping with .get (dict or the Config's loss section): beta, label_smoothing,
-            gamma, rpo_alpha, orpo_lambda, f_divergence, f_alpha, discopop_tau, and
-            reference_free (bool) and average_log_prob (None = each loss's own default).
+        hparams: mapping with .get (dict or the Config's loss section): the HYPERPARAMETERS keys
+            the named losses read, reference_free (bool) and average_log_prob (None = each
+            loss's own default).
         policy_*_sum, reference_*_sum: summed token log-probs per sequence, Shape (batch,).
         policy_*_len: scored tokens per sequence, Shape (batch,); the reference scores the same
             tokens, so its sums are normalized by the policy's lengths.
