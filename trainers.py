@@ -1,9 +1,15 @@
 """The training machinery: loop, evaluation, sampling, logging, checkpoints.
 
-`BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`).
-`FSDPTrainer` shards policy and reference with FSDP1 or FSDP2 and overrides only what sharding changes:
-wrapping, gradient sync, clipping, sampling, saving and loading. Every torch.distributed call of the
-training loop is in FSDPTrainer or in utils.py's small helpers.
+Read top to bottom: batches -> sequence log-probs (forward_logps); optimizer and schedule; the trainer in four
+rooms (ReferenceLogProbs, EvaluationAndSampling, Checkpoints, and BasicTrainer, the loop, which inherits the
+three); small pure helpers and checkpoint validation; then the distributed part: the Sharding interface with its
+FSDP1 and FSDP2 implementations, picked once from fsdp.strategy (SHARDINGS), and FSDPTrainer.
+
+`BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`). `FSDPTrainer` shards
+policy and reference with its Sharding object and overrides what the original FSDPTrainer overrode (wrapping,
+clipping, saving, loading) and the few hooks where several processes differ from one (input device, gradient
+sync, sampling, offloaded optimizer step, gathering, barriers, the non-finite decision). Every torch.distributed
+call of the training loop is in FSDPTrainer, the Sharding classes or utils.py's small helpers.
 
 A step: the rank-local batch is split into `gradient_accumulation_steps` micro-batches; each runs ONE
 policy forward over chosen and rejected concatenated (and one reference forward), the loss of each
