@@ -1174,16 +1174,8 @@ def compute_loss(
     paired = not is_sft_only(names)
     if paired and (policy_rejected_sum is None or policy_rejected_len is None):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
-    reference_free = bool(hparams.get("reference_free") or False)
-    if needs_reference(names, reference_free) and (
-        reference_chosen_sum is None or reference_rejected_sum is None
-    ):
-        raise ValueError(
-            f"losses {names} need reference log-probs (or set loss.reference_free=true)"
-        )
-    if reference_free:  # the reference model is replaced by one that gives every sequence log p = 0
-        reference_chosen_sum = torch.zeros_like(policy_chosen_sum)
-        reference_rejected_sum = None if not paired else torch.zeros_like(policy_rejected_sum)
+    reference_chosen_sum, reference_rejected_sum = _reference_sums(
+        names, hparams, paired, policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum)
 
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
 
@@ -1206,11 +1198,37 @@ def compute_loss(
         if chosen_rewards is None and chosen is not None:
             chosen_rewards, rejected_rewards = chosen, rejected
 
+    metrics = _batch_metrics(total, chosen_nll, policy_chosen_sum, policy_rejected_sum if paired else None,
+                             chosen_rewards, rejected_rewards)
+    return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+
+
+def _reference_sums(names: list[str], hparams, paired: bool, policy_chosen_sum: Tensor, policy_rejected_sum: Tensor | None,
+                    reference_chosen_sum: Tensor | None, reference_rejected_sum: Tensor | None):
+    """The reference sums the losses compare against: as given, or zeros with reference_free (the reference model
+    is replaced by one that gives every sequence log p = 0). Raises when a loss needs them and they are missing."""
+    reference_free = bool(hparams.get("reference_free") or False)
+    if needs_reference(names, reference_free) and (
+        reference_chosen_sum is None or reference_rejected_sum is None
+    ):
+        raise ValueError(
+            f"losses {names} need reference log-probs (or set loss.reference_free=true)"
+        )
+    if reference_free:
+        return torch.zeros_like(policy_chosen_sum), None if not paired else torch.zeros_like(policy_rejected_sum)
+    return reference_chosen_sum, reference_rejected_sum
+
+
+def _batch_metrics(total: Tensor, chosen_nll: Tensor, policy_chosen_sum: Tensor, policy_rejected_sum: Tensor | None,
+                   chosen_rewards: Tensor | None, rejected_rewards: Tensor | None) -> dict[str, Tensor]:
+    """Per-example detached metrics: log-probs, the chosen NLL, the loss, and the rewards of a paired loss
+    (`policy_rejected_sum` None: not paired)."""
     metrics = {
         "logps/chosen": policy_chosen_sum.detach(),
         "nll/chosen": chosen_nll.detach(),
         "loss": total.detach(),
     }
+    paired = policy_rejected_sum is not None
     if paired:
         metrics["logps/rejected"] = policy_rejected_sum.detach()
     if paired and chosen_rewards is not None:
@@ -1218,4 +1236,4 @@ def compute_loss(
         metrics["rewards/rejected"] = rejected_rewards
         metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
         metrics["rewards/margins"] = chosen_rewards - rejected_rewards
-    return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+    return metrics
