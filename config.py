@@ -20,6 +20,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib
 import math
 import os
 import sys
@@ -30,6 +31,19 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
 import yaml
+
+class OnFirstUse:
+    """A module imported when one of its attributes is first read. The light path (`--help`, `--estimate`, config
+    errors, `--replay`'s checks) must not wait seconds for torch: train.py and run_manifest.py name the modules
+    that import it as `torch = OnFirstUse("torch")`, in one marked block at their top, instead of importing inside
+    functions."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 GROUPS = ("model", "loss")  # `model=X` picks config/model/X.yaml, `loss=X` picks config/loss/X.yaml
