@@ -472,6 +472,16 @@ def linear_token_logps(
         logps Shape (N,), fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden, weight and
         bias; with `with_entropy`, the pair (logps, entropy), entropy Shape (N,) and detached.
     """
+    _check_linear_inputs(hidden, weight, labels, bias, chunk_size, softcap)
+    logps, entropy = _LinearLabelLogProbs.apply(
+        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy
+    )
+    return (logps, entropy) if with_entropy else logps
+
+
+def _check_linear_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, chunk_size: int,
+                         softcap: float | None) -> None:
+    """linear_token_logps' shapes, dtypes and settings, each refused with what was given."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             "hidden must be (N, H) and weight (V, H) with the same H; got hidden "
@@ -497,10 +507,6 @@ def linear_token_logps(
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None; got {softcap}")
-    logps, entropy = _LinearLabelLogProbs.apply(
-        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy
-    )
-    return (logps, entropy) if with_entropy else logps
 
 
 # ---------------------------------------------------------------------------------------------
