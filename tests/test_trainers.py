@@ -238,3 +238,19 @@ def tiny_trainer_cpu(tmp_path_factory):
         tokenizer, policy, _ = train_py.load_models(cfg)
         out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
     return out
+
+
+def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
+    """fsdp.strategy picks a Sharding implementation once (trainers.SHARDINGS); the loop never compares the
+    strategy name, so a new strategy is a new class and an entry, not branches through the file."""
+    import ast
+
+    import config
+    assert set(trainers.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
+    assert all(issubclass(cls, trainers.Sharding) for cls in trainers.SHARDINGS.values())
+    for cls in trainers.SHARDINGS.values():  # each implements what differs between the strategies
+        assert all(name in vars(cls) for name in ("shard", "gradient_sync", "clip")), cls
+    tree = ast.parse((REPO / "trainers.py").read_text())
+    compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
+    assert compared == [], f"trainers.py compares fsdp.strategy at lines {compared}"
