@@ -207,6 +207,26 @@ class LossSelection(BaseConfig):
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
 
 
+@dataclass
+class RefUpdateConfig(BaseConfig):
+    """TR-DPO (Gorbatovski et al. 2024, arXiv:2404.09656): every `tau` optimizer steps the reference moves toward the
+    policy, ref <- alpha * policy + (1 - alpha) * ref; alpha = 1 is the hard update (ref <- policy)."""
+
+    tau: Optional[int] = param(None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)")
+    alpha: float = param(0.6, "weight of the policy in the update, in (0, 1]: 0.6 = TR-DPO's soft update, 1.0 = the hard update")
+
+
+@dataclass
+class LoraSettings(BaseConfig):
+    """LoRA adapters through `peft` (optional dependency: pip install peft). The reference is the base model with the
+    adapters disabled, so no second copy of the weights is held."""
+
+    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning (no adapters)")
+    alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A")
+    dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)")
+    target_modules: Union[str, list] = param("all-linear", "modules that get adapters: a list of names (q_proj, v_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)")
+
+
 def _losses_py() -> ast.Module:
     return ast.parse((Path(__file__).resolve().parent / "losses.py").read_text())
 
@@ -294,6 +314,7 @@ class Config(BaseConfig):
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
+    pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each training pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps the pairs")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
@@ -304,11 +325,18 @@ class Config(BaseConfig):
     n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU")
     model: ModelConfig = param(ModelConfig(), "the policy model")
     loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
+    ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training")
+    lora: LoraSettings = param(LoraSettings(), "LoRA adapters (peft) instead of full fine-tuning")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
 
     @property
     def loss_names(self) -> list:
         return [self.loss.name] if isinstance(self.loss.name, str) else list(self.loss.name)
+
+    @property
+    def unpaired_loss(self) -> bool:
+        """True when a selected loss scores labelled completions (kto) instead of pairs."""
+        return any(loss_registry().get(n, {}).get("unpaired") for n in self.loss_names)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -690,7 +718,8 @@ STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
     """Cross-field checks. `world_size` = processes that will train (None = not known yet)."""
-    return _run_problems(cfg, world_size) + _loss_problems(cfg, world_size) + _engine_problems(cfg, world_size)
+    return (_run_problems(cfg, world_size) + _loss_problems(cfg, world_size) + _reference_problems(cfg, world_size)
+            + _engine_problems(cfg, world_size))
 
 
 def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
@@ -785,6 +814,55 @@ def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
         p.append(f"loss.name={loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} statistics of the whole batch (a sort or "
                  f"a mean over its pairs), so {' and '.join(split)} would change the loss by splitting the step; "
                  "run them with one micro-batch per step on one process")
+    unpaired = [n for n in names if loss_registry().get(n, {}).get("unpaired")]
+    if unpaired and len(names) > 1:
+        p.append(f"loss.name={loss.name!r}: {unpaired[0]} scores labelled completions, not pairs; it cannot be summed with other losses")
+    if unpaired:  # desirable_weight and undesirable_weight: their ranges are checked with every hyperparameter's
+        for key in ("batch_size", "eval_batch_size"):
+            if cfg[key] // ws < 2:
+                p.append(f"{key}={cfg[key]}: {unpaired[0]} estimates its KL reference point from each completion paired with "
+                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank (world size {ws})")
+        if cfg.precompute_ref_log_probs:
+            p.append(f"precompute_ref_log_probs=true: not supported with loss {unpaired[0]} (its KL reference point needs the"
+                     " reference on mismatched prompt/completion pairs of each batch)")
+    elif cfg.pairs_to_unpaired:
+        p.append(f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {loss.name!r}")
+    return p
+
+
+def _reference_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """LoRA adapters and TR-DPO reference updates: their ranges, and what they need of the loss and each other."""
+    p = []
+    loss, names = cfg.loss, cfg.loss_names
+    lo = cfg.lora
+    if lo.r is not None:
+        if lo.r < 1:
+            p.append(f"lora.r={lo.r}: expected a positive rank, or null (no adapters)")
+        if not lo.alpha > 0:
+            p.append(f"lora.alpha={lo.alpha}: expected > 0")
+        if not 0 <= lo.dropout < 1:
+            p.append(f"lora.dropout={lo.dropout}: expected 0 <= dropout < 1")
+        if not lo.target_modules or not isinstance(lo.target_modules, (str, list)):
+            p.append(f"lora.target_modules={lo.target_modules!r}: expected module names or 'all-linear'")
+        if cfg.trainer == "FSDPTrainer" and cfg.fsdp.strategy == "fsdp" and not cfg.fsdp.use_orig_params:
+            p.append("lora.r with fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one "
+                     "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)")
+        if cfg.ref_update.tau is not None:
+            p.append(f"lora.r={lo.r} and ref_update.tau={cfg.ref_update.tau}: the LoRA reference is the base model with "
+                     "the adapters off, which TR-DPO cannot move; use one of them")
+    ru = cfg.ref_update
+    if not 0 < ru.alpha <= 1:
+        p.append(f"ref_update.alpha={ru.alpha}: expected 0 < alpha <= 1 (1 = hard update)")
+    if ru.tau is not None:
+        if ru.tau < 1:
+            p.append(f"ref_update.tau={ru.tau}: expected a positive number of optimizer steps, or null")
+        needs_ref = not loss.reference_free and any(loss_registry().get(n, {}).get("needs_reference") for n in names)
+        if not needs_ref:
+            p.append(f"ref_update.tau={ru.tau}: the selected loss {loss.name!r} runs no reference model"
+                     + (" (loss.reference_free=true)" if loss.reference_free else "") + ", so there is nothing to update")
+        if cfg.precompute_ref_log_probs:
+            p.append(f"ref_update.tau={ru.tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
+                     "initial reference, but TR-DPO changes the reference during training; set one of them off")
     return p
 
 
@@ -824,6 +902,11 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if world_size is None and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
     problems = validate(cfg, world_size) + unread_loss_keys(cfg, explicit)
+    problems += [f"lora.{k}={cfg.lora[k]!r}: read only with lora.r set (null: full fine-tuning, no adapters)"
+                 for k in ("alpha", "dropout", "target_modules") if explicit.get(f"lora.{k}") and cfg.lora.r is None
+                 and cfg.lora[k] != LoraSettings()[k]]
+    if explicit.get("ref_update.alpha") and cfg.ref_update.tau is None:
+        problems.append(f"ref_update.alpha={cfg.ref_update.alpha}: read only with ref_update.tau set (null: the reference never changes)")
     # A knob typed on the command line that this trainer or strategy does not have would be silently ignored.
     typed = [k for k in FSDPEngineConfig() if explicit.get(f"fsdp.{k}") == 2 and cfg.fsdp[k] != FSDPEngineConfig()[k]]
     if cfg.trainer == "BasicTrainer":

@@ -40,6 +40,10 @@ Departures from the papers and from the original DPO code, numbered:
      they are refused, not approximated, when a step is split (gradient accumulation, token-budget
      micro-batches, several ranks): config.py says so before anything loads.
 
+  9. `kto`'s KL reference point is estimated over the mismatched rows of the whole step (all micro-batches and
+     ranks, by the trainer) rather than per micro-batch as HALOs does, so the loss does not depend on the split;
+     it is clamped at 0 and detached, as in the paper (TRL all-gathers it across processes the same way).
+
 Which loss reads which `loss.<key>` is declared once, by the keyword-only parameters of its
 function; config.py refuses a key changed from its default that no selected loss reads (for
 example `loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
@@ -1014,6 +1018,48 @@ def aot_loss(
     )
 
 
+def kto_loss(
+    policy_logps: Tensor,
+    reference_logps: Tensor,
+    desirable: Tensor,
+    kl: Tensor,
+    *,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> tuple[Tensor, Tensor]:
+    """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), Eq. 8, on UNPAIRED
+    data: each completion is only labelled desirable or undesirable. Its own signature (registry
+    `unpaired=True`): there is no chosen/rejected pair to pass.
+
+    r = policy_logps - reference_logps (log pi/pi_ref of each completion), z0 = max(0, kl) (the
+    reference point: an estimate of KL(pi || pi_ref), detached);
+    loss = lambda_D (1 - sigma(beta (r - z0))) for a desirable completion,
+           lambda_U (1 - sigma(beta (z0 - r))) for an undesirable one.
+    Intuition: a prospect-theory value of each completion's reward relative to what the policy
+    gains on average (z0): push desirable rewards above it, undesirable ones below, no pairs
+    needed. Typical beta 0.1; set the weights so that lambda_D n_D / (lambda_U n_U) is in [1, 4/3]
+    (the paper's advice for imbalanced data). At policy = reference (r = 0, z0 = 0) every loss is
+    lambda / 2.
+
+    Args:
+        policy_logps, reference_logps: Shape (n,), sequence log-probs of the completions.
+        desirable: Shape (n,), bool: the completion's label.
+        kl: Shape () or (1,): the mean policy-minus-reference log-ratio of MISMATCHED
+            (prompt, completion) pairs (the trainer's estimate over the whole step, see
+            BasicTrainer.kl_reference_point); clamped at 0 and detached here.
+
+    Returns:
+        (losses Shape (n,), rewards beta * r Shape (n,), detached).
+    """
+    z0 = kl.detach().clamp(min=0).reshape(())
+    logratios = policy_logps - reference_logps
+    desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (logratios - z0)))  # Eq. 8, y desirable
+    undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios)))  # Eq. 8, y undesirable
+    losses = torch.where(desirable.bool(), desirable_losses, undesirable_losses)
+    return losses, (beta * logratios).detach()
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """A registered loss: its function, whether it compares against a reference model, its default
@@ -1030,6 +1076,9 @@ class LossSpec:
     needs_reference: bool
     average_log_prob: bool
     batch_statistics: bool = False
+    # unpaired: the loss scores single labelled completions (KTO): fn(policy_logps, reference_logps,
+    # desirable, kl, *, hyperparameters) -> (losses, rewards); the data are {prompt, completion, label}.
+    unpaired: bool = False
 
 
 @dataclass(frozen=True)
@@ -1057,6 +1106,8 @@ HYPERPARAMETERS: dict[str, Hyperparameter] = {
                                    ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")),
     "f_alpha": Hyperparameter(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]"),
     "discopop_tau": Hyperparameter(0.05, "DiscoPOP temperature of the log-ratio modulation", "(0, inf)"),
+    "desirable_weight": Hyperparameter(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", "(0, inf)"),
+    "undesirable_weight": Hyperparameter(1.0, "KTO lambda_U, weight of undesirable completions", "(0, inf)"),
 }
 
 
@@ -1080,6 +1131,7 @@ LOSSES: dict[str, LossSpec] = {
     "apo_down": LossSpec(apo_down_loss, needs_reference=True, average_log_prob=False),
     "discopop": LossSpec(discopop_loss, needs_reference=True, average_log_prob=False),
     "aot": LossSpec(aot_loss, needs_reference=True, average_log_prob=False, batch_statistics=True),
+    "kto": LossSpec(kto_loss, needs_reference=True, average_log_prob=False, unpaired=True),
 }
 
 
@@ -1108,6 +1160,11 @@ def is_sft_only(names: str | list[str]) -> bool:
     return set(_as_names(names)) == {"sft"}
 
 
+def is_unpaired(names: str | list[str]) -> bool:
+    """True when the losses score single labelled completions (KTO) rather than pairs."""
+    return any(_spec(name).unpaired for name in _as_names(names))
+
+
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
     return not reference_free and any(_spec(name).needs_reference for name in _as_names(names))
@@ -1119,9 +1176,13 @@ def hyperparameter_readers() -> dict[str, list[str]]:
     readers: dict[str, list[str]] = {}
     for name in sorted(LOSSES):
         for param, _ in _hyperparameters(LOSSES[name].fn):
-            if param != "chosen_nll":  # supplied by compute_loss, not a config key
+            if param not in SUPPLIED:  # supplied by compute_loss, not config keys
                 readers.setdefault(param, []).append(name)
     return readers
+
+
+# Keyword-only parameters that compute_loss supplies from the batch, not from the config.
+SUPPLIED = ("chosen_nll",)
 
 
 @functools.cache
@@ -1156,6 +1217,8 @@ def compute_loss(
     policy_rejected_len: Tensor | None = None,
     reference_chosen_sum: Tensor | None = None,
     reference_rejected_sum: Tensor | None = None,
+    desirable: Tensor | None = None,
+    kl: Tensor | None = None,
 ) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics. The only thing the trainer calls.
 
@@ -1168,6 +1231,7 @@ def compute_loss(
         policy_*_sum, reference_*_sum: summed token log-probs per sequence, Shape (batch,).
         policy_*_len: scored tokens per sequence, Shape (batch,); the reference scores the same
             tokens, so its sums are normalized by the policy's lengths.
+        desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
 
     Returns:
         LossOutput(losses, chosen_rewards, rejected_rewards, metrics); see LossOutput.
@@ -1177,6 +1241,10 @@ def compute_loss(
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
         raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
+    if any(spec.unpaired for spec in specs):
+        return _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_chosen_len,
+                              policy_rejected_sum, policy_rejected_len, reference_chosen_sum,
+                              reference_rejected_sum, desirable, kl)
     paired = not is_sft_only(names)
     if paired and (policy_rejected_sum is None or policy_rejected_len is None):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
@@ -1243,3 +1311,58 @@ def _batch_metrics(total: Tensor, chosen_nll: Tensor, policy_chosen_sum: Tensor,
         metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
         metrics["rewards/margins"] = chosen_rewards - rejected_rewards
     return metrics
+
+
+def _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
+                   policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl) -> LossOutput:
+    """compute_loss for a loss on labelled completions (KTO).
+
+    Unpaired batch: policy_chosen_* are the completions (n,), `desirable` (n,) bool their labels, the rejected
+    arguments None. Paired batch (pairs evaluated with an unpaired loss): chosen and rejected (n,) each become
+    completions, chosen desirable and rejected undesirable, and the pair metrics (accuracies, margins) are
+    logged as for DPO. `kl`: Shape () or (1,), the trainer's KL estimate of the step (see kto_loss).
+
+    Metrics per completion: rewards/chosen and logps/chosen on desirable completions, rewards/rejected and
+    logps/rejected on undesirable ones, NaN on the others (the trainer's averages skip NaN); kl once per batch.
+    """
+    if len(names) != 1:
+        raise ValueError(f"loss {names}: an unpaired loss (kto) cannot be combined with other losses")
+    name, spec, weight = names[0], specs[0], weights[0]
+    n = policy_chosen_sum.shape[0]
+    paired = policy_rejected_sum is not None
+    if paired:
+        policy_sum = torch.cat([policy_chosen_sum, policy_rejected_sum])
+        lengths = torch.cat([policy_chosen_len, policy_rejected_len])
+        reference_sum = None if reference_chosen_sum is None else torch.cat([reference_chosen_sum, reference_rejected_sum])
+        desirable = torch.arange(2 * n, device=policy_sum.device) < n
+    else:
+        if desirable is None:
+            raise ValueError(f"loss {name!r} scores labelled completions: `desirable` (n,) is missing")
+        policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
+    if kl is None:
+        raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
+    if bool(hparams.get("reference_free") or False):
+        reference_sum = torch.zeros_like(policy_sum)
+    elif reference_sum is None:
+        raise ValueError(f"loss {name!r} needs reference log-probs (or set loss.reference_free=true)")
+    average = hparams.get("average_log_prob")
+    average = spec.average_log_prob if average is None else bool(average)
+    kwargs = _kwargs_for(name, spec.fn, hparams, None)
+    losses, rewards = spec.fn(sequence_logps(policy_sum, lengths, average),
+                              sequence_logps(reference_sum, lengths, average), desirable, kl, **kwargs)
+    total = weight * losses
+    desirable = desirable.bool()
+    nan = torch.full_like(rewards, float("nan"))
+    logps = policy_sum.detach()
+    metrics = {
+        "loss": total.detach(),
+        "rewards/chosen": torch.where(desirable, rewards, nan),
+        "rewards/rejected": torch.where(desirable, nan, rewards),
+        "logps/chosen": torch.where(desirable, logps, nan),
+        "logps/rejected": torch.where(desirable, nan, logps),
+        "kl": kl.detach().reshape(1).float(),
+    }
+    if paired:
+        metrics["rewards/accuracies"] = (rewards[:n] > rewards[n:]).float()
+        metrics["rewards/margins"] = rewards[:n] - rewards[n:]
+    return LossOutput(total, rewards, None, metrics)

@@ -4,7 +4,7 @@ The path one raw row takes, top to bottom of this file:
 
     raw row (a hub dataset row, or a line of a local .jsonl/.json file)
       -> a converter (one small pure function per source, registered in SOURCES)
-      -> the normalized form: {prompt: PromptResponses(responses, pairs, sft_targets, desirable)}
+      -> the normalized form: {prompt: PromptResponses(responses, pairs, sft_targets, rated)}
       -> tokenize_normalized(): prompt ids, response ids + EOS, truncation, drops counted by reason
       -> a cache file on disk (key: source + content + tokenizer + lengths + truncation + CODE_VERSION)
       -> get_batch_iterator(): seeded pair-level shuffle, global batches, this rank's share, collate().
@@ -116,15 +116,15 @@ class PromptResponses:
     pairs: (i, j) means responses[i] is preferred over responses[j].
     sft_targets: the responses SFT trains on for this prompt. Hub sources give one per prompt, as the original;
         local files give one per row (its `sft_target` field, else its chosen response).
-    desirable: per response True/False/None (None = not rated). Room for unpaired, KTO-style data; no converter
-        sets it yet.
+    rated: (i, label): responses[i] was rated desirable (True) or undesirable (False), unpaired data for KTO;
+        one entry per rated row, so a completion rated twice counts twice.
     chat: the texts were rendered with a chat template, so special-token text in them is markup (departure 6).
     """
     prompt: str
     responses: list[str] = field(default_factory=list)
     pairs: list[tuple[int, int]] = field(default_factory=list)
     sft_targets: list[str] = field(default_factory=list)
-    desirable: list[Optional[bool]] = field(default_factory=list)
+    rated: list[tuple[int, bool]] = field(default_factory=list)
     chat: bool = False
 
     def index(self, response: str) -> int:
@@ -132,11 +132,13 @@ class PromptResponses:
         if response in self.responses:
             return self.responses.index(response)
         self.responses.append(response)
-        self.desirable.append(None)
         return len(self.responses) - 1
 
     def add_pair(self, chosen: str, rejected: str) -> None:
         self.pairs.append((self.index(chosen), self.index(rejected)))
+
+    def add_rated(self, completion: str, desirable: bool) -> None:
+        self.rated.append((self.index(completion), desirable))
 
 
 Normalized = dict[str, PromptResponses]
@@ -319,6 +321,21 @@ def convert_pairs(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     return data, Counter()
 
 
+def convert_unpaired(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
+    """Unpaired rows {prompt, completion, label} (KTO data; trl-lib/kto-mix-14k's shape): label true = the completion
+    is desirable. Plain strings, or chat form: prompt a list of messages, completion one assistant message (alone or
+    after the prompt's messages), rendered with the tokenizer's chat template."""
+    data = {}
+    for row in rows:
+        if isinstance(row["prompt"], str):
+            prompt, completion, chat = row["prompt"], row["completion"], False
+        else:
+            history, chat = row["prompt"], True
+            prompt, completion = render_chat(tokenizer, history, reply_messages(history, row["completion"])[0])
+        _entry(data, prompt, chat).add_rated(completion, bool(row["label"]))
+    return data, Counter()
+
+
 def convert_ultrafeedback(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """HuggingFaceH4/ultrafeedback_binarized rows {chosen, rejected}: full conversations, the last message the
     assistant's reply. Rendered with the tokenizer's chat template."""
@@ -457,6 +474,26 @@ def check_row(row: Any, where: str) -> None:
                             f"got role '{reply[0]['role']}'")
 
 
+def check_unpaired_row(row: dict, where: str) -> None:
+    """Unpaired (KTO) rows {prompt, completion, label}: strings, or a message list and one assistant reply; label a
+    boolean (true = desirable)."""
+    _need(row, where, "unpaired", {"prompt": (str, list), "completion": (str, list), "label": (bool,)})
+    if isinstance(row["prompt"], str) != isinstance(row["completion"], str):
+        raise DataError(f"{where}: fields prompt/completion mix a string and a message list; expected both strings or "
+                        "both lists of {role, content} messages")
+    if isinstance(row["prompt"], str):
+        return
+    for name in ("prompt", "completion"):
+        for k, message in enumerate(row[name]):
+            _check_message(message, f"{where}: field '{name}' message {k}")
+    if not row["prompt"]:
+        raise DataError(f"{where}: field 'prompt': empty list; expected at least one {{role, content}} message")
+    reply = reply_messages(row["prompt"], row["completion"])
+    if len(reply) != 1 or reply[0]["role"] != "assistant":
+        raise DataError(f"{where}: field 'completion': expected one assistant message (alone, or after the prompt's "
+                        f"messages), got {[m['role'] for m in reply]}")
+
+
 def read_rows(path: Path, data: Optional[bytes] = None) -> list[dict]:
     """Read and check every row of a local .jsonl/.json file. Raises DataError at the first bad row."""
     path = Path(path)
@@ -557,6 +594,8 @@ def detect_shape(row: Any) -> str:
     list prompt; chosen/rejected are conversations of >= 2 messages)."""
     if not isinstance(row, dict):
         return "pairs"
+    if "completion" in row and "label" in row:
+        return "unpaired"
     chosen = row.get("chosen")
     if all(name in row for name in SHP_FIELDS):
         return "shp"
@@ -590,6 +629,8 @@ LOCAL_SHAPES: dict[str, LocalShape] = {
     "shp": LocalShape("SHP", check_shp_row, convert_shp, lambda row: "keep_start"),
     "ultrafeedback": LocalShape("UltraFeedback {chosen, rejected} conversation", check_ultrafeedback_row,
                                 convert_ultrafeedback, lambda row: "keep_end"),
+    "unpaired": LocalShape("unpaired {prompt, completion, label}", check_unpaired_row, convert_unpaired,
+                           lambda row: "keep_end" if is_conversation(row.get("prompt")) else "keep_start"),
 }
 
 
@@ -611,6 +652,7 @@ class Source:
     fetch: Optional[Callable[[str, Optional[str]], Any]] = None
     path: Optional[str] = None
     sample_rule: Optional[Callable[[str], bool]] = None
+    unpaired: bool = False  # its rows are labelled completions (KTO data), not pairs
 
 
 def toy_follows_rule(response: str) -> bool:
@@ -629,6 +671,8 @@ SOURCES: dict[str, Source] = {
     "ultrafeedback": Source(convert_ultrafeedback, "keep_end", fetch=partial(
         fetch_hub, "HuggingFaceH4/ultrafeedback_binarized", splits={"train": "train_prefs", "test": "test_prefs"})),
     "toy": Source(convert_pairs, "keep_start", path="toy/data/{split}.jsonl", sample_rule=toy_follows_rule),
+    # KTO's unpaired data: chat prompts and completions with a desirable/undesirable label
+    "kto_mix": Source(convert_unpaired, "keep_end", fetch=partial(fetch_hub, "trl-lib/kto-mix-14k"), unpaired=True),
 }
 LOCAL_FILE = Source(convert_pairs, "keep_start")  # any path given in datasets=[...]
 
@@ -656,25 +700,40 @@ def sample_rule(names: list[str]) -> Optional[Callable[[str], bool]]:
     return rules.pop() if len(rules) == 1 else None
 
 
-def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test")) -> None:
+def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test"), *, unpaired: bool = False,
+                     pairs_to_unpaired: bool = False) -> None:
     """Check dataset names, paths and local file contents, cheaply and without a tokenizer.
 
     Call at config time, before any model is loaded. Hub sources are only checked by name (whether they can be
-    fetched is known only by fetching). Every problem is collected and raised together as one DataError.
+    fetched is known only by fetching). `unpaired`: the loss scores labelled completions (kto), so every source
+    must hold {prompt, completion, label} rows, or pairs with `pairs_to_unpaired`; a loss on pairs refuses unpaired
+    rows. Every problem is collected and raised together as one DataError.
     """
-    problems, seen = [], set()
+    problems, shapes = [], {}  # path -> whether its rows are unpaired
     for name in names:
         for split in splits:
             try:
                 source, path = resolve_source(name, split)
-                if path is not None and path not in seen:
-                    seen.add(path)
-                    read_rows(path)
+                if path is not None and path not in shapes:
+                    shapes[path] = detect_shape(read_rows(path)[0]) == "unpaired"
+                is_unpaired = shapes[path] if path is not None else source.unpaired
+                _check_mode(name, path, is_unpaired, unpaired, pairs_to_unpaired)
             except DataError as e:
                 if str(e) not in problems:
                     problems.append(str(e))
     if problems:
         raise DataError("\n".join(problems))
+
+
+def _check_mode(name: str, path: Optional[Path], is_unpaired: bool, unpaired: bool, pairs_to_unpaired: bool) -> None:
+    where = f"{path}" if path is not None else f"dataset '{name}'"
+    if is_unpaired and not unpaired:
+        raise DataError(f"{where}: holds unpaired {{prompt, completion, label}} rows; only an unpaired loss reads them "
+                        "(loss=kto), the selected loss needs {prompt, chosen, rejected} pairs")
+    if unpaired and not is_unpaired and not pairs_to_unpaired:
+        raise DataError(f"{where}: holds pairs, but loss kto needs {{prompt, completion, label}} rows; set "
+                        "pairs_to_unpaired=true to use each pair as a desirable (chosen) and an undesirable (rejected) "
+                        "completion")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -694,6 +753,7 @@ class TokenizedExample(NamedTuple):
     prompt_ids: np.ndarray
     chosen_ids: np.ndarray
     rejected_ids: Optional[np.ndarray]
+    desirable: Optional[bool] = None  # unpaired mode: chosen_* is the completion, this its label
 
 
 @dataclass
@@ -701,7 +761,7 @@ class SourceStats:
     """What loading one source did; every number printed by dataset_summary()."""
     source: str
     split: str
-    unit: str  # 'pairs' or 'sft_targets'
+    unit: str  # 'pairs', 'sft_targets' or 'completions' (unpaired)
     truncation_mode: str
     origin: str = ""  # the local file, or "hub:<fingerprint>" of the hub dataset
     prompts: int = 0
@@ -716,6 +776,8 @@ class SourceStats:
     response_tokens_mean: float = 0.0
     response_tokens_max: int = 0
     cache: str = "off"
+    desirable: int = 0  # unpaired mode: completions kept per label
+    undesirable: int = 0
 
 
 def tokenizer_adds_bos(tokenizer: Any) -> bool:
@@ -776,8 +838,12 @@ def _gc_paused():
 
 def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split: str, max_length: int,
                         max_prompt_length: int, truncation_mode: str, sft_mode: bool,
-                        dropped: Optional[Counter] = None) -> tuple[list[TokenizedExample], SourceStats]:
-    """The normalized form -> tokenized, truncated examples (pairs, or SFT targets) + stats.
+                        dropped: Optional[Counter] = None, unpaired: bool = False,
+                        pairs_to_unpaired: bool = False) -> tuple[list[TokenizedExample], SourceStats]:
+    """The normalized form -> tokenized, truncated examples (pairs, SFT targets, or labelled completions) + stats.
+
+    `unpaired`: one example per rated completion (chosen_ids = the completion, `desirable` its label); with
+    `pairs_to_unpaired` each pair adds its chosen response as desirable and its rejected one as undesirable.
 
     Per example: prompt_ids = [BOS] + ids(prompt); response ids = ids(response) + [EOS]; then truncate().
     Dropped, by reason: chosen_equals_rejected (same text), empty_response (no tokens before EOS: it would teach
@@ -788,23 +854,30 @@ def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split:
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     add_bos = tokenizer_adds_bos(tokenizer)
     drops = Counter(dropped or {})
-    stats = SourceStats(source, split, "sft_targets" if sft_mode else "pairs", truncation_mode)
+    stats = SourceStats(source, split, "sft_targets" if sft_mode else "completions" if unpaired else "pairs",
+                        truncation_mode)
     examples, kept_prompts, prompt_lengths, response_lengths = [], set(), [], []
     entries = list(data.values())
     for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs = []  # (entry, chosen text, rejected text or None)
+        jobs = []  # (entry, chosen text or the completion, rejected text or None, label or None)
         for entry in entries[start:start + ENCODE_CHUNK]:
             if sft_mode:
-                jobs.extend((entry, target, None) for target in entry.sft_targets)
+                jobs.extend((entry, target, None, None) for target in entry.sft_targets)
                 continue
+            if unpaired:
+                jobs.extend((entry, entry.responses[i], None, label) for i, label in entry.rated)
+                if not pairs_to_unpaired:
+                    continue
             for i, j in entry.pairs:
                 if entry.responses[i] == entry.responses[j]:
                     drops["chosen_equals_rejected"] += 1
+                elif unpaired:  # pairs_to_unpaired: the pair's two completions, labelled by the preference
+                    jobs += [(entry, entry.responses[i], None, True), (entry, entry.responses[j], None, False)]
                 else:
-                    jobs.append((entry, entry.responses[i], entry.responses[j]))
+                    jobs.append((entry, entry.responses[i], entry.responses[j], None))
         # one tokenizer call per kind of text, for the whole chunk (a call per text is ~10x slower)
-        prompts = list({id(e): e for e, _, _ in jobs}.values())
-        replies = list(dict.fromkeys((e.prompt, r, e.chat) for e, c, rj in jobs for r in (c, rj) if r is not None))
+        prompts = list({id(e): e for e, _, _, _ in jobs}.values())
+        replies = list(dict.fromkeys((e.prompt, r, e.chat) for e, c, rj, _ in jobs for r in (c, rj) if r is not None))
         prompt_ids = dict(zip((e.prompt for e in prompts),
                               encode(tokenizer, [e.prompt for e in prompts], [e.chat for e in prompts])))
         reply_ids = encode(tokenizer, [r for _, r, _ in replies], [c for _, _, c in replies])
@@ -814,7 +887,7 @@ def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split:
             # the prefix property holds by construction; count where the joint tokenization would differ
             stats.boundary_merges += joint != prompt_ids[p] + ids
             response_ids[(p, r)] = ids
-        for entry, chosen, rejected in jobs:
+        for entry, chosen, rejected, label in jobs:
             p_ids = prompt_ids[entry.prompt]
             if add_bos and p_ids[:1] != [bos]:
                 p_ids = [bos] + p_ids
@@ -838,7 +911,10 @@ def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split:
             response_lengths.extend(len(r) for r in r_cut)
             arrays = [np.asarray(x, dtype=np.int32) for x in (p_cut, *r_cut)]  # int32: half the memory
             examples.append(TokenizedExample(source, entry.prompt, chosen, rejected, arrays[0], arrays[1],
-                                             arrays[2] if rejected is not None else None))
+                                             arrays[2] if rejected is not None else None, label))
+            if label is not None:
+                stats.desirable += label
+                stats.undesirable += not label
     stats.prompts, stats.kept, stats.dropped = len(kept_prompts), len(examples), dict(sorted(drops.items()))
     if examples:
         stats.prompt_tokens_mean, stats.prompt_tokens_max = float(np.mean(prompt_lengths)), max(prompt_lengths)
@@ -892,7 +968,8 @@ def _write_cache(path: Path, key: str, examples: list[TokenizedExample], stats: 
 
 def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_prompt_length: int,
                  sft_mode: bool, truncation_mode: Optional[str], cache_dir: Optional[str],
-                 tokenizer_fp: str, key_only: bool = False) -> tuple[list[TokenizedExample], SourceStats]:
+                 tokenizer_fp: str, unpaired: bool = False, pairs_to_unpaired: bool = False, key_only: bool = False
+                 ) -> tuple[list[TokenizedExample], SourceStats]:
     source, path = resolve_source(name, split)
     mode = truncation_mode or source.truncation_mode
     if path is not None:
@@ -917,19 +994,21 @@ def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_
         with _gc_paused():
             examples, stats = tokenize_normalized(data, tokenizer, source=name, split=split, max_length=max_length,
                                                   max_prompt_length=max_prompt_length, truncation_mode=mode,
-                                                  sft_mode=sft_mode, dropped=dropped)
+                                                  sft_mode=sft_mode, dropped=dropped, unpaired=unpaired,
+                                                  pairs_to_unpaired=pairs_to_unpaired)
         stats.origin = origin
         return examples, stats
 
     key = cache_key(code_version=CODE_VERSION, source=name, split=split, content=content, tokenizer=tokenizer_fp,
                     max_length=max_length, max_prompt_length=max_prompt_length, truncation_mode=mode,
-                    sft_mode=sft_mode, max_pairs_per_prompt=MAX_PAIRS_PER_PROMPT)
+                    sft_mode=sft_mode, max_pairs_per_prompt=MAX_PAIRS_PER_PROMPT, unpaired=unpaired,
+                    pairs_to_unpaired=pairs_to_unpaired)
     if key_only:  # data_fingerprints: everything the tokenized result depends on, without tokenizing
         return key
     if cache_dir is None:
         return build()
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(name).stem if path is not None else name)[:40]
-    file = Path(cache_dir) / "tokenized" / f"{slug}-{split}-{'sft' if sft_mode else 'pairs'}-{key[:16]}.pkl"
+    file = Path(cache_dir) / "tokenized" / f"{slug}-{split}-{'sft' if sft_mode else 'unpaired' if unpaired else 'pairs'}-{key[:16]}.pkl"
     file.parent.mkdir(parents=True, exist_ok=True)
     # several ranks may start at once: the first builds the file while the others wait, then all read it
     with FileLock(str(file) + ".lock"):
@@ -945,8 +1024,8 @@ def _load_source(name: str, tokenizer: Any, split: str, *, max_length: int, max_
 
 def load_tokenized(names: list[str], tokenizer: Any, split: str, *, max_length: int = 512,
                    max_prompt_length: int = 256, sft_mode: bool = False, truncation_mode: Optional[str] = None,
-                   cache_dir: Optional[str] = None, silent: bool = False
-                   ) -> tuple[list[TokenizedExample], list[SourceStats]]:
+                   cache_dir: Optional[str] = None, silent: bool = False, unpaired: bool = False,
+                   pairs_to_unpaired: bool = False) -> tuple[list[TokenizedExample], list[SourceStats]]:
     """Every source in `names`, tokenized (from the cache when it is there), concatenated in order.
 
     Returns (examples, one SourceStats per source). Prints dataset_summary() unless silent.
@@ -965,7 +1044,7 @@ def load_tokenized(names: list[str], tokenizer: Any, split: str, *, max_length: 
     for name in names:
         ex, stats = _load_source(name, tokenizer, split, max_length=max_length, max_prompt_length=max_prompt_length,
                                  sft_mode=sft_mode, truncation_mode=truncation_mode, cache_dir=cache_dir,
-                                 tokenizer_fp=tokenizer_fp)
+                                 tokenizer_fp=tokenizer_fp, unpaired=unpaired, pairs_to_unpaired=pairs_to_unpaired)
         examples.extend(ex)
         all_stats.append(stats)
     if not silent:
@@ -975,24 +1054,26 @@ def load_tokenized(names: list[str], tokenizer: Any, split: str, *, max_length: 
 
 def data_fingerprints(names: list[str], tokenizer: Any, split: str, *, max_length: int = 512,
                       max_prompt_length: int = 256, sft_mode: bool = False, truncation_mode: Optional[str] = None,
-                      cache_dir: Optional[str] = None) -> dict[str, str]:
+                      cache_dir: Optional[str] = None, unpaired: bool = False,
+                      pairs_to_unpaired: bool = False) -> dict[str, str]:
     """{source name: sha256} of the tokenized data of `split`, without tokenizing: the cache key, which hashes the
     raw content, the tokenizer, the lengths, truncation, mode and CODE_VERSION (the run manifest records these;
     a resume or replay refuses when one differs)."""
     fp = tokenizer_fingerprint(tokenizer)
     return {name: _load_source(name, tokenizer, split, max_length=max_length, max_prompt_length=max_prompt_length,
                                sft_mode=sft_mode, truncation_mode=truncation_mode, cache_dir=cache_dir,
-                               tokenizer_fp=fp, key_only=True) for name in names}
+                               tokenizer_fp=fp, unpaired=unpaired, pairs_to_unpaired=pairs_to_unpaired, key_only=True)
+            for name in names}
 
 
 def count_examples(names: list[str], tokenizer: Any, *, split: str, max_length: int = 512,
                    max_prompt_length: int = 256, sft_mode: bool = False, truncation_mode: Optional[str] = None,
-                   cache_dir: Optional[str] = None, silent: bool = True) -> int:
+                   cache_dir: Optional[str] = None, silent: bool = True, **mode: bool) -> int:
     """How many examples (pairs, or SFT targets) the iterator draws from; with cache_dir set, the loading here is
     what later iterators find in the cache."""
     examples, _ = load_tokenized(names, tokenizer, split, max_length=max_length, max_prompt_length=max_prompt_length,
                                  sft_mode=sft_mode, truncation_mode=truncation_mode, cache_dir=cache_dir,
-                                 silent=silent)
+                                 silent=silent, **mode)
     return len(examples)
 
 
@@ -1004,6 +1085,7 @@ def dataset_summary(stats: list[SourceStats]) -> str:
         lines.append(
             f"[data] {s.source}/{s.split} ({s.origin})\n"
             f"       {s.unit}_kept={s.kept} prompts={s.prompts} dropped: {dropped}\n"
+            + (f"       desirable={s.desirable} undesirable={s.undesirable}\n" if s.unit == "completions" else "") +
             f"       boundary_merges={s.boundary_merges} prompts_truncated={s.prompts_truncated} "
             f"responses_truncated={s.responses_truncated} truncation_mode={s.truncation_mode}\n"
             f"       prompt_tokens_mean={s.prompt_tokens_mean:.1f} prompt_tokens_max={s.prompt_tokens_max} "
@@ -1096,14 +1178,19 @@ def _pad(rows: list[np.ndarray], value: int, left: bool = False) -> torch.Tensor
     return out
 
 
-def collate(examples: list[TokenizedExample], pad_token_id: int) -> dict[str, Any]:
+def collate(examples: list[TokenizedExample], pad_token_id: int, kl_rows: bool = False) -> dict[str, Any]:
     """Examples -> a batch dict with the original code's keys.
 
     Texts (lists of str): prompt, chosen and rejected (prompt + response), chosen_response_only,
     rejected_response_only. Tensors (long): prompt_input_ids, prompt_attention_mask (B, P), left-padded so
     generation continues from the last column; {chosen,rejected}_{input_ids,attention_mask,labels} (B, T),
     right-padded, labels = input ids on the response (EOS included) and -100 on prompt and padding.
-    SFT examples (rejected None) give no rejected keys.
+    SFT examples (rejected None) give no rejected keys. Unpaired examples (desirable set) add `desirable` (B,) bool.
+
+    kl_rows: also kl_{input_ids,attention_mask,labels}, the MISMATCHED sequences KTO's KL reference point is
+    estimated on (as the paper, HALOs and TRL): the batch's completions in the order the trainer scores them
+    (chosen then rejected), completion k-1 after the prompt of completion k (shifted by one), each cut to the
+    batch's longest real sequence. Needs >= 2 examples (else a completion would meet its own prompt).
     """
     batch: dict[str, Any] = {"prompt": [e.prompt for e in examples]}
     prompts = [e.prompt_ids for e in examples]
@@ -1119,6 +1206,17 @@ def collate(examples: list[TokenizedExample], pad_token_id: int) -> dict[str, An
         batch[side + "_attention_mask"] = _pad([np.ones_like(s) for s in sequences], 0)
         batch[side + "_labels"] = _pad([np.concatenate([np.full(len(p), -100), r])
                                         for p, r in zip(prompts, responses)], -100)
+    if examples[0].desirable is not None:
+        batch["desirable"] = torch.tensor([bool(e.desirable) for e in examples])
+    if kl_rows:
+        if len(examples) < 2:
+            raise ValueError("kl_rows needs >= 2 examples per batch: each completion goes after another's prompt")
+        completions = [(e.prompt_ids, getattr(e, side + "_ids")) for side in sides for e in examples]
+        cap = max(len(p) + len(r) for p, r in completions)  # never longer than a real sequence of the batch
+        shifted = [(p, completions[k - 1][1][:cap - len(p)]) for k, (p, _) in enumerate(completions)]
+        batch["kl_input_ids"] = _pad([np.concatenate([p, r]) for p, r in shifted], pad_token_id)
+        batch["kl_attention_mask"] = _pad([np.ones(len(p) + len(r), dtype=np.int64) for p, r in shifted], 0)
+        batch["kl_labels"] = _pad([np.concatenate([np.full(len(p), -100), r]) for p, r in shifted], -100)
     return batch
 
 
@@ -1126,7 +1224,8 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
                        max_length: int = 512, max_prompt_length: int = 256, sft_mode: bool = False,
                        n_epochs: Optional[int] = None, n_examples: Optional[int] = None, seed: int = 0,
                        rank: int = 0, world_size: int = 1, start_example: int = 0, cache_dir: Optional[str] = None,
-                       truncation_mode: Optional[str] = None, silent: bool = False) -> Iterator[dict[str, Any]]:
+                       truncation_mode: Optional[str] = None, silent: bool = False, unpaired: bool = False,
+                       pairs_to_unpaired: bool = False, kl_rows: bool = False) -> Iterator[dict[str, Any]]:
     """Batches of this rank's share of each global batch (see iter_batch_indices for the order, collate for keys).
 
     batch_size is GLOBAL pairs per step; each rank gets batch_size // world_size of them and collates only those.
@@ -1134,13 +1233,15 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
     data or the arguments) happens when this is called, not at the first next(). Padding uses
     tokenizer.pad_token_id, or EOS when there is none (padded positions are masked, so the value is never seen).
     For eval the trainer passes shuffle=False, n_epochs=1, n_examples=n_eval_examples: the first n examples.
+    unpaired/pairs_to_unpaired: labelled completions (tokenize_normalized); kl_rows: see collate.
     """
     # argument errors before the (possibly long) loading
     _check_batch_args(batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples, rank=rank,
                       world_size=world_size, start_example=start_example, seed=seed)
     examples, _ = load_tokenized(names, tokenizer, split, max_length=max_length,
                                  max_prompt_length=max_prompt_length, sft_mode=sft_mode,
-                                 truncation_mode=truncation_mode, cache_dir=cache_dir, silent=silent)
+                                 truncation_mode=truncation_mode, cache_dir=cache_dir, silent=silent,
+                                 unpaired=unpaired, pairs_to_unpaired=pairs_to_unpaired)
     indices = iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,
                                  n_epochs=n_epochs, n_examples=n_examples, rank=rank, world_size=world_size,
                                  start_example=start_example)
@@ -1148,5 +1249,5 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
         raise DataError(f"datasets={names} split {split!r}: {len(examples)} examples after filtering, fewer than "
                         f"one global batch of {batch_size}; lower batch_size or add data")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return (dict(collate([examples[i] for i in idx], pad), example_index=torch.as_tensor(idx, dtype=torch.long))
+    return (dict(collate([examples[i] for i in idx], pad, kl_rows), example_index=torch.as_tensor(idx, dtype=torch.long))
             for idx in indices)

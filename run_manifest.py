@@ -70,7 +70,10 @@ def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
     """{split: {source: sha256 of what its tokenized data depends on}} (preference_datasets' cache key)."""
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
                   sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode)
-    return {split: data.data_fingerprints(cfg.datasets, tokenizer, split, **kwargs) for split in ("train", "test")}
+    # KTO reads labelled completions (pairs_to_unpaired: training splits each pair in two; eval keeps the pairs)
+    modes = {"train": dict(unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired),
+             "test": dict(unpaired=cfg.unpaired_loss and not cfg.pairs_to_unpaired)}
+    return {split: data.data_fingerprints(cfg.datasets, tokenizer, split, **kwargs, **modes[split]) for split in ("train", "test")}
 
 
 def build(cfg, tokenizer, world_size: int) -> tuple[dict, str]:

@@ -58,6 +58,7 @@ losses = OnFirstUse("losses")
 data = OnFirstUse("preference_datasets")
 trainers = OnFirstUse("trainers")
 utils = OnFirstUse("utils")
+peft = OnFirstUse("peft")  # optional (LoRA): check_inputs refuses lora.r without it, before any model loads
 
 
 def resolve_local(path: str) -> str:
@@ -92,7 +93,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     utils.rank0_print(f"loading policy {model_path} in {cfg.fsdp.model_dtype}")
     policy = load(cfg.fsdp.model_dtype)
     reference = None
-    if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free):
+    if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:  # LoRA: see add_lora
         reference_dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
         utils.rank0_print(f"loading reference {model_path} in {reference_dtype}")
         reference = load(reference_dtype).eval().requires_grad_(False)
@@ -102,6 +103,8 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         if reference is not None:
             reference.load_state_dict(state)
         utils.rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
+    if cfg.lora.r is not None:
+        policy = add_lora(policy, cfg.lora)
     return tokenizer, policy, reference
 
 
@@ -134,7 +137,9 @@ def check_inputs(cfg, world_size: int) -> None:
     problems = validate(cfg, world_size)
     if problems:
         raise ConfigError(problems)
-    data.validate_sources(cfg.datasets)
+    if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
+        raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
+    data.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ArchiveError(f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)")
     if cfg.resume_from:
@@ -149,9 +154,12 @@ def check_data(cfg, world_size: int) -> None:
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
                   sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode,
                   cache_dir=str(utils.first_usable_dir(cfg.local_dirs) / "datasets"))
+    # KTO reads labelled completions (pairs_to_unpaired: training splits each pair in two; eval keeps the pairs)
+    modes = {"train": dict(unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired),
+             "test": dict(unpaired=cfg.unpaired_loss and not cfg.pairs_to_unpaired)}
     for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
                                 ("test", world_size, f"world size {world_size} (one eval pair per rank)")):
-        examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **kwargs)
+        examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **kwargs, **modes[split])
         if len(examples) < needed:
             per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
                                    + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
@@ -167,6 +175,18 @@ def check_resumable(cfg, world_size: int) -> None:
         raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
     ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
     trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
+
+
+def add_lora(model, lora):
+    """The model with LoRA adapters (peft), only the adapters trainable. The trainer's reference is this same model
+    with its adapters disabled (trainers.BasicTrainer), so the base weights exist once."""
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                             target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    utils.rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: {trainable} trainable parameters of "
+                f"{sum(p.numel() for p in model.parameters())}")
+    return model
 
 
 class ArchiveError(ValueError):

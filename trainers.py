@@ -1,15 +1,16 @@
 """The training machinery: loop, evaluation, sampling, logging, checkpoints.
 
-Read top to bottom: batches -> sequence log-probs (forward_logps); optimizer and schedule; the trainer in four
-rooms (ReferenceLogProbs, EvaluationAndSampling, Checkpoints, and BasicTrainer, the loop, which inherits the
-three); small pure helpers and checkpoint validation; then the distributed part: the Sharding interface with its
+Read top to bottom: batches -> sequence log-probs (forward_logps); optimizer and schedule; the trainer by concern
+(Reference, EvaluationAndSampling, Checkpoints, MicroBatchLoss, and BasicTrainer, the loop, which inherits the
+four); small pure helpers and checkpoint validation; then the distributed part: the Sharding interface with its
 FSDP1 and FSDP2 implementations, picked once from fsdp.strategy (SHARDINGS), and FSDPTrainer.
 
 `BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`). `FSDPTrainer` shards
 policy and reference with its Sharding object and overrides what the original FSDPTrainer overrode (wrapping,
 clipping, saving, loading) and the few hooks where several processes differ from one (input device, gradient
-sync, sampling, offloaded optimizer step, gathering, barriers, the non-finite decision). Every torch.distributed
-call of the training loop is in FSDPTrainer, the Sharding classes or utils.py's small helpers.
+sync, sampling, offloaded optimizer step, gathering, barriers, the non-finite decision, TR-DPO's sharded
+reference). Every torch.distributed call of the training loop is in FSDPTrainer, the Sharding classes or utils.py's
+small helpers.
 
 A step: the rank-local batch is split into `gradient_accumulation_steps` micro-batches; each runs ONE
 policy forward over chosen and rejected concatenated (and one reference forward), the loss of each
@@ -178,7 +179,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     # the last: labels, the scored-position mask and the owners follow the tensor they index (`to` is free when
     # the devices are the same), so every op below runs on one device.
     if tiled:
-        hidden = model.base_model(**kwargs, use_cache=False).last_hidden_state
+        backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
         # under autocast the backbone's output is in the compute dtype
         hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
@@ -241,13 +243,61 @@ class CheckpointError(ValueError):
 PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
 
 # ------------------------------------------------------------------------------------------------------
-# The trainer by concern: reference log-probs, evaluation and sampling, checkpoints; then BasicTrainer, the
-# loop, which inherits them. Each part reads the trainer's state (self.config, self.policy, self.rank, ...) and
-# calls its hooks (self.generate, self.barrier, ...): they are one object, written in four rooms.
+# The trainer by concern: the reference, evaluation and sampling, checkpoints, the loss of a micro-batch; then
+# BasicTrainer, the loop, which inherits them. Each part reads the trainer's state (self.config, self.policy, self.rank, ...) and
+# calls its hooks (self.generate, self.barrier, ...): they are one object, written in five rooms.
 # ------------------------------------------------------------------------------------------------------
-class ReferenceLogProbs:
-    """Precomputed reference log-probs: one pass of the reference over the pairs the run uses, cached on disk."""
+class Reference:
+    """The reference model: its log-probs (a forward, or the precomputed table), LoRA's adapters-off context, and
+    TR-DPO's updates with their checkpoint files."""
 
+    def reference_context(self):
+        """Entered around every use of self.reference_model: under LoRA it is the policy, with the adapters off."""
+        return unwrap(self.policy).disable_adapter() if self.lora else contextlib.nullcontext()
+
+    def reference_logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
+        """Summed reference log-probs of chosen then rejected (2B,): from the precomputed table, or a forward."""
+        if self.reference_tables:
+            table = self.reference_tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
+            return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
+        if self.reference_model is None:
+            return None
+        # The reference computes in model.reference_dtype unless model.reference_mixed_precision asks for autocast.
+        mixed = self.autocast() if self.config.model.reference_mixed_precision else contextlib.nullcontext()
+        with torch.no_grad(), mixed, self.reference_context():
+            ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
+            return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
+
+    # --- TR-DPO: the reference follows the policy ----------------------------------------------------------
+    @torch.no_grad()
+    def update_reference(self) -> bool:
+        """Every ref_update.tau optimizer steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO, Eq. 4 soft, Eq. 5
+        hard with alpha = 1), in place, parameter by parameter. Under FSDP, policy and reference are sharded by the
+        same code with the same units, so each rank's local shards of the two correspond element by element:
+        the update is local, with no gather and no communication."""
+        tau = self.config.ref_update.tau
+        if tau is None or self.batch_counter % tau:
+            return False
+        policy, reference = dict(self.policy.named_parameters()), dict(self.reference_model.named_parameters())
+        if policy.keys() != reference.keys():
+            raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
+        for name, ref in reference.items():
+            ref, pol = local_tensor(ref), local_tensor(policy[name])
+            if ref.shape != pol.shape:
+                raise RuntimeError(f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference")
+            ref.lerp_(pol.to(ref.device, ref.dtype), self.config.ref_update.alpha)  # ref + alpha (policy - ref)
+        return True
+
+    def write_reference(self, tmp_dir: Path) -> None:
+        """TR-DPO's reference is trained state: the checkpoint keeps it (reference.pt), so a resume is exact."""
+        if self.config.ref_update.tau is not None and self.rank == 0:
+            torch.save({k: v.detach().cpu() for k, v in self.reference_model.state_dict().items()}, tmp_dir / "reference.pt")
+
+    def load_reference(self, ckpt: Path) -> None:
+        if self.config.ref_update.tau is not None:
+            self.reference_model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
+
+    # --- precomputed reference log-probs ---------------------------------------------------------------------
     def precompute_reference(self) -> None:
         """One pass of the reference over the pairs this run will use (train and eval), cached on disk, then the
         reference model is freed: training runs one model instead of two (and sampling shows the policy only)."""
@@ -299,7 +349,8 @@ class ReferenceLogProbs:
         for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=not self.show_bars(), mininterval=10):
             batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
             inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
-            sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
+            with self.reference_context():
+                sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
             values.append(torch.stack([sums, sums], 1) if self.sft_mode else sums.view(2, -1).T)
         order = all_gather_if_needed(torch.tensor(mine), self.rank, self.world_size)
         gathered = all_gather_if_needed(torch.cat(values), self.rank, self.world_size)
@@ -319,7 +370,7 @@ class EvaluationAndSampling:
             _, metrics = self.get_batch_metrics(batch, "eval")
             for name, v in metrics.items():
                 collected[name].append(v)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in collected.items()}
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in collected.items()}
         if self.config.sample_during_eval and self.config.n_eval_model_samples > 0:
             mean.update(self.sample_and_log())
         return mean
@@ -352,7 +403,8 @@ class EvaluationAndSampling:
             # at every eval), and at step 0 both streams are one: equal weights give equal samples.
             policy_samples += self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, i))
             if self.reference_model is not None:
-                reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
+                with self.reference_context():
+                    reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
         prompts = self.gather_objects(prompts[:n_local])
         policy_samples = self.gather_objects(policy_samples[:n_local])
         reference_samples = self.gather_objects(reference_samples[:n_local])
@@ -397,6 +449,7 @@ class Checkpoints:
     def write_checkpoint(self, tmp_dir: Path) -> None:
         """Every file of a checkpoint: what resume needs of each rank, then rank 0's consolidated policy."""
         self.write_resume_state(tmp_dir)
+        self.write_reference(tmp_dir)
         state = self.policy_state_dict()  # under FSDP a collective: every rank takes part, rank 0 keeps the result
         if self.rank == 0:
             torch.save({"step_idx": self.example_counter, "state": state, "metrics": getattr(self, "last_eval_metrics", {})},
@@ -411,8 +464,13 @@ class Checkpoints:
         torch.save(get_rng_state(), tmp_dir / "rng-0.pt")
 
     def export_hf(self, state: dict, out: Path) -> None:
-        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads."""
-        model = self.policy.module if hasattr(self.policy, "module") else self.policy
+        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads. Under LoRA: the
+        adapter alone (peft's format) in out/../adapter, and in `out` the base weights with the adapters merged."""
+        model = unwrap(self.policy)
+        if self.lora:
+            model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
+            state = merged_lora_state(state, self.config.lora.alpha / self.config.lora.r)
+            model = model.get_base_model()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 
@@ -453,6 +511,7 @@ class Checkpoints:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         check_compatible(state, self.config, self.world_size)
         self.load_policy_and_optimizer(ckpt)
+        self.load_reference(ckpt)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
         self.nonfinite_in_a_row, self.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
@@ -474,7 +533,94 @@ class Checkpoints:
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
 
 
-class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
+class MicroBatchLoss:
+    """The loss of one micro-batch: policy and reference forwards (autocast, packed or tiled log-probs), the
+    registered losses, the entropy bonus; and what a loss needs from the whole step first (KTO's KL point)."""
+
+    def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
+        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+        n = batch["chosen_input_ids"].size(0)
+        entropy_grad = bool(self.config.loss.entropy_coeff)
+        with self.autocast():
+            sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
+                                                  entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
+        paired = "rejected_input_ids" in batch  # SFT and unpaired (KTO) batches carry one sequence per example
+        reference = {}
+        ref_sums = self.reference_logps(batch, inputs, split)
+        if ref_sums is not None:
+            ref_sums = ref_sums.to(sums.device)
+            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=ref_sums[n:] if paired else None)
+        rejected = dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:]) if paired else {}
+        if self.unpaired:
+            kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.kl_reference_point(batch)
+            rejected.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
+        out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
+                                  policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
+        metrics = dict(out.metrics)
+        metrics["entropy/chosen"] = entropy[:n].detach()
+        if paired:
+            metrics["entropy/rejected"] = entropy[n:].detach()
+        loss = out.losses.mean()
+        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
+            loss = loss - self.config.loss.entropy_coeff * entropy.mean()
+        return loss, {split_name(k, split): v for k, v in metrics.items()}
+
+    def autocast(self):
+        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the
+        weights stay in model_dtype, and there is no gradient reduction for reduce_dtype to apply to)."""
+        mp = self.config.fsdp.mixed_precision
+        if mp is None or not self.autocasts:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
+
+    def forward_options(self, entropy_grad: bool = False) -> dict:
+        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
+        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
+                "tiled": self.config.tiled_lm_head and self.tiles_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
+
+    # --- KTO's KL reference point ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def kl_reference_point(self, batch: dict) -> torch.Tensor:
+        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the batch's mismatched
+        (prompt, completion) rows (kl_* keys, see data.collate), over ALL ranks' rows of the step.
+
+        Detached (no_grad) by definition, so it is computed once per step, before the micro-batches, and every
+        micro-batch's loss uses the same value: the loss is the same for any split of the step (accumulation,
+        ranks), unlike a per-micro-batch estimate. The rows are scored in gradient_accumulation_steps chunks, so
+        this pass needs no more activation memory than a training micro-batch.
+        """
+        rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
+        average = self.config.loss.average_log_prob
+        average = losses.LOSSES[self.loss_names[0]].average_log_prob if average is None else average
+        size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
+        for start in range(0, len(rows["input_ids"]), size):
+            chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
+            with self.autocast():
+                sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
+            if self.reference_model is not None and not self.config.loss.reference_free:
+                ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
+                with self.reference_context():
+                    sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
+            logratios = losses.sequence_logps(sums, counts, average)
+            total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
+        # every rank's (sum, count): two numbers per rank, on self.device (NCCL gathers CUDA tensors only)
+        total = all_gather_if_needed(total[None], self.rank, self.world_size).sum(0)
+        return (total[0] / total[1]).float().reshape(1)
+
+    def step_statistics(self, batch: dict) -> dict:
+        """What a loss needs from the whole step before it is split into micro-batches: KTO's KL reference point,
+        stored per row (so micro-batch splitting slices it like any other column), its kl_* rows dropped."""
+        if not self.unpaired:
+            return batch
+        kl = self.kl_reference_point(batch)
+        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
+        batch["kl_reference_point"] = kl.cpu().expand(len(batch["chosen_input_ids"])).clone()
+        return batch
+
+
+class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints):
     """The loop in one process: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint
     cadence. Several GPUs in one process: naive model parallel through `device_map`."""
 
@@ -488,8 +634,13 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
         self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
         self.run_dir = Path(run_dir)
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
+        self.lora = config.lora.r is not None
+        if self.lora and losses.needs_reference(config.loss_names, config.loss.reference_free):
+            # LoRA's reference is the policy itself with its adapters off (reference_context): one copy of the weights
+            self.reference_model = policy
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
+        self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
         self.device = self.input_device(policy)
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
         # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
@@ -511,12 +662,18 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
         cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
         self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
                                 sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
+        eval_kwargs = self.data_kwargs
+        if self.unpaired:
+            self.data_kwargs = dict(self.data_kwargs, unpaired=True, pairs_to_unpaired=config.pairs_to_unpaired)
+            # pairs_to_unpaired: training sees each pair as two labelled completions; eval keeps the pairs, so that
+            # rewards_eval/accuracies ranks chosen over rejected as for DPO
+            eval_kwargs = self.data_kwargs if not config.pairs_to_unpaired else eval_kwargs
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
                                           n_examples=config.n_examples)
         # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
         # size), rather than refused for the size of a batch the user may never have chosen.
-        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **self.data_kwargs)
+        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **eval_kwargs)
         self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
         if self.eval_batch_size < config.eval_batch_size:
             rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
@@ -524,7 +681,7 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
         self.eval_batches = list(data.get_batch_iterator(
             config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
             n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
-            **self.data_kwargs))
+            kl_rows=self.unpaired, **eval_kwargs))
         self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
@@ -571,62 +728,11 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
                     f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
                     f" in batches of {self.eval_batch_size}")
 
-    # --- the loss of one micro-batch ---------------------------------------------------------------------
-    def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
-        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        n = batch["chosen_input_ids"].size(0)
-        entropy_grad = bool(self.config.loss.entropy_coeff)
-        with self.autocast():
-            sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
-                                                  entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
-        reference = {}
-        ref_sums = self.reference_logps(batch, inputs, split)
-        if ref_sums is not None:
-            ref_sums = ref_sums.to(sums.device)
-            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=None if self.sft_mode else ref_sums[n:])
-        rejected = {} if self.sft_mode else dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
-        out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
-                                  policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
-        metrics = dict(out.metrics)
-        metrics["entropy/chosen"] = entropy[:n].detach()
-        if not self.sft_mode:
-            metrics["entropy/rejected"] = entropy[n:].detach()
-        loss = out.losses.mean()
-        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
-            loss = loss - self.config.loss.entropy_coeff * entropy.mean()
-        return loss, {split_name(k, split): v for k, v in metrics.items()}
-
-    def autocast(self):
-        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the
-        weights stay in model_dtype, and there is no gradient reduction for reduce_dtype to apply to)."""
-        mp = self.config.fsdp.mixed_precision
-        if mp is None or not self.autocasts:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
-
-    def forward_options(self, entropy_grad: bool = False) -> dict:
-        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
-        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and self.tiles_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
-
-    def reference_logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
-        """Summed reference log-probs of chosen then rejected (2B,): from the precomputed table, or a forward."""
-        if self.reference_tables:
-            table = self.reference_tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
-            return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
-        if self.reference_model is None:
-            return None
-        # The reference computes in model.reference_dtype unless model.reference_mixed_precision asks for autocast.
-        mixed = self.autocast() if self.config.model.reference_mixed_precision else contextlib.nullcontext()
-        with torch.no_grad(), mixed:
-            ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
-            return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
-
     # --- one optimizer step ------------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict[str, float]:
         """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
         self.policy.train()
+        batch = self.step_statistics(batch)
         budget = self.config.max_tokens_per_microbatch
         micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
         n = len(batch["chosen_input_ids"])
@@ -658,7 +764,8 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
             rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().mean().item() for name, v in step_metrics.items()}
+        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
         for name in ("tokens", "scored_tokens", "attention_pairs"):
             mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
@@ -694,7 +801,8 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
         return data.get_batch_iterator(
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
             n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
-            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True, **self.data_kwargs)
+            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True,
+            kl_rows=self.unpaired, **self.data_kwargs)
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
@@ -725,6 +833,7 @@ class BasicTrainer(ReferenceLogProbs, EvaluationAndSampling, Checkpoints):
                                            metrics.pop("scored_tokens"), metrics.pop("attention_pairs")))
             self.batch_counter += 1
             self.example_counter += self.config.batch_size
+            self.update_reference()
             rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
             bar.update(1)
             bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
@@ -936,7 +1045,7 @@ def check_compatible(state: dict, config, world_size: int) -> None:
     # the reference comes from model.archive (not from the checkpoint), the objective, the optimizer whose state
     # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
     must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
-                  "max_prompt_length", "truncation_mode")
+                  "max_prompt_length", "truncation_mode", "ref_update", "lora", "pairs_to_unpaired")
     original = Path(config.resume_from or "") / "config.yaml"
     if config.resume_from and original.is_file():  # what the run was started with
 
@@ -1050,6 +1159,10 @@ class Sharding:
         """A context in which the parameters are on the device (they may live on CPU between uses)."""
         return contextlib.nullcontext()
 
+    def after_reference_update(self, model: nn.Module) -> None:
+        """Called after TR-DPO changed a forward-only model's shards in place (FSDP2 reshards every unit after
+        forward: nothing to do)."""
+
     # --- the same for both ---------------------------------------------------------------------------------
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
         """Every rank runs the same number of forwards (synced_gpus) so that the all-gathers line up:
@@ -1075,6 +1188,15 @@ class Sharding:
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def save_model_sharded(self, model: nn.Module, path: Path) -> None:
+        """Each rank's shard of a model without an optimizer (TR-DPO's reference)."""
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+
+    def load_model_sharded(self, model: nn.Module, path: Path) -> None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
 
 
 class FSDP1(Sharding):
@@ -1118,6 +1240,14 @@ class FSDP1(Sharding):
 
     def clip(self, model: nn.Module, max_norm: float) -> float:
         return model.clip_grad_norm_(max_norm).item()
+
+    def after_reference_update(self, model: nn.Module) -> None:
+        """FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward, which a
+        forward-only model never runs), and its next forward reuses them without gathering: free them, so that it
+        gathers the updated shards."""
+        for unit in FSDP.fsdp_modules(model):
+            if unit._handle is not None and unit._handle.uses_sharded_strategy:
+                unit._handle.reshard(free_unsharded_flat_param=True)
 
 
 class FSDP2(Sharding):
@@ -1281,6 +1411,22 @@ class FSDPTrainer(BasicTrainer):
         self.sharding.save_sharded(self.policy, self.optimizer, tmp_dir / "sharded")
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
 
+    # --- TR-DPO: the reference is trained state, sharded like the policy ------------------------------------
+    def update_reference(self) -> bool:
+        updated = super().update_reference()  # shard by shard, in place: no communication
+        if updated:
+            self.sharding.after_reference_update(self.reference_model)
+        return updated
+
+    def write_reference(self, tmp_dir: Path) -> None:
+        """The TR-DPO reference, sharded like the policy (each rank writes its shards: no gather)."""
+        if self.config.ref_update.tau is not None:
+            self.sharding.save_model_sharded(self.reference_model, tmp_dir / "reference_sharded")
+
+    def load_reference(self, ckpt: Path) -> None:
+        if self.config.ref_update.tau is not None:
+            self.sharding.load_model_sharded(self.reference_model, ckpt / "reference_sharded")
+
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
         self.sharding.load_sharded(self.policy, self.optimizer, ckpt / "sharded")
 
@@ -1327,6 +1473,33 @@ def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
         keep = next((p for p in params if not p.is_meta), params[0])
         for module, name in slots:
             module._parameters[name] = keep
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """A peft LoRA model's full state dict -> the base model's, with each adapter merged: W + scaling * B @ A
+    (scaling = lora.alpha / lora.r), keys without peft's prefixes. Pure: the live model keeps its adapters."""
+    prefix, merged = "base_model.model.", {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        name = (key[len(prefix):] if key.startswith(prefix) else key).replace(".base_layer.", ".")
+        if key.endswith(".base_layer.weight"):
+            stem = key[: -len(".base_layer.weight")]
+            a, b = state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"]
+            value = value + (scaling * (b.double() @ a.double())).to(value.dtype)  # (out, r) @ (r, in)
+        merged[name] = value
+    return merged
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an FSDP2 DTensor, the tensor itself otherwise (FSDP1's
+    flat parameters are already local shards outside forward/backward)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def broadcast_module(model: nn.Module, rank: int) -> None:

@@ -27,11 +27,12 @@ from transformers import AutoModelForCausalLM
 
 import architectures
 import train as train_py
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import trainers
 from config import load_config
 from utils import get_open_port
 
-FAST = ["datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+FAST = [LOCAL_DIRS, "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
         "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false",
         "n_epochs=null", "loss=dpo", "do_first_eval=false", "sample_during_eval=false", "minimum_log_interval_secs=0",
         "optimizer=SGD", "lr=1.0", "eval_every=8",

@@ -19,12 +19,13 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import train as train_py
+from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import trainers
 import utils
 from config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
+FAST = [LOCAL_DIRS, "model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
         "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
         "loss=dpo", "do_first_eval=false", "sample_during_eval=false", "minimum_log_interval_secs=0",
         "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "trainer=FSDPTrainer"]

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 import train as train_py
 import trainers
 from config import load_config
-from utils import get_open_port
+from utils import get_open_port, seed_everything
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 
@@ -34,6 +34,10 @@ FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_
         "minimum_log_interval_secs=0", LOCAL_DIRS]
 SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]   # parameter change = the gradient
 ADAMW_3 = ["optimizer=AdamW", "lr=1e-4", "n_examples=24", "eval_every=8"]
+KTO = ["loss=kto", "pairs_to_unpaired=true"]
+TR_DPO = ["ref_update.tau=1", "ref_update.alpha=0.6"]  # a soft update after every step
+SGD_TWO = ["optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=8"]  # step 2's gradient reads the updated reference
+LORA = ["lora.r=4", "lora.alpha=8"]
 
 SCENARIOS = {
     # name: (arguments, strategy-independent baseline name)
@@ -52,6 +56,14 @@ SCENARIOS = {
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
     "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
+    "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
+    "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
+    "fsdp_trdpo_hard": (["fsdp.strategy=fsdp", *SGD_TWO, "ref_update.tau=1", "ref_update.alpha=1.0"], None),
+    "fsdp_trdpo": (["fsdp.strategy=fsdp", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
+    "fsdp2_trdpo": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
+    "fsdp2_trdpo_interrupted": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], None),
+    "fsdp2_trdpo_resumed": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], None),
+    "fsdp2_lora": (["fsdp.strategy=fsdp2", *ADAMW_3, *LORA], "lora_adamw"),
     # killed after its first checkpoint (step 8), then resumed by the next scenario
     "fsdp2_interrupted": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
     "fsdp2_resumed": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
@@ -97,6 +109,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
         run_dir.mkdir(parents=True)
     dist.barrier()
     # As train.py: only rank 0 loads weights, the other ranks build empty (meta) models that FSDP fills.
+    seed_everything(cfg.seed)  # as train.worker_main: LoRA's adapters are initialised from the RNG
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)
     assert all(p.is_meta for p in policy.parameters()) == (rank != 0)
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
@@ -124,7 +137,19 @@ def run_scenario(name, args, rank, world_size, out_dir):
     finally:
         trainers.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
+    if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
+        rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
+        info["kl"] = trainer.kl_reference_point(rows).item()
     return info
+
+
+def kto_global_batch(tokenizer) -> dict:
+    """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
+    import preference_datasets as data
+    examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, silent=True,
+                                      unpaired=True, pairs_to_unpaired=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
+    return data.collate(examples[:8], pad, kl_rows=True)
 
 
 def worker(rank, world_size, port, out_dir):
@@ -155,7 +180,8 @@ def fsdp_results(tmp_path_factory):
 def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
-    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3)):
+    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3), ("kto_sgd", [*SGD_ONE_STEP, *KTO]),
+                       ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA])):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
     return out
@@ -312,3 +338,61 @@ def test_nccl_fsdp2_with_pinned_cpu_offload_on_gpus(tmp_path):
                              "fsdp.strategy=fsdp2", "fsdp.offload_policy=true", f"run_dir={tmp_path / 'run'}"],
                             capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_kto_under_two_ranks_equals_one_process_and_its_kl_spans_both_ranks(fsdp_results, baselines, strategy):
+    """One SGD step (lr 1) of KTO on 2 ranks equals one process on the full batch (step 0: policy = reference, so
+    the KL point is 0 both ways). After it, each rank scores half of one batch's mismatched rows and the KL point
+    both report is the mean over ALL 8 rows, computed here in one process with plain HF forwards."""
+    from transformers import AutoTokenizer
+    out, results = fsdp_results
+    assert_close_states(final_state(out / f"{strategy}_kto"), final_state(baselines / "kto_sgd"), atol=1e-6)
+    policy = AutoModelForCausalLM.from_pretrained(out / f"{strategy}_kto" / "LATEST" / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
+    batch = kto_global_batch(AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama"))
+
+    def sums(model):
+        with torch.no_grad():
+            logits = model(input_ids=batch["kl_input_ids"], attention_mask=batch["kl_attention_mask"]).logits
+        labels = batch["kl_labels"][:, 1:]
+        logps = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return (logps * (labels != -100)).sum(-1)
+    log_ratios = sums(policy) - sums(reference)
+    assert results[f"{strategy}_kto"]["kl"] == pytest.approx(log_ratios.mean().item(), abs=1e-4)
+    assert abs(log_ratios[:4].mean() - log_ratios[4:].mean()) > 1e-3  # a rank-local mean would differ
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_tr_dpo_soft_updates_of_the_sharded_reference_match_one_process(fsdp_results, baselines, strategy):
+    """Two SGD steps (lr 1) with a soft reference update after each: each rank updates its own reference shards
+    from its policy shards (no gather), and the second step's gradient, which reads the updated reference, equals
+    one process's. FSDP1 with the hard update (alpha 1): each step starts with reference = policy, so both losses
+    are ln 2, which holds only if every flat reference shard took its own policy shard's values."""
+    out, _ = fsdp_results
+    assert_close_states(final_state(out / f"{strategy}_trdpo"), final_state(baselines / "trdpo_sgd"), atol=1e-5)
+    assert loss_trace(out / f"{strategy}_trdpo") == pytest.approx(loss_trace(baselines / "trdpo_sgd"), abs=1e-6)
+    if strategy == "fsdp":
+        assert loss_trace(out / "fsdp_trdpo_hard") == pytest.approx([0.6931472] * 2, abs=1e-6)
+
+
+def test_tr_dpo_under_fsdp2_resumes_exactly_with_its_sharded_reference(fsdp_results):
+    out, results = fsdp_results
+    assert results["fsdp2_trdpo_interrupted"]["preempted_at"] == 8
+    assert (out / "fsdp2_trdpo_interrupted" / "step-8" / "reference_sharded").is_dir()
+    assert_close_states(final_state(out / "fsdp2_trdpo_interrupted"), final_state(out / "fsdp2_trdpo"), atol=0.0)
+    assert loss_trace(out / "fsdp2_trdpo_interrupted") == loss_trace(out / "fsdp2_trdpo")
+
+
+def test_lora_under_fsdp2_matches_one_process_and_exports_merged_weights(fsdp_results, baselines):
+    """LoRA (adapters only trainable, reference = base with adapters off) on 2 FSDP2 ranks: the same three AdamW
+    steps as one process; the HF export is plain merged weights, the adapter directory peft's own format."""
+    out, _ = fsdp_results
+    assert_close_states(final_state(out / "fsdp2_lora"), final_state(baselines / "lora_adamw"), atol=1e-5)
+    losses_ = loss_trace(out / "fsdp2_lora")
+    assert losses_[0] == pytest.approx(0.6931472, abs=1e-6)  # reference = policy with adapters off, B = 0 at start
+    exported = AutoModelForCausalLM.from_pretrained(out / "fsdp2_lora" / "LATEST" / "hf")
+    assert (out / "fsdp2_lora" / "LATEST" / "adapter" / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    changed = [k for k, v in exported.state_dict().items() if not torch.equal(v, base[k])]
+    assert changed and all("proj" in k for k in changed)  # the adapters' linears moved; embeddings, norms did not

@@ -51,6 +51,7 @@ B = [0.0, -5.0, -10.0]  # rejected log-ratios
 # every config key a loss may read, at its declared default (label_smoothing: exo_pair needs it > 0)
 ALL_HPARAMS = dict({key: h.default for key, h in HYPERPARAMETERS.items()}, label_smoothing=0.1)
 CONFIG_KEYS = {"name", "weights", "reference_free", "average_log_prob", *HYPERPARAMETERS}
+KL = torch.tensor(2.0, dtype=torch.float64)  # KTO's KL reference point where a test passes pairs to every loss
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
 
 
@@ -205,9 +206,11 @@ def test_batch_statistics_flag_is_true_exactly_when_splitting_the_batch_changes_
     sort and bco_pair's mean would match the split by chance)."""
     hp = dict(ALL_HPARAMS, beta=1.0)
     inputs = dict(pair_inputs(), reference_chosen_sum=t([-10.0, -30.0, -25.0]))
-    whole = compute_loss(name, None, hp, **inputs).losses
-    parts = [compute_loss(name, None, hp, **{k: v[rows] for k, v in inputs.items()}).losses
+    whole = compute_loss(name, None, hp, **inputs, kl=KL).losses
+    parts = [compute_loss(name, None, hp, **{k: v[rows] for k, v in inputs.items()}, kl=KL).losses
              for rows in (slice(0, 1), slice(1, 3))]
+    if LOSSES[name].unpaired:  # kto lists chosen completions then rejected ones: compare in one order
+        whole, parts = whole.sort().values, [torch.cat(parts).sort().values]
     split_equal = torch.allclose(whole, torch.cat(parts), atol=1e-9)
     assert split_equal != LOSSES[name].batch_statistics, (name, whole, parts)
 
@@ -338,6 +341,91 @@ def test_discopop_hand_worked():
     close(extreme, [1000.0], atol=1e-4)
 
 
+def kto(policy, reference, desirable, kl, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+    return LOSSES["kto"].fn(t(policy), t(reference), torch.tensor(desirable), t(kl), beta=beta,
+                            desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+
+
+def test_kto_hand_worked():
+    """beta 0.1, log-ratios r = [0, 10, -10, 10] (policy [-10, 0, -30, -10] minus reference
+    [-10, -10, -20, -20]), labels [D, D, U, U], KL estimate 2 (z0 = 2), lambda_D = 2, lambda_U = 1:
+    desirable  loss = 2 (1 - sigma(0.1 (r - 2))): r = 0 -> 2 (1 - sigma(-0.2)), r = 10 -> 2 (1 - sigma(0.8));
+    undesirable loss = 1 (1 - sigma(0.1 (2 - r))): r = -10 -> 1 - sigma(1.2), r = 10 -> 1 - sigma(-0.8).
+    Rewards are beta r = [0, 1, -1, 1], whatever the label."""
+    losses_, rewards = kto([-10.0, 0.0, -30.0, -10.0], [-10.0, -10.0, -20.0, -20.0], [True, True, False, False],
+                           2.0, desirable_weight=2.0)
+    close(losses_, [2 * (1 - sigmoid(-0.2)), 2 * (1 - sigmoid(0.8)), 1 - sigmoid(1.2), 1 - sigmoid(-0.8)])
+    close(rewards, [0.0, 1.0, -1.0, 1.0])
+    assert not rewards.requires_grad
+
+
+def test_kto_negative_kl_is_clamped_to_zero_and_carries_no_gradient():
+    """z0 = max(0, KL): a KL estimate of -5 gives the losses of KL 0: 1 - sigma(0.1 r) for r = [10] (D),
+    1 - sigma(-0.1 r) for r = [-10] (U), i.e. 1 - sigma(1) both. The reference point is detached."""
+    kl = t(-5.0).requires_grad_()
+    losses_, _ = LOSSES["kto"].fn(t([0.0, -20.0]), t([-10.0, -10.0]), torch.tensor([True, False]), kl, beta=0.1,
+                                  desirable_weight=1.0, undesirable_weight=1.0)
+    close(losses_, [1 - sigmoid(1.0), 1 - sigmoid(1.0)])
+    assert kl.grad is None and not losses_.requires_grad  # nothing upstream of the losses but the detached kl
+    positive = t(3.0).requires_grad_()
+    policy = t([0.0]).requires_grad_()
+    LOSSES["kto"].fn(policy, t([0.0]), torch.tensor([True]), positive, beta=0.1, desirable_weight=1.0,
+                     undesirable_weight=1.0)[0].sum().backward()
+    assert positive.grad is None and policy.grad is not None
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.33, 0.5)])
+def test_kto_at_policy_equals_reference_is_half_the_weight(weights):
+    """The ln-2 invariant of KTO: policy = reference gives r = 0 and (the mismatched pairs' log-ratios
+    being 0 too) KL = 0, so every loss is lambda (1 - sigma(0)) = lambda / 2 and every reward 0."""
+    lambda_d, lambda_u = weights
+    logps = [-12.5, -3.0, -40.0, -7.25]
+    losses_, rewards = kto(logps, logps, [True, False, True, False], 0.0, desirable_weight=lambda_d,
+                           undesirable_weight=lambda_u)
+    close(losses_, [lambda_d / 2, lambda_u / 2, lambda_d / 2, lambda_u / 2])
+    close(rewards, [0.0] * 4)
+
+
+def test_kto_matches_the_papers_value_function_written_independently():
+    """Eq. 8 of the KTO paper as written there: L = E[lambda_y - v(x, y)] with
+    v = lambda_D sigma(beta (r - z0)) for desirable y, lambda_U sigma(beta (z0 - r)) for undesirable y,
+    r = log pi/pi_ref, z0 = KL(pi || pi_ref) >= 0; computed here per example with math, on random inputs."""
+    gen = torch.Generator().manual_seed(0)
+    policy, reference = torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30, torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30
+    desirable = torch.rand(16, generator=gen) < 0.5
+    beta, lambda_d, lambda_u, kl = 0.3, 1.2, 0.8, 1.7
+    losses_, _ = LOSSES["kto"].fn(policy, reference, desirable, t(kl), beta=beta, desirable_weight=lambda_d,
+                                  undesirable_weight=lambda_u)
+    expected = []
+    for p_, r_, d in zip(policy.tolist(), reference.tolist(), desirable.tolist()):
+        reward = p_ - r_
+        value = lambda_d * sigmoid(beta * (reward - kl)) if d else lambda_u * sigmoid(beta * (kl - reward))
+        expected.append((lambda_d if d else lambda_u) - value)
+    close(losses_, expected, atol=1e-12)
+
+
+def test_kto_through_the_dispatcher_unpaired_and_paired():
+    """Unpaired: completions with labels, metrics rewards/chosen on desirable (NaN elsewhere), rewards/rejected
+    on undesirable, kl once. Paired (pairs evaluated with kto): chosen = desirable, rejected = undesirable, so
+    the 3 pairs are 6 completions, and accuracies/margins compare each pair as DPO does: rewards
+    [0, .5, 1] vs [0, -.5, -1] -> accuracies [0, 1, 1], margins [0, 1, 2]."""
+    unpaired = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
+                            policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
+                            desirable=torch.tensor([True, False]), kl=t(0.0))
+    close(unpaired.losses, [1 - sigmoid(1.0), 1 - sigmoid(1.0)])
+    m = unpaired.metrics
+    assert m["rewards/chosen"][0].item() == pytest.approx(1.0) and m["rewards/chosen"][1].isnan()
+    assert m["rewards/rejected"][1].item() == pytest.approx(-1.0) and m["rewards/rejected"][0].isnan()
+    assert m["kl"].shape == (1,) and "rewards/accuracies" not in m
+    paired = compute_loss("kto", None, dict(ALL_HPARAMS), **pair_inputs(), kl=t(0.0))
+    a, b = t(A), t(B)
+    close(paired.losses, torch.cat([1 - torch.sigmoid(0.1 * a), 1 - torch.sigmoid(-0.1 * b)]).tolist())
+    close(paired.metrics["rewards/accuracies"], [0.0, 1.0, 1.0])
+    close(paired.metrics["rewards/margins"], [0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match="KL reference point"):
+        compute_loss("kto", None, dict(ALL_HPARAMS), **pair_inputs())
+
+
 def test_aot_hand_worked():
     """beta = 1; policy margins (chosen - rejected) [3, 1, 2] sort to [1, 2, 3]; reference margins
     [0, 2, -1] sort to [-1, 0, 2]; quantile gaps [2, 2, 1]; loss = -log sigma = [0.1269, 0.1269, 0.3133].
@@ -363,14 +451,15 @@ def test_every_loss_runs_through_dispatcher_and_rewards_carry_no_grad(name):
     policy_rejected = t(POLICY_REJECTED).requires_grad_()
     hparams = dict(ALL_HPARAMS, label_smoothing=1e-3)
     out = compute_loss([name], None, hparams, policy_chosen, t([4, 5, 6]), policy_rejected,
-                       t([5, 6, 7]), t(REF_CHOSEN), t(REF_REJECTED))
-    assert out.losses.shape == (3,) and out.losses.requires_grad
+                       t([5, 6, 7]), t(REF_CHOSEN), t(REF_REJECTED), kl=KL)
+    # kto scores the 3 pairs as 6 labelled completions (chosen desirable, rejected undesirable)
+    assert out.losses.shape == ((6,) if LOSSES[name].unpaired else (3,)) and out.losses.requires_grad
     assert torch.isfinite(out.losses).all()
     out.losses.sum().backward()
     assert policy_chosen.grad is not None
     if name != "sft":
-        assert out.chosen_rewards is not None and out.rejected_rewards is not None
-        assert not out.chosen_rewards.requires_grad and not out.rejected_rewards.requires_grad
+        assert out.chosen_rewards is not None and not out.chosen_rewards.requires_grad
+        assert LOSSES[name].unpaired or (out.rejected_rewards is not None and not out.rejected_rewards.requires_grad)
     assert all(not m.requires_grad for m in out.metrics.values())
 
 
@@ -921,7 +1010,7 @@ def test_every_loss_has_a_commented_config(name):
         if required and param != "chosen_nll":
             assert param in config, f"{path.name} lacks {param}"
     hparams = dict(ALL_HPARAMS, **{k: v for k, v in config.items() if k != "name"})
-    out = compute_loss(name, config.get("weights"), hparams, **pair_inputs())
+    out = compute_loss(name, config.get("weights"), hparams, **pair_inputs(), kl=KL)
     assert torch.isfinite(out.losses).all()
 
 

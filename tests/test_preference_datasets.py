@@ -644,3 +644,88 @@ def test_missing_path_and_unknown_names(tmp_path):
     with pytest.raises(pd.DataError) as info:  # every problem reported at once
         pd.validate_sources(["hhh", str(tmp_path / "nope.jsonl"), "shp"])
     assert "unknown dataset 'hhh'" in str(info.value) and "nope.jsonl: no such file" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Unpaired (KTO) data: {prompt, completion, label} rows, the kto-mix hub shape, pairs turned unpaired
+# ---------------------------------------------------------------------------------------------------------
+
+def unpaired_rows(n: int) -> list[dict]:
+    return [{"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "completion": f" answer {i}.", "label": i % 3 != 0}
+            for i in range(n)]
+
+
+def test_unpaired_local_file_gives_labelled_completions_and_counts(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "kto.jsonl", unpaired_rows(6))
+    pd.validate_sources([path], unpaired=True)
+    examples, stats = load_one(path, gpt2_tok, unpaired=True)
+    assert [(e.chosen, e.rejected, e.desirable) for e in examples] == [(f" answer {i}.", None, i % 3 != 0) for i in range(6)]
+    assert examples[0].chosen_ids.tolist() == gpt2_tok(" answer 0.")["input_ids"] + [gpt2_tok.eos_token_id]
+    assert (stats.unit, stats.desirable, stats.undesirable) == ("completions", 4, 2)
+    assert "desirable=4 undesirable=2" in pd.dataset_summary([stats])
+    with pytest.raises(pd.DataError, match="only an unpaired loss reads them"):
+        pd.validate_sources([path])  # a pair loss refuses labelled completions before any model loads
+
+
+def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, chat_tok):
+    user = {"role": "user", "content": "Name a prime."}
+    rows = [{"prompt": [user], "completion": [{"role": "assistant", "content": "7"}], "label": True},
+            {"prompt": [user], "completion": [user, {"role": "assistant", "content": "8"}], "label": False}]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    examples, stats = load_one(path, chat_tok, unpaired=True)
+    assert [(e.prompt, e.chosen, e.desirable) for e in examples] == [
+        ("<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "7", True),
+        ("<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "8", False)]
+    assert stats.truncation_mode == "keep_end"  # a conversation prompt keeps its cue to reply
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[0], label="yes")])
+    with pytest.raises(pd.DataError, match=r"bad.jsonl, line 2: field 'label': expected a boolean, got string"):
+        pd.read_rows(Path(bad))
+
+
+def test_pairs_to_unpaired_gives_a_desirable_and_an_undesirable_completion_per_pair(tmp_path, gpt2_tok):
+    path = write_jsonl(tmp_path / "pairs.jsonl", numbered_rows(3))
+    with pytest.raises(pd.DataError, match="set pairs_to_unpaired=true"):
+        pd.validate_sources([path], unpaired=True)
+    pd.validate_sources([path], unpaired=True, pairs_to_unpaired=True)
+    examples, stats = load_one(path, gpt2_tok, unpaired=True, pairs_to_unpaired=True)
+    assert [(e.chosen, e.desirable) for e in examples] == [
+        (r, d) for i in range(3) for r, d in ((f" good answer {i}.", True), (f" bad {i}", False))]
+    assert (stats.kept, stats.desirable, stats.undesirable) == (6, 3, 3)
+
+
+def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset(tmp_path, chat_tok, monkeypatch):
+    """trl-lib/kto-mix-14k rows {prompt: [messages], completion: [assistant message], label}: the hub source's
+    fetch is datasets.load_dataset; here it reads a local directory holding that shape (no network)."""
+    user = {"role": "user", "content": "Say hi."}
+    rows = [{"prompt": [user], "completion": [{"role": "assistant", "content": c}], "label": label}
+            for c, label in (("hi", True), ("HI", False), ("hello", True))]
+    copy = tmp_path / "kto-mix-14k"
+    copy.mkdir()
+    write_jsonl(copy / "train.jsonl", rows)
+    write_jsonl(copy / "test.jsonl", rows[:2])
+    monkeypatch.setitem(pd.SOURCES, "kto_mix", dataclasses.replace(
+        pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)))
+    examples, (stats,) = pd.load_tokenized(["kto_mix"], chat_tok, "train", silent=True, unpaired=True)
+    assert [(e.chosen, e.desirable) for e in examples] == [("hi", True), ("HI", False), ("hello", True)]
+    assert stats.origin.startswith("hub:") and (stats.desirable, stats.undesirable) == (2, 1)
+    with pytest.raises(pd.DataError, match="holds pairs"):
+        pd.validate_sources(["toy"], unpaired=True)
+    pd.validate_sources(["kto_mix"], unpaired=True)  # a hub source known to be unpaired
+
+
+def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok):
+    """collate(kl_rows=True): row k = prompt of completion k + completion k-1 (chosen then rejected for pairs), so
+    no KL row pairs a completion with its own prompt when the batch has >= 2 prompts."""
+    data, _ = pd.convert_pairs(numbered_rows(3))
+    examples, _ = pd.tokenize_normalized(data, gpt2_tok, source="t", split="train", max_length=64,
+                                         max_prompt_length=32, truncation_mode="keep_start", sft_mode=False)
+    batch = pd.collate(examples, gpt2_tok.pad_token_id, kl_rows=True)
+    completions = [(e.prompt_ids, e.chosen_ids) for e in examples] + [(e.prompt_ids, e.rejected_ids) for e in examples]
+    assert batch["kl_input_ids"].shape[0] == 6
+    for k, (prompt, _) in enumerate(completions):
+        row = batch["kl_input_ids"][k][batch["kl_attention_mask"][k].bool()].tolist()
+        assert row == prompt.tolist() + completions[k - 1][1].tolist()
+        labels = batch["kl_labels"][k]
+        assert (labels[:len(prompt)] == -100).all() and labels[len(prompt):len(row)].tolist() == completions[k - 1][1].tolist()
+    with pytest.raises(ValueError, match=">= 2 examples"):
+        pd.collate(examples[:1], gpt2_tok.pad_token_id, kl_rows=True)

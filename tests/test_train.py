@@ -343,3 +343,94 @@ def test_a_log_file_gets_plain_progress_lines_not_tqdm_redraws(dpo_run):
 def test_executed_flops_mfu_is_logged_beside_the_6n_figure(dpo_run):
     steps = [r for r in metrics(dpo_run[0]) if "throughput/mfu" in r]
     assert steps and all(0 < r["throughput/mfu_executed"] != r["throughput/mfu"] for r in steps)
+
+
+def reference_state(run_dir) -> dict:
+    return torch.load(Path(run_dir) / "LATEST" / "reference.pt", weights_only=True)
+
+
+def test_tr_dpo_hard_update_every_step_keeps_the_loss_at_ln2_and_soft_update_mixes(tmp_path):
+    """Hard update (alpha 1) every step: each step starts with reference = policy, so every step's DPO loss is
+    ln 2 (plain DPO's second step is not). Soft update (alpha 0.6) after one SGD step: the saved reference is
+    0.6 * policy + 0.4 * the original weights, parameter by parameter."""
+    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "sample_during_eval=false", "do_first_eval=false",
+              "minimum_log_interval_secs=0"]
+    train(tmp_path / "hard", *common, "n_examples=16", "eval_every=16", "ref_update.tau=1", "ref_update.alpha=1.0")
+    losses = [r["loss/train"] for r in metrics(tmp_path / "hard") if "loss/train" in r]
+    assert len(losses) == 2 and all(abs(x - math.log(2)) < 1e-6 for x in losses)
+    assert_states_equal(reference_state(tmp_path / "hard"), final_state(tmp_path / "hard"))
+    train(tmp_path / "soft", *common, "n_examples=8", "eval_every=8", "ref_update.tau=1")
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    policy, reference = final_state(tmp_path / "soft"), reference_state(tmp_path / "soft")
+    assert max((policy[k] - original[k]).abs().max().item() for k in policy) > 1e-3  # a real step
+    assert_states_equal(reference, {k: 0.6 * policy[k] + 0.4 * original[k] for k in policy}, atol=1e-6)
+
+
+def test_tr_dpo_resumed_after_a_kill_ends_exactly_like_an_uninterrupted_run(tmp_path):
+    """Soft updates every 2 steps, killed after the first checkpoint (step 2, right after an update), resumed:
+    policy AND reference end bit-identical (the reference's weights are in the checkpoint)."""
+    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "ref_update.tau=2", "sample_during_eval=false"]
+    train(tmp_path / "full", *args)
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if "checkpoint written" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "cut" / "step-16" / "reference.pt").is_file()
+    result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
+    assert "at 16 examples" in result.stdout
+    assert_states_equal(final_state(tmp_path / "full"), final_state(tmp_path / "cut"))
+    assert_states_equal(reference_state(tmp_path / "full"), reference_state(tmp_path / "cut"))
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    assert not torch.equal(reference_state(tmp_path / "full")["lm_head.weight"], original["lm_head.weight"])
+
+
+LORA = ["lora.r=4", "lora.alpha=8"]
+
+
+def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_path):
+    """LoRA DPO: the reference is the base model with the adapters off (step-0 loss ln 2, B = 0 at start); only
+    the adapters train; a kill after the first checkpoint then a resume ends bit-identical; the checkpoint holds
+    the adapter (peft format) and an HF export of merged weights that plain from_pretrained loads and that
+    computes what base + adapter computes."""
+    import peft
+    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "sample_during_eval=false",
+            "minimum_log_interval_secs=0", *LORA]
+    train(tmp_path / "full", *args)
+    losses = [r["loss/train"] for r in metrics(tmp_path / "full") if "loss/train" in r]
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0]
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if "checkpoint written" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
+    assert "at 16 examples" in result.stdout
+    full, cut = final_state(tmp_path / "full"), final_state(tmp_path / "cut")
+    assert_states_equal(full, cut)
+    original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    base_keys = {k: k.removeprefix("base_model.model.").replace(".base_layer.", ".") for k in full if ".lora_" not in k}
+    assert all(torch.equal(full[k], original[v]) for k, v in base_keys.items())  # the base weights never moved
+    latest = tmp_path / "full" / "LATEST"
+    exported = AutoModelForCausalLM.from_pretrained(latest / "hf")
+    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama"),
+                                                  latest / "adapter")
+    ids = torch.tensor([[0, 200, 200, 269, 27, 316, 340, 15]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
+        with with_adapter.disable_adapter():
+            assert not torch.allclose(exported(ids).logits, with_adapter(ids).logits, atol=1e-3)
+
+
+def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeypatch, capsys):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    assert train_py.main([*FAST, "loss=dpo", "lora.r=8", "n_examples=8"]) == 2
+    assert "pip install peft" in capsys.readouterr().err

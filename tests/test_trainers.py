@@ -12,8 +12,8 @@ from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXCon
 
 import preference_datasets as data
 import train as train_py
-from config import load_config
 import trainers
+from config import load_config
 from utils import disable_dropout
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
@@ -238,6 +238,58 @@ def tiny_trainer_cpu(tmp_path_factory):
         tokenizer, policy, _ = train_py.load_models(cfg)
         out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
     return out
+
+
+KTO = ["loss=kto", "pairs_to_unpaired=true"]
+
+
+def test_kto_runs_with_accumulation_logs_its_metrics_and_starts_at_half(tmp_path):
+    """A KTO run on the toy pairs turned unpaired: the step-0 loss is 0.5 (policy = reference, KL 0), the metrics
+    keep the original names plus kl, eval keeps the pairs (rewards_eval/accuracies), and 2 x 4 with accumulation
+    ends where 8 in one micro-batch does (on this data the KL estimate stays <= 0, clamped to 0: the split
+    invariance with a positive KL is the next test's)."""
+    whole = run(tmp_path / "whole", *KTO, "minimum_log_interval_secs=0")
+    split = run(tmp_path / "split", *KTO, "gradient_accumulation_steps=2")
+    assert max((whole[k] - split[k]).abs().max().item() for k in whole) <= 1e-5
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss/train" in r]
+    assert train[0]["loss/train"] == pytest.approx(0.5, abs=1e-6) and train[0]["kl/train"] == 0.0
+    assert {"rewards_train/chosen", "rewards_train/rejected", "kl/train"} <= set(train[0])
+    assert "rewards_eval/accuracies" in records[-1]
+
+
+def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_the_whole_step(tmp_path):
+    """trainer.kl_reference_point against plain HF forwards: for each kl row, sum of log_softmax at the labels
+    (shifted by one) under the policy minus under the reference, averaged over the rows. Then, with that KL > 0,
+    the loss of the step is the same whole or as two micro-batches (each micro-batch reuses the step's KL), while
+    the halves' own KL estimates differ: a per-micro-batch estimate would change the loss with the split."""
+    cfg, _ = load_config([*FAST, *KTO, f"run_dir={tmp_path}", f"local_dirs=[{tmp_path / 'cache'}]"])
+    tokenizer, policy, reference = train_py.load_models(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():  # a noisier reference: the policy's log-ratios are mostly > 0
+            p.add_(0.05 * torch.randn_like(p))
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path), reference, tokenizer=tokenizer)
+    batch = next(iter(trainer.train_batches()))
+    got = trainer.kl_reference_point(batch).item()
+
+    def sums(model, rows=slice(None)):
+        with torch.no_grad():
+            logits = model(input_ids=batch["kl_input_ids"][rows], attention_mask=batch["kl_attention_mask"][rows]).logits
+        logps = logits[:, :-1].log_softmax(-1)
+        labels = batch["kl_labels"][rows, 1:]
+        mask = labels != -100
+        return (logps.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask).sum(-1)
+    expected = (sums(policy) - sums(reference)).mean().item()
+    assert expected > 0 and got == pytest.approx(expected, abs=1e-4)
+
+    step = trainer.step_statistics(batch)
+    whole, _ = trainer.get_batch_metrics(step, "train")
+    halves = [trainer.get_batch_metrics(micro, "train")[0] for micro in trainers.split_batch(step, 2)]
+    assert torch.stack(halves).mean().item() == pytest.approx(whole.item(), abs=1e-6)
+    own = [(sums(policy, rows) - sums(reference, rows)).mean().item() for rows in (slice(0, 4), slice(4, 8))]
+    assert abs(own[0] - own[1]) > 0.05 and min(own) > 0  # so the split would matter for a per-micro-batch KL
 
 
 def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
