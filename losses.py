@@ -1236,11 +1236,7 @@ def compute_loss(
     Returns:
         LossOutput(losses, chosen_rewards, rejected_rewards, metrics); see LossOutput.
     """
-    names = _as_names(names)
-    specs = [_spec(name) for name in names]
-    weights = [1.0] * len(names) if weights is None else list(weights)
-    if len(weights) != len(names):
-        raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
+    names, specs, weights = _selected(names, weights)
     if any(spec.unpaired for spec in specs):
         return _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_chosen_len,
                               policy_rejected_sum, policy_rejected_len, reference_chosen_sum,
@@ -1250,7 +1246,6 @@ def compute_loss(
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
     reference_chosen_sum, reference_rejected_sum = _reference_sums(
         names, hparams, paired, policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum)
-
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
 
     def normalize(logps_sum: Tensor | None, lengths: Tensor | None, average: bool) -> Tensor | None:
@@ -1259,8 +1254,7 @@ def compute_loss(
     total: Tensor | int = 0
     chosen_rewards = rejected_rewards = None
     for name, spec, weight in zip(names, specs, weights):
-        average = hparams.get("average_log_prob")
-        average = spec.average_log_prob if average is None else bool(average)
+        average = average_log_prob(spec, hparams)
         losses, chosen, rejected = spec.fn(
             normalize(policy_chosen_sum, policy_chosen_len, average),
             normalize(policy_rejected_sum, policy_rejected_len, average),
@@ -1275,6 +1269,21 @@ def compute_loss(
     metrics = _batch_metrics(total, chosen_nll, policy_chosen_sum, policy_rejected_sum if paired else None,
                              chosen_rewards, rejected_rewards)
     return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+
+
+def _selected(names: str | list[str], weights: list[float] | None) -> tuple[list[str], list[LossSpec], list[float]]:
+    """The names as a list, their registry entries, and one weight each (None: all 1.0)."""
+    names = _as_names(names)
+    weights = [1.0] * len(names) if weights is None else list(weights)
+    if len(weights) != len(names):
+        raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
+    return names, [_spec(name) for name in names], weights
+
+
+def average_log_prob(spec: LossSpec, hparams) -> bool:
+    """Whether a loss sees per-token mean log-probs: loss.average_log_prob, or the loss's own default when null."""
+    average = hparams.get("average_log_prob")
+    return spec.average_log_prob if average is None else bool(average)
 
 
 def _reference_sums(names: list[str], hparams, paired: bool, policy_chosen_sum: Tensor, policy_rejected_sum: Tensor | None,
@@ -1345,8 +1354,7 @@ def _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_cho
         reference_sum = torch.zeros_like(policy_sum)
     elif reference_sum is None:
         raise ValueError(f"loss {name!r} needs reference log-probs (or set loss.reference_free=true)")
-    average = hparams.get("average_log_prob")
-    average = spec.average_log_prob if average is None else bool(average)
+    average = average_log_prob(spec, hparams)
     kwargs = _kwargs_for(name, spec.fn, hparams, None)
     losses, rewards = spec.fn(sequence_logps(policy_sum, lengths, average),
                               sequence_logps(reference_sum, lengths, average), desirable, kl, **kwargs)

@@ -592,8 +592,7 @@ class MicroBatchLoss:
         """
         rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
-        average = self.config.loss.average_log_prob
-        average = losses.LOSSES[self.loss_names[0]].average_log_prob if average is None else average
+        average = losses.average_log_prob(losses.LOSSES[self.loss_names[0]], self.config.loss)
         size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
         for start in range(0, len(rows["input_ids"]), size):
             chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
