@@ -20,6 +20,8 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib
+import math
 import os
 import sys
 import types
@@ -29,6 +31,19 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
 import yaml
+
+class OnFirstUse:
+    """A module imported when one of its attributes is first read. The light path (`--help`, `--estimate`, config
+    errors, `--replay`'s checks) must not wait seconds for torch: train.py and run_manifest.py name the modules
+    that import it as `torch = OnFirstUse("torch")`, in one marked block at their top, instead of importing inside
+    functions."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 GROUPS = ("model", "loss")  # `model=X` picks config/model/X.yaml, `loss=X` picks config/loss/X.yaml
@@ -183,22 +198,13 @@ class ModelConfig(BaseConfig):
 
 
 @dataclass
-class LossConfig(BaseConfig):
+class LossSelection(BaseConfig):
+    """The loss keys that are not a loss function's hyperparameter; LossConfig adds those (losses.HYPERPARAMETERS)."""
     name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`")
     weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0")
-    beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical")
-    label_smoothing: float = param(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon")
     reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
-    gamma: float = param(1.0, "SimPO target reward margin gamma")
-    rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
-    orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
-    f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence")
-    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha")
-    discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
-    desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]")
-    undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions")
 
 
 @dataclass
@@ -219,6 +225,56 @@ class LoraSettings(BaseConfig):
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A")
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)")
     target_modules: Union[str, list] = param("all-linear", "modules that get adapters: a list of names (q_proj, v_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)")
+
+
+def _losses_py() -> ast.Module:
+    return ast.parse((Path(__file__).resolve().parent / "losses.py").read_text())
+
+
+def _literal_dict(tree: ast.Module, name: str) -> ast.Dict:
+    """The dict literal assigned to `name: ... = {...}` at the top level of a parsed module."""
+    return next(node.value for node in tree.body
+                if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name)
+
+
+@functools.cache
+def loss_hyperparameters() -> dict[str, tuple[Any, str, Any]]:
+    """{key: (default, one-line doc, allowed)} of every loss hyperparameter, as losses.HYPERPARAMETERS declares
+    it. Read as Python syntax without running losses.py (it imports torch: seconds), so `--help` stays fast;
+    tests/test_config.py checks it against the imported table."""
+    table = _literal_dict(_losses_py(), "HYPERPARAMETERS")
+    return {ast.literal_eval(key): tuple(ast.literal_eval(arg) for arg in entry.args)
+            for key, entry in zip(table.keys, table.values)}
+
+
+# LossConfig = LossSelection + one field per losses.HYPERPARAMETERS entry (beta, label_smoothing, gamma, ...),
+# typed by its default: the hyperparameter is declared once, in losses.py, next to the functions that read it.
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig", [(key, type(default), param(default, doc)) for key, (default, doc, _) in loss_hyperparameters().items()],
+    bases=(LossSelection,))
+LossConfig.__module__ = __name__  # make_dataclass would name another module (pickling looks the class up by it)
+
+
+def _interval(text: str) -> tuple[float, bool, float, bool]:
+    """(low, low included, high, high included) of an interval written as "(0, inf)" or "[0, 0.5)"."""
+    low, high = (float(x) for x in text[1:-1].split(","))
+    return low, text[0] == "[", high, text[-1] == "]"
+
+
+def _in_interval(value: float, text: str) -> bool:
+    low, low_in, high, high_in = _interval(text)
+    return (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
+
+
+def _interval_words(key: str, text: str) -> str:
+    """"(0, inf)" -> "> 0"; "[0, 0.5)" -> "0 <= label_smoothing < 0.5": the range as the error message says it."""
+    low, low_in, high, high_in = _interval(text)
+    low_op, high_op = "<=" if low_in else "<", "<=" if high_in else "<"
+    if high == math.inf:
+        return f"{'>=' if low_in else '>'} {low:g}"
+    if low == -math.inf:
+        return f"{high_op} {high:g}"
+    return f"{low:g} {low_op} {key} {high_op} {high:g}"
 
 
 @dataclass
@@ -401,10 +457,9 @@ def loss_registry() -> dict[str, dict]:
     without running it: `--help` and config errors stay fast. tests/test_config.py checks this against the
     imported registry.
     """
-    tree = ast.parse((Path(__file__).resolve().parent / "losses.py").read_text())
+    tree = _losses_py()
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    table = next(node.value for node in tree.body
-                 if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "LOSSES")
+    table = _literal_dict(tree, "LOSSES")
     keys = {f.name for f in dataclasses.fields(LossConfig)}
     out = {}
     for name, spec in zip(table.keys, table.values):
@@ -649,7 +704,7 @@ CHOICES = {
     "optimizer": ("RMSprop", "AdamW", "SGD"),
     "scheduler": ("constant", "linear", "cosine"),
     "truncation_mode": (None, "keep_start", "keep_end"),
-    "loss.f_divergence": ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"),
+    **{f"loss.{key}": allowed for key, (_, _, allowed) in loss_hyperparameters().items() if isinstance(allowed, tuple)},
     "fsdp.strategy": ("fsdp", "fsdp2"),
 }
 
@@ -663,6 +718,12 @@ STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
     """Cross-field checks. `world_size` = processes that will train (None = not known yet)."""
+    return (_run_problems(cfg, world_size) + _loss_problems(cfg, world_size) + _reference_problems(cfg, world_size)
+            + _engine_problems(cfg, world_size))
+
+
+def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """The enumerated keys, sizes and counts, batch geometry, data and directories."""
     p = []
     for key, allowed in CHOICES.items():
         v = cfg
@@ -721,12 +782,14 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
         p.append(f"datasets={cfg.datasets!r}: expected a list of names or paths (strings)")
     if not cfg.local_dirs:
         p.append("local_dirs=[]: expected at least one directory")
-    # loss
+    return p
+
+
+def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """Loss names and weights, each hyperparameter in its declared range, losses that cannot split a step."""
+    p = []
+    ws = world_size or 1
     loss = cfg.loss
-    if not loss.beta > 0:
-        p.append(f"loss.beta={loss.beta}: expected > 0")
-    if not 0 <= loss.label_smoothing < 0.5:
-        p.append(f"loss.label_smoothing={loss.label_smoothing}: expected 0 <= label_smoothing < 0.5")
     names = cfg.loss_names
     if not names or not all(isinstance(n, str) for n in names):
         p.append(f"loss.name={loss.name!r}: expected a loss name or a list of names")
@@ -740,8 +803,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
             p.append(f"loss.weights={loss.weights}: expected one weight per loss name ({len(names)})")
         elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in loss.weights):
             p.append(f"loss.weights={loss.weights}: expected numbers")
-    if not 0 < loss.f_alpha <= 1:
-        p.append(f"loss.f_alpha={loss.f_alpha}: expected 0 < f_alpha <= 1 (Wang et al.'s alpha; 1 = forward KL)")
+    for key, (_, _, allowed) in loss_hyperparameters().items():  # choices are checked with CHOICES
+        if isinstance(allowed, str) and not _in_interval(loss[key], allowed):
+            p.append(f"loss.{key}={loss[key]}: expected {_interval_words(key, allowed)}")
     batch_level = [n for n in names if loss_registry().get(n, {}).get("batch_statistics")]
     split = [f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}"] * (cfg.gradient_accumulation_steps > 1)
     split += [f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch}"] * (cfg.max_tokens_per_microbatch is not None)
@@ -750,8 +814,26 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
         p.append(f"loss.name={loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} statistics of the whole batch (a sort or "
                  f"a mean over its pairs), so {' and '.join(split)} would change the loss by splitting the step; "
                  "run them with one micro-batch per step on one process")
-    if loss.discopop_tau <= 0:
-        p.append(f"loss.discopop_tau={loss.discopop_tau}: expected > 0")
+    unpaired = [n for n in names if loss_registry().get(n, {}).get("unpaired")]
+    if unpaired and len(names) > 1:
+        p.append(f"loss.name={loss.name!r}: {unpaired[0]} scores labelled completions, not pairs; it cannot be summed with other losses")
+    if unpaired:  # desirable_weight and undesirable_weight: their ranges are checked with every hyperparameter's
+        for key in ("batch_size", "eval_batch_size"):
+            if cfg[key] // ws < 2:
+                p.append(f"{key}={cfg[key]}: {unpaired[0]} estimates its KL reference point from each completion paired with "
+                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank (world size {ws})")
+        if cfg.precompute_ref_log_probs:
+            p.append(f"precompute_ref_log_probs=true: not supported with loss {unpaired[0]} (its KL reference point needs the"
+                     " reference on mismatched prompt/completion pairs of each batch)")
+    elif cfg.pairs_to_unpaired:
+        p.append(f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {loss.name!r}")
+    return p
+
+
+def _reference_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """LoRA adapters and TR-DPO reference updates: their ranges, and what they need of the loss and each other."""
+    p = []
+    loss, names = cfg.loss, cfg.loss_names
     lo = cfg.lora
     if lo.r is not None:
         if lo.r < 1:
@@ -781,23 +863,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
         if cfg.precompute_ref_log_probs:
             p.append(f"ref_update.tau={ru.tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
                      "initial reference, but TR-DPO changes the reference during training; set one of them off")
-    unpaired = [n for n in names if loss_registry().get(n, {}).get("unpaired")]
-    if unpaired and len(names) > 1:
-        p.append(f"loss.name={loss.name!r}: {unpaired[0]} scores labelled completions, not pairs; it cannot be summed with other losses")
-    if unpaired:
-        for key in ("desirable_weight", "undesirable_weight"):
-            if not loss[key] > 0:
-                p.append(f"loss.{key}={loss[key]}: expected > 0")
-        for key in ("batch_size", "eval_batch_size"):
-            if cfg[key] // ws < 2:
-                p.append(f"{key}={cfg[key]}: {unpaired[0]} estimates its KL reference point from each completion paired with "
-                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank (world size {ws})")
-        if cfg.precompute_ref_log_probs:
-            p.append(f"precompute_ref_log_probs=true: not supported with loss {unpaired[0]} (its KL reference point needs the"
-                     " reference on mismatched prompt/completion pairs of each batch)")
-    elif cfg.pairs_to_unpaired:
-        p.append(f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {loss.name!r}")
-    # model and engine
+    return p
+
+
+def _engine_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """The model and the FSDP engine."""
+    p = []
     if cfg.fsdp.fsdp_size == 0 or cfg.fsdp.fsdp_size < -1:
         p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected -1 (all ranks) or a positive number")
     elif world_size and cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:

@@ -22,6 +22,7 @@ norms 2 x 2h, qkv 3h, attention out 2h, MLP 2 i (fc out, gelu out).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,7 +191,6 @@ def _needs_reference(cfg) -> bool:
 
 
 def world_size_of(cfg) -> int:
-    import os
     if cfg.trainer != "FSDPTrainer":
         return 1
     return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or 2

@@ -14,8 +14,10 @@ Read top to bottom:
      into what each loss wants (sum or per-token mean, reference or zeros), sums the weighted
      losses and builds the batch metrics.
 
-To add a loss: write a function like `dpo_loss`, add one line to `LOSSES`, add
-`config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py. No other file changes.
+To add a loss: write a function like `dpo_loss`, add one line to `LOSSES` (and one to
+`HYPERPARAMETERS` for a new hyperparameter, plus its default line in config/config.yaml, which a test
+holds equal to it), add `config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py.
+README.md "Adding a loss" walks through an example.
 
 Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original SFT trainer
@@ -474,6 +476,16 @@ def linear_token_logps(
         logps Shape (N,), fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden, weight and
         bias; with `with_entropy`, the pair (logps, entropy), entropy Shape (N,) and detached.
     """
+    _check_linear_inputs(hidden, weight, labels, bias, chunk_size, softcap)
+    logps, entropy = _LinearLabelLogProbs.apply(
+        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy
+    )
+    return (logps, entropy) if with_entropy else logps
+
+
+def _check_linear_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, chunk_size: int,
+                         softcap: float | None) -> None:
+    """linear_token_logps' shapes, dtypes and settings, each refused with what was given."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             "hidden must be (N, H) and weight (V, H) with the same H; got hidden "
@@ -499,10 +511,6 @@ def linear_token_logps(
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None; got {softcap}")
-    logps, entropy = _LinearLabelLogProbs.apply(
-        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy
-    )
-    return (logps, entropy) if with_entropy else logps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1073,6 +1081,36 @@ class LossSpec:
     unpaired: bool = False
 
 
+@dataclass(frozen=True)
+class Hyperparameter:
+    """A `loss.<key>` config key that loss functions read: its default, a one-line doc (`train.py --help`), and
+    the values allowed: an interval written as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end), or
+    a tuple of the allowed strings. config.LossConfig's field, its --help line and its range check come from it.
+    """
+
+    default: object
+    doc: str
+    allowed: str | tuple
+
+
+# Every hyperparameter a loss function takes (by keyword, under the same name), declared once. A loss reads a key
+# by naming it as a keyword-only parameter; several losses may share one (beta). config.py reads this dict
+# literally (ast, no torch): keep each entry a plain `Hyperparameter(<literal>, "<doc>", <literal>)`.
+HYPERPARAMETERS: dict[str, Hyperparameter] = {
+    "beta": Hyperparameter(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", "(0, inf)"),
+    "label_smoothing": Hyperparameter(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)"),
+    "gamma": Hyperparameter(1.0, "SimPO target reward margin gamma", "[-inf, inf]"),
+    "rpo_alpha": Hyperparameter(1.0, "RPO weight of the chosen NLL term", "[-inf, inf]"),
+    "orpo_lambda": Hyperparameter(0.1, "ORPO weight of the odds-ratio term", "[-inf, inf]"),
+    "f_divergence": Hyperparameter("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence",
+                                   ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")),
+    "f_alpha": Hyperparameter(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]"),
+    "discopop_tau": Hyperparameter(0.05, "DiscoPOP temperature of the log-ratio modulation", "(0, inf)"),
+    "desirable_weight": Hyperparameter(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", "(0, inf)"),
+    "undesirable_weight": Hyperparameter(1.0, "KTO lambda_U, weight of undesirable completions", "(0, inf)"),
+}
+
+
 # The one registry. compute_loss, the configs and the tests all read it. config.py reads this dict
 # literally (ast): keep each entry a plain `LossSpec(<function name>, <keyword>=<literal>, ...)`.
 LOSSES: dict[str, LossSpec] = {
@@ -1187,9 +1225,9 @@ def compute_loss(
     Args:
         names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a single str is accepted).
         weights: one per name; None means all 1.0.
-        hparams: mapping with .get (dict or the Config's loss section): beta, label_smoothing,
-            gamma, rpo_alpha, orpo_lambda, f_divergence, f_alpha, discopop_tau, and
-            reference_free (bool) and average_log_prob (None = each loss's own default).
+        hparams: mapping with .get (dict or the Config's loss section): the HYPERPARAMETERS keys
+            the named losses read, reference_free (bool) and average_log_prob (None = each
+            loss's own default).
         policy_*_sum, reference_*_sum: summed token log-probs per sequence, Shape (batch,).
         policy_*_len: scored tokens per sequence, Shape (batch,); the reference scores the same
             tokens, so its sums are normalized by the policy's lengths.
@@ -1198,11 +1236,7 @@ def compute_loss(
     Returns:
         LossOutput(losses, chosen_rewards, rejected_rewards, metrics); see LossOutput.
     """
-    names = _as_names(names)
-    specs = [_spec(name) for name in names]
-    weights = [1.0] * len(names) if weights is None else list(weights)
-    if len(weights) != len(names):
-        raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
+    names, specs, weights = _selected(names, weights)
     if any(spec.unpaired for spec in specs):
         return _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_chosen_len,
                               policy_rejected_sum, policy_rejected_len, reference_chosen_sum,
@@ -1210,17 +1244,8 @@ def compute_loss(
     paired = not is_sft_only(names)
     if paired and (policy_rejected_sum is None or policy_rejected_len is None):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
-    reference_free = bool(hparams.get("reference_free") or False)
-    if needs_reference(names, reference_free) and (
-        reference_chosen_sum is None or reference_rejected_sum is None
-    ):
-        raise ValueError(
-            f"losses {names} need reference log-probs (or set loss.reference_free=true)"
-        )
-    if reference_free:  # the reference model is replaced by one that gives every sequence log p = 0
-        reference_chosen_sum = torch.zeros_like(policy_chosen_sum)
-        reference_rejected_sum = None if not paired else torch.zeros_like(policy_rejected_sum)
-
+    reference_chosen_sum, reference_rejected_sum = _reference_sums(
+        names, hparams, paired, policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
 
     def normalize(logps_sum: Tensor | None, lengths: Tensor | None, average: bool) -> Tensor | None:
@@ -1229,8 +1254,7 @@ def compute_loss(
     total: Tensor | int = 0
     chosen_rewards = rejected_rewards = None
     for name, spec, weight in zip(names, specs, weights):
-        average = hparams.get("average_log_prob")
-        average = spec.average_log_prob if average is None else bool(average)
+        average = average_log_prob(spec, hparams)
         losses, chosen, rejected = spec.fn(
             normalize(policy_chosen_sum, policy_chosen_len, average),
             normalize(policy_rejected_sum, policy_rejected_len, average),
@@ -1242,11 +1266,52 @@ def compute_loss(
         if chosen_rewards is None and chosen is not None:
             chosen_rewards, rejected_rewards = chosen, rejected
 
+    metrics = _batch_metrics(total, chosen_nll, policy_chosen_sum, policy_rejected_sum if paired else None,
+                             chosen_rewards, rejected_rewards)
+    return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+
+
+def _selected(names: str | list[str], weights: list[float] | None) -> tuple[list[str], list[LossSpec], list[float]]:
+    """The names as a list, their registry entries, and one weight each (None: all 1.0)."""
+    names = _as_names(names)
+    weights = [1.0] * len(names) if weights is None else list(weights)
+    if len(weights) != len(names):
+        raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
+    return names, [_spec(name) for name in names], weights
+
+
+def average_log_prob(spec: LossSpec, hparams) -> bool:
+    """Whether a loss sees per-token mean log-probs: loss.average_log_prob, or the loss's own default when null."""
+    average = hparams.get("average_log_prob")
+    return spec.average_log_prob if average is None else bool(average)
+
+
+def _reference_sums(names: list[str], hparams, paired: bool, policy_chosen_sum: Tensor, policy_rejected_sum: Tensor | None,
+                    reference_chosen_sum: Tensor | None, reference_rejected_sum: Tensor | None):
+    """The reference sums the losses compare against: as given, or zeros with reference_free (the reference model
+    is replaced by one that gives every sequence log p = 0). Raises when a loss needs them and they are missing."""
+    reference_free = bool(hparams.get("reference_free") or False)
+    if needs_reference(names, reference_free) and (
+        reference_chosen_sum is None or reference_rejected_sum is None
+    ):
+        raise ValueError(
+            f"losses {names} need reference log-probs (or set loss.reference_free=true)"
+        )
+    if reference_free:
+        return torch.zeros_like(policy_chosen_sum), None if not paired else torch.zeros_like(policy_rejected_sum)
+    return reference_chosen_sum, reference_rejected_sum
+
+
+def _batch_metrics(total: Tensor, chosen_nll: Tensor, policy_chosen_sum: Tensor, policy_rejected_sum: Tensor | None,
+                   chosen_rewards: Tensor | None, rejected_rewards: Tensor | None) -> dict[str, Tensor]:
+    """Per-example detached metrics: log-probs, the chosen NLL, the loss, and the rewards of a paired loss
+    (`policy_rejected_sum` None: not paired)."""
     metrics = {
         "logps/chosen": policy_chosen_sum.detach(),
         "nll/chosen": chosen_nll.detach(),
         "loss": total.detach(),
     }
+    paired = policy_rejected_sum is not None
     if paired:
         metrics["logps/rejected"] = policy_rejected_sum.detach()
     if paired and chosen_rewards is not None:
@@ -1254,7 +1319,7 @@ def compute_loss(
         metrics["rewards/rejected"] = rejected_rewards
         metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
         metrics["rewards/margins"] = chosen_rewards - rejected_rewards
-    return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+    return metrics
 
 
 def _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
@@ -1289,8 +1354,7 @@ def _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_cho
         reference_sum = torch.zeros_like(policy_sum)
     elif reference_sum is None:
         raise ValueError(f"loss {name!r} needs reference log-probs (or set loss.reference_free=true)")
-    average = hparams.get("average_log_prob")
-    average = spec.average_log_prob if average is None else bool(average)
+    average = average_log_prob(spec, hparams)
     kwargs = _kwargs_for(name, spec.fn, hparams, None)
     losses, rewards = spec.fn(sequence_logps(policy_sum, lengths, average),
                               sequence_logps(reference_sum, lengths, average), desirable, kl, **kwargs)

@@ -836,6 +836,46 @@ def _gc_paused():
             gc.enable()
 
 
+def _jobs(entries: list[PromptResponses], sft_mode: bool, unpaired: bool, pairs_to_unpaired: bool,
+          drops: Counter) -> list[tuple]:
+    """What to tokenize: (entry, chosen text or the completion, rejected text or None, label or None) per example;
+    pairs of identical responses are counted in `drops` instead."""
+    jobs = []
+    for entry in entries:
+        if sft_mode:
+            jobs.extend((entry, target, None, None) for target in entry.sft_targets)
+            continue
+        if unpaired:
+            jobs.extend((entry, entry.responses[i], None, label) for i, label in entry.rated)
+            if not pairs_to_unpaired:
+                continue
+        for i, j in entry.pairs:
+            if entry.responses[i] == entry.responses[j]:
+                drops["chosen_equals_rejected"] += 1
+            elif unpaired:  # pairs_to_unpaired: the pair's two completions, labelled by the preference
+                jobs += [(entry, entry.responses[i], None, True), (entry, entry.responses[j], None, False)]
+            else:
+                jobs.append((entry, entry.responses[i], entry.responses[j], None))
+    return jobs
+
+
+def _encode_jobs(tokenizer: Any, jobs: list[tuple], stats: SourceStats) -> tuple[dict, dict]:
+    """{prompt: ids} and {(prompt, response): ids} of the jobs' texts, with one tokenizer call per kind of text for
+    the whole chunk (a call per text is ~10x slower); counts boundary_merges in `stats`."""
+    prompts = list({id(e): e for e, _, _, _ in jobs}.values())
+    replies = list(dict.fromkeys((e.prompt, r, e.chat) for e, c, rj, _ in jobs for r in (c, rj) if r is not None))
+    prompt_ids = dict(zip((e.prompt for e in prompts),
+                          encode(tokenizer, [e.prompt for e in prompts], [e.chat for e in prompts])))
+    reply_ids = encode(tokenizer, [r for _, r, _ in replies], [c for _, _, c in replies])
+    joint_ids = encode(tokenizer, [p + r for p, r, _ in replies], [c for _, _, c in replies])
+    response_ids = {}
+    for (p, r, _), ids, joint in zip(replies, reply_ids, joint_ids):
+        # the prefix property holds by construction; count where the joint tokenization would differ
+        stats.boundary_merges += joint != prompt_ids[p] + ids
+        response_ids[(p, r)] = ids
+    return prompt_ids, response_ids
+
+
 def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split: str, max_length: int,
                         max_prompt_length: int, truncation_mode: str, sft_mode: bool,
                         dropped: Optional[Counter] = None, unpaired: bool = False,
@@ -859,34 +899,8 @@ def tokenize_normalized(data: Normalized, tokenizer: Any, *, source: str, split:
     examples, kept_prompts, prompt_lengths, response_lengths = [], set(), [], []
     entries = list(data.values())
     for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs = []  # (entry, chosen text or the completion, rejected text or None, label or None)
-        for entry in entries[start:start + ENCODE_CHUNK]:
-            if sft_mode:
-                jobs.extend((entry, target, None, None) for target in entry.sft_targets)
-                continue
-            if unpaired:
-                jobs.extend((entry, entry.responses[i], None, label) for i, label in entry.rated)
-                if not pairs_to_unpaired:
-                    continue
-            for i, j in entry.pairs:
-                if entry.responses[i] == entry.responses[j]:
-                    drops["chosen_equals_rejected"] += 1
-                elif unpaired:  # pairs_to_unpaired: the pair's two completions, labelled by the preference
-                    jobs += [(entry, entry.responses[i], None, True), (entry, entry.responses[j], None, False)]
-                else:
-                    jobs.append((entry, entry.responses[i], entry.responses[j], None))
-        # one tokenizer call per kind of text, for the whole chunk (a call per text is ~10x slower)
-        prompts = list({id(e): e for e, _, _, _ in jobs}.values())
-        replies = list(dict.fromkeys((e.prompt, r, e.chat) for e, c, rj, _ in jobs for r in (c, rj) if r is not None))
-        prompt_ids = dict(zip((e.prompt for e in prompts),
-                              encode(tokenizer, [e.prompt for e in prompts], [e.chat for e in prompts])))
-        reply_ids = encode(tokenizer, [r for _, r, _ in replies], [c for _, _, c in replies])
-        joint_ids = encode(tokenizer, [p + r for p, r, _ in replies], [c for _, _, c in replies])
-        response_ids = {}
-        for (p, r, _), ids, joint in zip(replies, reply_ids, joint_ids):
-            # the prefix property holds by construction; count where the joint tokenization would differ
-            stats.boundary_merges += joint != prompt_ids[p] + ids
-            response_ids[(p, r)] = ids
+        jobs = _jobs(entries[start:start + ENCODE_CHUNK], sft_mode, unpaired, pairs_to_unpaired, drops)
+        prompt_ids, response_ids = _encode_jobs(tokenizer, jobs, stats)
         for entry, chosen, rejected, label in jobs:
             p_ids = prompt_ids[entry.prompt]
             if add_bos and p_ids[:1] != [bos]:

@@ -13,6 +13,7 @@ logged metric against <run_dir>/metrics.jsonl.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,7 +21,19 @@ import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
+from importlib.metadata import version  # not `import datasets`: that costs ~1 s and tens of MB of pyarrow
 from pathlib import Path
+
+import yaml
+
+import config
+from config import ConfigError, OnFirstUse
+
+# Deferred: these import torch (seconds), and train.py imports this file before a config is read (--replay).
+torch = OnFirstUse("torch")
+losses = OnFirstUse("losses")
+data = OnFirstUse("preference_datasets")
+utils = OnFirstUse("utils")
 
 REPO = Path(__file__).resolve().parent
 MANIFEST = "run_manifest.json"
@@ -55,8 +68,6 @@ def git_state() -> tuple[dict, str]:
 
 def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
     """{split: {source: sha256 of what its tokenized data depends on}} (preference_datasets' cache key)."""
-    import losses
-    import preference_datasets as data
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
                   sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode)
     # KTO reads labelled completions (pairs_to_unpaired: training splits each pair in two; eval keeps the pairs)
@@ -67,9 +78,6 @@ def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
 
 def build(cfg, tokenizer, world_size: int) -> tuple[dict, str]:
     """The manifest of a run starting now, and the diff of the working tree (saved beside it)."""
-    from importlib.metadata import version  # not `import datasets`: that costs ~1 s and tens of MB of pyarrow
-
-    import torch
     code, diff = git_state()
     device = {"type": "cuda" if torch.cuda.is_available() else "cpu",
               "name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()}
@@ -82,11 +90,10 @@ def build(cfg, tokenizer, world_size: int) -> tuple[dict, str]:
 
 def write(run_dir, cfg, tokenizer, world_size: int) -> None:
     """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
-    from utils import atomic_write_text
     manifest, diff = build(cfg, tokenizer, world_size)
     if diff:
-        atomic_write_text(Path(run_dir) / DIFF, diff)
-    atomic_write_text(Path(run_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        utils.atomic_write_text(Path(run_dir) / DIFF, diff)
+    utils.atomic_write_text(Path(run_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -127,10 +134,6 @@ def check_against(recorded_dir, cfg, tokenizer, what: str) -> None:
 def replay_config(original_dir, overrides: list[str]):
     """The config recorded in original_dir/config.yaml, with `overrides` from REPLAY_KEYS only, into a new run dir
     (default: <original_dir>-replay-<time>). Raises ConfigError."""
-    import yaml
-
-    import config
-    from config import ConfigError
     path = Path(original_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError([f"--replay {original_dir}: no config.yaml there (expected the run directory of a train.py run)"])
@@ -156,7 +159,6 @@ def replay_config(original_dir, overrides: list[str]):
     if problems:
         raise ConfigError(problems)
     if cfg.run_dir is None:
-        import dataclasses
         stamp = datetime.now().strftime("%Y%m%d_%H%M%S_%f")
         cfg = dataclasses.replace(cfg, run_dir=str(Path(original_dir).resolve()) + f"-replay-{stamp}")
     return cfg

@@ -36,11 +36,29 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
+import estimate  # json and math only: --estimate must not wait for torch
+import run_manifest
+from config import ConfigError, OnFirstUse, help_text, load_config, to_yaml, validate
+from estimate import EstimateError
+
 REPO = Path(__file__).resolve().parent
+
+
+# The one place train.py defers imports: these modules import torch (seconds), and `--help`, `--estimate` and
+# config errors answer without it. Each is imported the first time the run reads one of its names.
+torch = OnFirstUse("torch")
+transformers = OnFirstUse("transformers")
+losses = OnFirstUse("losses")
+data = OnFirstUse("preference_datasets")
+trainers = OnFirstUse("trainers")
+utils = OnFirstUse("utils")
+peft = OnFirstUse("peft")  # optional (LoRA): check_inputs refuses lora.r without it, before any model loads
 
 
 def resolve_local(path: str) -> str:
@@ -56,43 +74,35 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     `on_meta`: build the models' structure only, with no memory behind the weights (FSDP ranks other than 0:
     rank 0 loads the weights once and FSDP broadcasts them, so a node holds one copy in host memory, not one
     per rank)."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
-
-    import losses
-    from utils import disable_dropout, dtype_of, rank0_print
 
     model_path = resolve_local(cfg.model.name_or_path)
     tokenizer = load_tokenizer(cfg)
 
     def load(dtype):
         if on_meta:
-            from transformers import AutoConfig
-            config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+            config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(dtype), trust_remote_code=cfg.model.trust_remote_code)
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=utils.dtype_of(dtype), trust_remote_code=cfg.model.trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_of(dtype), device_map=device_map,
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=utils.dtype_of(dtype), device_map=device_map,
                                                          trust_remote_code=cfg.model.trust_remote_code)
-        disable_dropout(model)
+        utils.disable_dropout(model)
         return model
 
-    rank0_print(f"loading policy {model_path} in {cfg.fsdp.model_dtype}")
+    utils.rank0_print(f"loading policy {model_path} in {cfg.fsdp.model_dtype}")
     policy = load(cfg.fsdp.model_dtype)
     reference = None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:  # LoRA: see add_lora
         reference_dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
-        rank0_print(f"loading reference {model_path} in {reference_dtype}")
+        utils.rank0_print(f"loading reference {model_path} in {reference_dtype}")
         reference = load(reference_dtype).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
         policy.load_state_dict(state)
         if reference is not None:
             reference.load_state_dict(state)
-        rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
+        utils.rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
     if cfg.lora.r is not None:
         policy = add_lora(policy, cfg.lora)
     return tokenizer, policy, reference
@@ -100,12 +110,10 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
 
 def load_tokenizer(cfg):
     """The run's tokenizer (cheap: no weights), with a pad token."""
-    from transformers import AutoTokenizer
     name = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:  # transformers raises OSError for a missing/offline repo
-        from config import ConfigError
         raise ConfigError([f"model.tokenizer_name_or_path / model.name_or_path={name!r}: cannot load a tokenizer"
                            f" ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
     if tokenizer.pad_token_id is None:
@@ -119,7 +127,6 @@ def world_size_of(cfg) -> int:
         return 1
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    import torch
     return cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
 
 
@@ -127,13 +134,9 @@ def check_inputs(cfg, world_size: int) -> None:
     """Every check of the user's input that needs no model, run by `--cfg` and before any model loads:
     the config against the world size, dataset names and files, model.archive, the checkpoint a resume reads,
     and the data after tokenization (hub datasets fetched, pairs left after filtering)."""
-    import preference_datasets as data
-    from config import ConfigError, validate
-
     problems = validate(cfg, world_size)
     if problems:
         raise ConfigError(problems)
-    import importlib.util
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
     data.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
@@ -147,14 +150,10 @@ def check_inputs(cfg, world_size: int) -> None:
 def check_data(cfg, world_size: int) -> None:
     """Tokenize both splits as the trainer will (the result is cached for it) and refuse data that leaves
     fewer training pairs than one step, or fewer eval pairs than ranks, naming each source and its drops."""
-    import losses
-    import preference_datasets as data
-    from utils import first_usable_dir
-
     tokenizer = load_tokenizer(cfg)
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
                   sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode,
-                  cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"))
+                  cache_dir=str(utils.first_usable_dir(cfg.local_dirs) / "datasets"))
     # KTO reads labelled completions (pairs_to_unpaired: training splits each pair in two; eval keeps the pairs)
     modes = {"train": dict(unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired),
              "test": dict(unpaired=cfg.unpaired_loss and not cfg.pairs_to_unpaired)}
@@ -172,9 +171,6 @@ def check_data(cfg, world_size: int) -> None:
 
 def check_resumable(cfg, world_size: int) -> None:
     """The checkpoint resume_from points at is complete and belongs to this run (nothing is loaded)."""
-    import torch
-
-    import trainers
     if not (Path(cfg.resume_from) / "LATEST").exists():
         raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
     ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
@@ -184,17 +180,11 @@ def check_resumable(cfg, world_size: int) -> None:
 def add_lora(model, lora):
     """The model with LoRA adapters (peft), only the adapters trainable. The trainer's reference is this same model
     with its adapters disabled (trainers.BasicTrainer), so the base weights exist once."""
-    try:
-        import peft
-    except ImportError:
-        from config import ConfigError
-        raise ConfigError([f"lora.r={lora.r}: LoRA needs the optional dependency peft: pip install peft"]) from None
-    from utils import rank0_print
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
                              target_modules=lora.target_modules, task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: {trainable} trainable parameters of "
+    utils.rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: {trainable} trainable parameters of "
                 f"{sum(p.numel() for p in model.parameters())}")
     return model
 
@@ -205,7 +195,6 @@ class ArchiveError(ValueError):
 
 def load_archive(path: str, model) -> dict:
     """The weights of an earlier run's policy.pt, checked against `model` before anything is loaded."""
-    import torch
     if not Path(path).is_file():
         raise ArchiveError(f"model.archive={path}: no such file (expected <run dir>/LATEST/policy.pt)")
     try:
@@ -224,26 +213,18 @@ def load_archive(path: str, model) -> dict:
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
     """Everything one process does: seed, load, build the trainer, train."""
-    import trainers
-    from config import ConfigError
-    from utils import seed_everything
-
-    seed_everything(cfg.seed, cfg.fsdp.full_determinism)
-    import torch
+    utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     device_map = None
     if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
-        import importlib.util
         if importlib.util.find_spec("accelerate") is None:  # transformers' device_map needs it; we do not
             raise ConfigError(["trainer=BasicTrainer on several GPUs spreads the model with transformers'"
                                " device_map, which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
     if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
-        import run_manifest
         run_manifest.write(run_dir, cfg, tokenizer, world_size)
     if world_size > 1:  # rank 0 read the weights (and wrote the manifest) alone; the others wait without collective_timeout_secs
-        from utils import wait_for_rank0
-        wait_for_rank0()
+        utils.wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy.to("cuda")
         if reference is not None:
@@ -257,9 +238,6 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it); the resolved config is saved in it as config.yaml
     (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
-    from config import to_yaml
-    from utils import atomic_write_text, get_local_run_dir
-
     if cfg.resume_from:
         run_dir, created = Path(cfg.resume_from), False
         if not (run_dir / "LATEST").exists():
@@ -271,8 +249,8 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
         created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        run_dir, created = get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
-    atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
+        run_dir, created = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
+    utils.atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
     return run_dir, created
 
 
@@ -280,9 +258,6 @@ def remove_orphan(run_dir: Path, created: bool) -> None:
     """After a failure: remove the run directory this run created if it holds nothing but what a run writes at
     its start (config.yaml, the run manifest): it failed before training wrote anything. Never touches a
     directory that existed before."""
-    import shutil
-
-    import run_manifest
     if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml", run_manifest.MANIFEST, run_manifest.DIFF}:
         shutil.rmtree(run_dir)
 
@@ -296,34 +271,28 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
 
 def distributed_worker(cfg, run_dir: str | None) -> None:
     """Join the process group (env://), agree on the run directory, train, leave."""
-    import torch
-
-    from utils import broadcast_object, destroy_distributed, init_distributed
-
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     # cpu:gloo,cuda:nccl on GPUs (CPU tensors take gloo); collectives time out after collective_timeout_secs.
-    init_distributed(cfg.collective_timeout_secs, cuda=torch.cuda.is_available())
+    utils.init_distributed(cfg.collective_timeout_secs, cuda=torch.cuda.is_available())
     created = False
     try:
         if rank == 0 and run_dir is None:  # started by torchrun: rank 0 makes the directory
             made, created = prepare_run_dir(cfg)
             run_dir = str(made)
-        run_dir = broadcast_object(run_dir)
+        run_dir = utils.broadcast_object(run_dir)
         worker_main(rank, world_size, cfg, run_dir)
     except BaseException:
         if created:
             remove_orphan(Path(run_dir), created)
         raise
     finally:
-        destroy_distributed()
+        utils.destroy_distributed()
 
 
 def launch(cfg) -> None:
     """One process (BasicTrainer), this process as one torchrun rank, or N local processes (FSDPTrainer)."""
-    from utils import get_open_port, rank0_print
-
     if cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         distributed_worker(cfg, None)
         return
@@ -333,22 +302,17 @@ def launch(cfg) -> None:
             print(f"run directory: {run_dir}", flush=True)
             worker_main(0, 1, cfg, str(run_dir))
         else:
-            import torch.multiprocessing as mp
             world_size = world_size_of(cfg)
-            rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
-            mp.spawn(spawned_worker, nprocs=world_size, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or get_open_port()),
+            utils.rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
+            torch.multiprocessing.spawn(spawned_worker, nprocs=world_size, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()),
                      join=True)
     except BaseException:
         remove_orphan(run_dir, created)
         raise
-    rank0_print(f"done; run directory: {run_dir}")
+    utils.rank0_print(f"done; run directory: {run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    import estimate  # json and math only: --estimate must not wait for torch
-    from config import ConfigError, help_text, load_config, to_yaml
-    from estimate import EstimateError
-
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -368,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
         replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     try:
         if replay_of is not None:
-            import run_manifest
             cfg, flags = run_manifest.replay_config(replay_of, argv), set()
         else:
             cfg, flags = load_config(argv)
@@ -378,8 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EstimateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import preference_datasets
-    import run_manifest
     try:
         check_inputs(cfg, world_size_of(cfg))  # bad input fails here, before any model is loaded; --cfg too
         if cfg.resume_from or replay_of:  # the data must be the recorded run's: checked before any model loads
@@ -391,12 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         launch(cfg)
         if replay_of is not None:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
-    except (ConfigError, preference_datasets.DataError, FileExistsError, FileNotFoundError, ArchiveError,
+    except (ConfigError, data.DataError, FileExistsError, FileNotFoundError, ArchiveError,
             run_manifest.ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
         return 2
     except Exception as e:
-        import trainers  # imported by then; its errors are about the run, not a bug: no traceback either
         if isinstance(e, trainers.CheckpointError):
             print(f"error: {e}", file=sys.stderr)
             return 2

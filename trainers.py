@@ -1,9 +1,16 @@
 """The training machinery: loop, evaluation, sampling, logging, checkpoints.
 
-`BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`).
-`FSDPTrainer` shards policy and reference with FSDP1 or FSDP2 and overrides only what sharding changes:
-wrapping, gradient sync, clipping, sampling, saving and loading. Every torch.distributed call of the
-training loop is in FSDPTrainer or in utils.py's small helpers.
+Read top to bottom: batches -> sequence log-probs (forward_logps); optimizer and schedule; the trainer by concern
+(Reference, EvaluationAndSampling, Checkpoints, MicroBatchLoss, and BasicTrainer, the loop, which inherits the
+four); small pure helpers and checkpoint validation; then the distributed part: the Sharding interface with its
+FSDP1 and FSDP2 implementations, picked once from fsdp.strategy (SHARDINGS), and FSDPTrainer.
+
+`BasicTrainer` runs in one process (several GPUs: naive model parallel through `device_map`). `FSDPTrainer` shards
+policy and reference with its Sharding object and overrides what the original FSDPTrainer overrode (wrapping,
+clipping, saving, loading) and the few hooks where several processes differ from one (input device, gradient
+sync, sampling, offloaded optimizer step, gathering, barriers, the non-finite decision, TR-DPO's sharded
+reference). Every torch.distributed call of the training loop is in FSDPTrainer, the Sharding classes or utils.py's
+small helpers.
 
 A step: the rank-local batch is split into `gradient_accumulation_steps` micro-batches; each runs ONE
 policy forward over chosen and rejected concatenated (and one reference forward), the loss of each
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import hashlib
 import json
 import math
 import os
@@ -25,14 +34,35 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import tqdm
+import yaml
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FullyShardedDataParallel as FSDP,
+                                    MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 import losses
 import preference_datasets as data
-from utils import (all_gather_if_needed, atomic_write_text, first_usable_dir, formatted_dict, fsync_dir,
-                   get_rng_state, rank0_print, set_rng_state)
+from utils import (all_gather_if_needed, all_ranks_true, atomic_write_text, dtype_of, find_block_class_names,
+                   first_usable_dir, formatted_dict, fsync_dir, get_block_class_from_model, get_rng_state, rank0_print,
+                   set_rng_state, wait_for_rank0)
+
+
+def _wandb():
+    """The one import not at the top: wandb takes ~1.4 s to import, and most runs (tests, debug=true,
+    wandb.enabled=false) never log to it."""
+    import wandb
+    return wandb
+
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 
@@ -213,156 +243,17 @@ class CheckpointError(ValueError):
 PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
 
 # ------------------------------------------------------------------------------------------------------
-# BasicTrainer
+# The trainer by concern: the reference, evaluation and sampling, checkpoints, the loss of a micro-batch; then
+# BasicTrainer, the loop, which inherits them. Each part reads the trainer's state (self.config, self.policy, self.rank, ...) and
+# calls its hooks (self.generate, self.barrier, ...): they are one object, written in five rooms.
 # ------------------------------------------------------------------------------------------------------
-class BasicTrainer:
-    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None):
-        """One process trains `policy` against the frozen `reference_model` (None for reference-free losses)."""
-        self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
-        self.run_dir = Path(run_dir)
-        self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
-        self.lora = config.lora.r is not None
-        if self.lora and losses.needs_reference(config.loss_names, config.loss.reference_free):
-            # LoRA's reference is the policy itself with its adapters off (reference_context): one copy of the weights
-            self.reference_model = policy
-        self.loss_names = config.loss_names
-        self.sft_mode = losses.is_sft_only(self.loss_names)
-        self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
-        self.device = self.input_device(policy)
-        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
-        # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
-        use_compile = config.fsdp.use_torch_compile
-        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
-                                   checkpointing=config.fsdp.entropy_checkpointing,
-                                   use_compile=self.device.type == "cuda" if use_compile is None else use_compile)
-        if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
-            self.flops_params = flops_params(policy)
-        if config.activation_checkpointing:
-            self.checkpoint_activations(policy)
-        self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
-        self.batch_counter = 0    # optimizer steps taken (or skipped as non-finite)
-        self.nonfinite_in_a_row = 0
-        self.nonfinite_total = 0
-        self.last_log = 0.0
-        self.wandb_run = None
-
-        cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
-        self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
-                                sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
-        eval_kwargs = self.data_kwargs
-        if self.unpaired:
-            self.data_kwargs = dict(self.data_kwargs, unpaired=True, pairs_to_unpaired=config.pairs_to_unpaired)
-            # pairs_to_unpaired: training sees each pair as two labelled completions; eval keeps the pairs, so that
-            # rewards_eval/accuracies ranks chosen over rejected as for DPO
-            eval_kwargs = self.data_kwargs if not config.pairs_to_unpaired else eval_kwargs
-        self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
-        self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
-                                          n_examples=config.n_examples)
-        # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
-        # size), rather than refused for the size of a batch the user may never have chosen.
-        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **eval_kwargs)
-        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
-        if self.eval_batch_size < config.eval_batch_size:
-            rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
-                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, world size {world_size}")
-        self.eval_batches = list(data.get_batch_iterator(
-            config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
-            n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
-            kl_rows=self.unpaired, **eval_kwargs))
-        self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
-        self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
-        self.print_geometry()
-
-    # --- hooks FSDPTrainer overrides ----------------------------------------------------------------------
-    def checkpoint_activations(self, policy: nn.Module) -> None:
-        checkpoint_blocks(policy, tuple(block_classes(policy, self.config.fsdp.wrap_policy)))
-
-    def input_device(self, model: nn.Module) -> torch.device:
-        """Where inputs go: the device of the input embeddings (the first GPU under device_map)."""
-        return model.get_input_embeddings().weight.device
-
-    def no_sync(self, last_micro_batch: bool):
-        return contextlib.nullcontext()  # one process: nothing to sync
-
-    def clip_gradient(self) -> float:
-        return torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm).item()
-
-    def step_optimizer(self) -> None:
-        self.optimizer.step()
-
-    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
-        return model.generate(**kwargs)
-
-    def gather_objects(self, items: list) -> list:
-        return items  # one process: already everything
-
-    def barrier(self) -> None:
-        pass  # one process
-
-    def all_ranks_finite(self, finite: bool) -> bool:
-        return finite  # one process: its own decision
-
-    def show_bars(self) -> bool:
-        """tqdm bars only on rank 0 and only on a terminal: in a log file they are \r-redraw noise."""
-        return self.rank == 0 and sys.stderr.isatty()
+class Reference:
+    """The reference model: its log-probs (a forward, or the precomputed table), LoRA's adapters-off context, and
+    TR-DPO's updates with their checkpoint files."""
 
     def reference_context(self):
         """Entered around every use of self.reference_model: under LoRA it is the policy, with the adapters off."""
         return unwrap(self.policy).disable_adapter() if self.lora else contextlib.nullcontext()
-
-    # --- geometry ---------------------------------------------------------------------------------------
-    def print_geometry(self) -> None:
-        c = self.config
-        per_rank = c.batch_size // self.world_size
-        rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
-                    f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
-                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
-                    f" in batches of {self.eval_batch_size}")
-
-    # --- the loss of one micro-batch ---------------------------------------------------------------------
-    def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
-        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        n = batch["chosen_input_ids"].size(0)
-        entropy_grad = bool(self.config.loss.entropy_coeff)
-        with self.autocast():
-            sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
-                                                  entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
-        paired = "rejected_input_ids" in batch  # SFT and unpaired (KTO) batches carry one sequence per example
-        reference = {}
-        ref_sums = self.reference_logps(batch, inputs, split)
-        if ref_sums is not None:
-            ref_sums = ref_sums.to(sums.device)
-            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=ref_sums[n:] if paired else None)
-        rejected = dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:]) if paired else {}
-        if self.unpaired:
-            kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.kl_reference_point(batch)
-            rejected.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
-        out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
-                                  policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
-        metrics = dict(out.metrics)
-        metrics["entropy/chosen"] = entropy[:n].detach()
-        if paired:
-            metrics["entropy/rejected"] = entropy[n:].detach()
-        loss = out.losses.mean()
-        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
-            loss = loss - self.config.loss.entropy_coeff * entropy.mean()
-        return loss, {split_name(k, split): v for k, v in metrics.items()}
-
-    def autocast(self):
-        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the
-        weights stay in model_dtype, and there is no gradient reduction for reduce_dtype to apply to)."""
-        mp = self.config.fsdp.mixed_precision
-        if mp is None:
-            return contextlib.nullcontext()
-        from utils import dtype_of
-        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
-
-    def forward_options(self, entropy_grad: bool = False) -> dict:
-        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
-        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
 
     def reference_logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
         """Summed reference log-probs of chosen then rejected (2B,): from the precomputed table, or a forward."""
@@ -406,46 +297,6 @@ class BasicTrainer:
         if self.config.ref_update.tau is not None:
             self.reference_model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
 
-    # --- KTO's KL reference point ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def kl_reference_point(self, batch: dict) -> torch.Tensor:
-        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the batch's mismatched
-        (prompt, completion) rows (kl_* keys, see data.collate), over ALL ranks' rows of the step.
-
-        Detached (no_grad) by definition, so it is computed once per step, before the micro-batches, and every
-        micro-batch's loss uses the same value: the loss is the same for any split of the step (accumulation,
-        ranks), unlike a per-micro-batch estimate. The rows are scored in gradient_accumulation_steps chunks, so
-        this pass needs no more activation memory than a training micro-batch.
-        """
-        rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
-        average = self.config.loss.average_log_prob
-        average = losses.LOSSES[self.loss_names[0]].average_log_prob if average is None else average
-        size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
-        for start in range(0, len(rows["input_ids"]), size):
-            chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
-            with self.autocast():
-                sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
-            if self.reference_model is not None and not self.config.loss.reference_free:
-                ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
-                with self.reference_context():
-                    sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
-            logratios = losses.sequence_logps(sums, counts, average)
-            total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
-        # every rank's (sum, count): two numbers per rank, on self.device (NCCL gathers CUDA tensors only)
-        total = all_gather_if_needed(total[None], self.rank, self.world_size).sum(0)
-        return (total[0] / total[1]).float().reshape(1)
-
-    def step_statistics(self, batch: dict) -> dict:
-        """What a loss needs from the whole step before it is split into micro-batches: KTO's KL reference point,
-        stored per row (so micro-batch splitting slices it like any other column), its kl_* rows dropped."""
-        if not self.unpaired:
-            return batch
-        kl = self.kl_reference_point(batch)
-        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
-        batch["kl_reference_point"] = kl.cpu().expand(len(batch["chosen_input_ids"])).clone()
-        return batch
-
     # --- precomputed reference log-probs ---------------------------------------------------------------------
     def precompute_reference(self) -> None:
         """One pass of the reference over the pairs this run will use (train and eval), cached on disk, then the
@@ -459,7 +310,6 @@ class BasicTrainer:
         self.reference_tables = {"train": self.reference_table("train", sorted(used)),
                                  "test": self.reference_table("test", None)}
         self.reference_model = None  # the tables replace it
-        import gc
         gc.collect()
         rank0_print(f"reference log-probs ready for {len(used)} train and {c.n_eval_examples} eval pairs; reference model freed")
 
@@ -467,7 +317,6 @@ class BasicTrainer:
         """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached
         under a key of model, archive, dtype, tokenizer and the tokenized examples themselves; a later run
         computes only the examples the cache lacks. `wanted` None = the eval examples."""
-        import hashlib
         examples, _ = data.load_tokenized(self.config.datasets, self.tokenizer, split, silent=True, **self.data_kwargs)
         if wanted is None:
             wanted = list(range(min(self.config.n_eval_examples, len(examples))))
@@ -508,50 +357,10 @@ class BasicTrainer:
         result = dict(zip(order.tolist(), gathered))
         return torch.stack([result[i] for i in indices])
 
-    # --- one optimizer step ------------------------------------------------------------------------------
-    def train_step(self, batch: dict) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
-        self.policy.train()
-        batch = self.step_statistics(batch)
-        budget = self.config.max_tokens_per_microbatch
-        micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
-        n = len(batch["chosen_input_ids"])
-        step_metrics = defaultdict(list)
-        for i, micro in enumerate(micro_batches):
-            with self.no_sync(last_micro_batch=i == len(micro_batches) - 1):
-                loss, metrics = self.get_batch_metrics(micro, "train")
-                # weighted by its share of the batch: the summed gradient is that of the batch's mean loss
-                (loss * len(micro["chosen_input_ids"]) / n).backward()
-            for name, v in metrics.items():
-                step_metrics[name].append(v.detach())
-        # What the step's FLOPs are counted from (throughput): real tokens, the positions the LM head scores, and
-        # the sum of squared sequence lengths (query-key pairs of attention).
-        sides = [side for side in ("chosen", "rejected") if f"{side}_input_ids" in batch]
-        lengths = torch.cat([batch[f"{side}_attention_mask"].sum(-1) for side in sides]).double()
-        scored = sum(int((batch[f"{side}_labels"][:, 1:] != losses.IGNORE_INDEX).sum()) for side in sides)
-        for name, value in (("tokens", lengths.sum().item()), ("scored_tokens", scored), ("attention_pairs", (lengths ** 2).sum().item())):
-            step_metrics[name] = [torch.tensor([float(value)], device=self.device)]
-        grad_norm = self.clip_gradient()
-        finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
-        finite = self.all_ranks_finite(finite)  # every rank steps, or every rank skips
-        if finite:
-            self.step_optimizer()
-            self.scheduler.step()
-            self.nonfinite_in_a_row = 0
-        else:  # skip: parameters, optimizer state and schedule stay exactly as they were
-            self.nonfinite_in_a_row += 1
-            self.nonfinite_total += 1
-            rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
-                        f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
-        self.optimizer.zero_grad(set_to_none=True)
-        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
-        for name in ("tokens", "scored_tokens", "attention_pairs"):
-            mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
-        mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
-        return mean
 
-    # --- evaluation and sampling -------------------------------------------------------------------------
+class EvaluationAndSampling:
+    """Metrics over the whole held-out set, samples from policy and reference, and their log record."""
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Metrics averaged over the whole eval set (all ranks), then samples from policy and reference."""
@@ -609,127 +418,24 @@ class BasicTrainer:
                 for prompt, sample in list(zip(prompts, samples))[:3]:
                     print(f"  {who} sample | {prompt!r} -> {sample!r}")
             if self.wandb_run is not None:
-                import wandb
                 rows = [[self.example_counter, p, s, r] for p, s, r in zip(prompts, policy_samples, reference_samples or [""] * len(prompts))]
-                self.wandb_run.log({"samples": wandb.Table(columns=["step", "prompt", "policy", "reference"], data=rows)},
+                self.wandb_run.log({"samples": _wandb().Table(columns=["step", "prompt", "policy", "reference"], data=rows)},
                                    step=self.example_counter)
         return metrics
 
-    # --- logging -----------------------------------------------------------------------------------------
-    def init_logging(self, resumed_wandb_id: Optional[str]) -> None:
-        if self.rank != 0 or self.config.debug or not self.config.wandb.enabled:
-            return
-        import wandb
-        online = bool(os.environ.get("WANDB_API_KEY")) or Path("~/.netrc").expanduser().exists()
-        mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
-        self.wandb_run = wandb.init(entity=self.config.wandb.entity, project=self.config.wandb.project,
-                                    name=self.config.exp_name, dir=str(self.run_dir), mode=mode,
-                                    config=self.config.to_dict(), id=resumed_wandb_id, resume="allow" if resumed_wandb_id else None)
-
-    def log(self, metrics: dict[str, float]) -> None:
-        """One record: W&B (step = examples seen) and a line of run_dir/metrics.jsonl."""
-        if self.rank != 0:
-            return
-        record = {"step": self.example_counter, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: NaN/inf are logged as null
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=self.example_counter)
-
-    # --- the loop ----------------------------------------------------------------------------------------
-    def build_optimizer(self) -> None:
-        self.optimizer = OPTIMIZERS[self.config.optimizer]([p for p in self.policy.parameters() if p.requires_grad], self.config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(self.config.warmup_steps, self.total_steps, self.config.scheduler))
-
-    def train_batches(self) -> Iterator[dict]:
-        return data.get_batch_iterator(
-            self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
-            n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
-            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True,
-            kl_rows=self.unpaired, **self.data_kwargs)
-
-    def train(self) -> None:
-        """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
-        if self.config.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
-            self.init_logging(None)
-            self.evaluate_and_log()
-            return
-        self.build_optimizer()
-        self.precompute_reference()
-        wandb_id = self.maybe_resume()
-        self.init_logging(wandb_id)
-        self.barrier()  # W&B starts on rank 0 alone (up to minutes online); the others wait here, not in a collective
-        resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
-        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.show_bars(),
-                        dynamic_ncols=True)
-        last_progress = time.time()
-        start, start_examples = time.time(), self.example_counter
-        for batch in self.train_batches():
-            if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
-                if self.example_counter > 0 or self.config.do_first_eval:
-                    self.evaluate_and_log()
-                if self.example_counter > 0:
-                    self.save_checkpoint()
-            step_start = time.time()
-            metrics = self.train_step(batch)
-            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start,
-                                           metrics.pop("scored_tokens"), metrics.pop("attention_pairs")))
-            self.batch_counter += 1
-            self.example_counter += self.config.batch_size
-            self.update_reference()
-            rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
-            bar.update(1)
-            bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
-            if self.rank == 0 and bar.disable and (time.time() - last_progress >= PROGRESS_EVERY_SECS
-                                                   or self.batch_counter == self.total_steps):
-                # a log file gets plain lines instead of the bar's \r redraws
-                print(f"progress: step {self.batch_counter}/{self.total_steps}, pairs seen {self.example_counter},"
-                      f" pairs/s {rate:.2f}, loss/train {metrics.get('loss/train', float('nan')):.4f}", flush=True)
-                last_progress = time.time()
-            if time.time() - self.last_log >= self.config.minimum_log_interval_secs:
-                self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
-                          "counters/updates": self.batch_counter})
-                self.last_log = time.time()
-            if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
-                self.save_checkpoint()
-                raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
-                                     f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
-        bar.close()
-        if self.example_counter != resumed_at:
-            self.evaluate_and_log()
-            self.save_checkpoint()
-
-    def throughput(self, tokens: float, seconds: float, scored_tokens: float = 0.0, attention_pairs: float = 0.0
-                   ) -> dict[str, float]:
-        """pairs/s, real tokens/s and two model FLOPs utilizations of one step, over the peak:
-
-        throughput/mfu: the 6N rule, 6 N FLOPs per trained token plus 2 N per token through an online reference
-            (N = parameters outside the input embedding), as usually reported; it counts the LM head at every
-            token and no attention.
-        throughput/mfu_executed: the matmuls the step runs on its real tokens (executed_flops): the LM head only
-            at the positions it projects (the scored ones under tiled_lm_head), attention included.
-        """
-        if not hasattr(self, "peak_flops"):
-            self.peak_flops, source = measure_peak_flops(self.config, self.device)
-            rank0_print(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s ({source})")
-        reference = self.reference_model is not None
-        per_token = 6 * self.flops_params + (2 * self.flops_params if reference else 0)
-        head_positions = scored_tokens if self.forward_options()["tiled"] else tokens
-        executed = executed_flops(flops_shape(self.policy, self.flops_params), tokens, head_positions, attention_pairs,
-                                  passes=3 + (1 if reference else 0))
-        return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
-                "throughput/mfu": per_token * tokens / seconds / self.peak_flops,
-                "throughput/mfu_executed": executed / seconds / self.peak_flops}
-
     def evaluate_and_log(self) -> None:
         rank0_print(f"Running evaluation after {self.example_counter} train examples")
-        metrics = self.evaluate()
+        with self.params_on_device():
+            metrics = self.evaluate()
         rank0_print(f"eval after {self.example_counter}: {formatted_dict(metrics)}")
         self.log(metrics)
         self.last_eval_metrics = metrics
 
-    # --- checkpoints -------------------------------------------------------------------------------------
+
+class Checkpoints:
+    """Writing a checkpoint atomically, validating one, and resuming from it (FSDPTrainer overrides the policy
+    and optimizer state parts: sharded for resume, consolidated on rank 0)."""
+
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
 
@@ -827,13 +533,358 @@ class BasicTrainer:
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
 
 
+class MicroBatchLoss:
+    """The loss of one micro-batch: policy and reference forwards (autocast, packed or tiled log-probs), the
+    registered losses, the entropy bonus; and what a loss needs from the whole step first (KTO's KL point)."""
+
+    def get_batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss of `batch` and its per-example metrics named as the original (`rewards_train/chosen`)."""
+        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+        n = batch["chosen_input_ids"].size(0)
+        entropy_grad = bool(self.config.loss.entropy_coeff)
+        with self.autocast():
+            sums, counts, entropy = forward_logps(self.policy, inputs, **self.forward_options(entropy_grad),
+                                                  entropy=self.entropy_kwargs, entropy_grad=entropy_grad)
+        paired = "rejected_input_ids" in batch  # SFT and unpaired (KTO) batches carry one sequence per example
+        reference = {}
+        ref_sums = self.reference_logps(batch, inputs, split)
+        if ref_sums is not None:
+            ref_sums = ref_sums.to(sums.device)
+            reference = dict(reference_chosen_sum=ref_sums[:n], reference_rejected_sum=ref_sums[n:] if paired else None)
+        rejected = dict(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:]) if paired else {}
+        if self.unpaired:
+            kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.kl_reference_point(batch)
+            rejected.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
+        out = losses.compute_loss(self.loss_names, self.config.loss.weights, self.config.loss,
+                                  policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], **rejected, **reference)
+        metrics = dict(out.metrics)
+        metrics["entropy/chosen"] = entropy[:n].detach()
+        if paired:
+            metrics["entropy/rejected"] = entropy[n:].detach()
+        loss = out.losses.mean()
+        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
+            loss = loss - self.config.loss.entropy_coeff * entropy.mean()
+        return loss, {split_name(k, split): v for k, v in metrics.items()}
+
+    def autocast(self):
+        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the
+        weights stay in model_dtype, and there is no gradient reduction for reduce_dtype to apply to)."""
+        mp = self.config.fsdp.mixed_precision
+        if mp is None or not self.autocasts:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
+
+    def forward_options(self, entropy_grad: bool = False) -> dict:
+        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
+        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
+                "tiled": self.config.tiled_lm_head and self.tiles_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
+
+    # --- KTO's KL reference point ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def kl_reference_point(self, batch: dict) -> torch.Tensor:
+        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the batch's mismatched
+        (prompt, completion) rows (kl_* keys, see data.collate), over ALL ranks' rows of the step.
+
+        Detached (no_grad) by definition, so it is computed once per step, before the micro-batches, and every
+        micro-batch's loss uses the same value: the loss is the same for any split of the step (accumulation,
+        ranks), unlike a per-micro-batch estimate. The rows are scored in gradient_accumulation_steps chunks, so
+        this pass needs no more activation memory than a training micro-batch.
+        """
+        rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
+        average = losses.average_log_prob(losses.LOSSES[self.loss_names[0]], self.config.loss)
+        size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
+        for start in range(0, len(rows["input_ids"]), size):
+            chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
+            with self.autocast():
+                sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
+            if self.reference_model is not None and not self.config.loss.reference_free:
+                ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
+                with self.reference_context():
+                    sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
+            logratios = losses.sequence_logps(sums, counts, average)
+            total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
+        # every rank's (sum, count): two numbers per rank, on self.device (NCCL gathers CUDA tensors only)
+        total = all_gather_if_needed(total[None], self.rank, self.world_size).sum(0)
+        return (total[0] / total[1]).float().reshape(1)
+
+    def step_statistics(self, batch: dict) -> dict:
+        """What a loss needs from the whole step before it is split into micro-batches: KTO's KL reference point,
+        stored per row (so micro-batch splitting slices it like any other column), its kl_* rows dropped."""
+        if not self.unpaired:
+            return batch
+        kl = self.kl_reference_point(batch)
+        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
+        batch["kl_reference_point"] = kl.cpu().expand(len(batch["chosen_input_ids"])).clone()
+        return batch
+
+
+class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints):
+    """The loop in one process: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint
+    cadence. Several GPUs in one process: naive model parallel through `device_map`."""
+
+    # What FSDPTrainer does differently, as facts rather than overrides: in one process fsdp.mixed_precision is
+    # torch.autocast, the LM head may be tiled, and activation checkpointing wraps the blocks here.
+    autocasts, tiles_lm_head, checkpoints_when_built = True, True, True
+
+    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
+                 rank: int = 0, world_size: int = 1, tokenizer=None):
+        """One process trains `policy` against the frozen `reference_model` (None for reference-free losses)."""
+        self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
+        self.run_dir = Path(run_dir)
+        self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
+        self.lora = config.lora.r is not None
+        if self.lora and losses.needs_reference(config.loss_names, config.loss.reference_free):
+            # LoRA's reference is the policy itself with its adapters off (reference_context): one copy of the weights
+            self.reference_model = policy
+        self.loss_names = config.loss_names
+        self.sft_mode = losses.is_sft_only(self.loss_names)
+        self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
+        self.device = self.input_device(policy)
+        # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
+        # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
+        use_compile = config.fsdp.use_torch_compile
+        self.entropy_kwargs = dict(chunking=config.fsdp.entropy_from_logits_with_chunking,
+                                   checkpointing=config.fsdp.entropy_checkpointing,
+                                   use_compile=self.device.type == "cuda" if use_compile is None else use_compile)
+        if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
+            self.flops_params = flops_params(policy)
+        if config.activation_checkpointing and self.checkpoints_when_built:
+            checkpoint_blocks(policy, tuple(block_classes(policy, config.fsdp.wrap_policy)))
+        self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
+        self.batch_counter = 0    # optimizer steps taken (or skipped as non-finite)
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.last_log = 0.0
+        self.wandb_run = None
+
+        cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
+        self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
+                                sft_mode=self.sft_mode, cache_dir=cache_dir, truncation_mode=config.truncation_mode)
+        eval_kwargs = self.data_kwargs
+        if self.unpaired:
+            self.data_kwargs = dict(self.data_kwargs, unpaired=True, pairs_to_unpaired=config.pairs_to_unpaired)
+            # pairs_to_unpaired: training sees each pair as two labelled completions; eval keeps the pairs, so that
+            # rewards_eval/accuracies ranks chosen over rejected as for DPO
+            eval_kwargs = self.data_kwargs if not config.pairs_to_unpaired else eval_kwargs
+        self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
+        self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
+                                          n_examples=config.n_examples)
+        # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
+        # size), rather than refused for the size of a batch the user may never have chosen.
+        n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **eval_kwargs)
+        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
+        if self.eval_batch_size < config.eval_batch_size:
+            rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
+                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, world size {world_size}")
+        self.eval_batches = list(data.get_batch_iterator(
+            config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
+            n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
+            kl_rows=self.unpaired, **eval_kwargs))
+        self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
+        self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
+        self.print_geometry()
+
+    # --- hooks FSDPTrainer overrides ----------------------------------------------------------------------
+    def input_device(self, model: nn.Module) -> torch.device:
+        """Where inputs go: the device of the input embeddings (the first GPU under device_map)."""
+        return model.get_input_embeddings().weight.device
+
+    def no_sync(self, last_micro_batch: bool):
+        return contextlib.nullcontext()  # one process: nothing to sync
+
+    def params_on_device(self):
+        return contextlib.nullcontext()  # one process: the parameters never leave their device
+
+    def clip_gradient(self) -> float:
+        return torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm).item()
+
+    def step_optimizer(self) -> None:
+        self.optimizer.step()
+
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        return model.generate(**kwargs)
+
+    def gather_objects(self, items: list) -> list:
+        return items  # one process: already everything
+
+    def barrier(self) -> None:
+        pass  # one process
+
+    def all_ranks_finite(self, finite: bool) -> bool:
+        return finite  # one process: its own decision
+
+    def show_bars(self) -> bool:
+        """tqdm bars only on rank 0 and only on a terminal: in a log file they are \r-redraw noise."""
+        return self.rank == 0 and sys.stderr.isatty()
+
+    # --- geometry ---------------------------------------------------------------------------------------
+    def print_geometry(self) -> None:
+        c = self.config
+        per_rank = c.batch_size // self.world_size
+        rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
+                    f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
+                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
+                    f" in batches of {self.eval_batch_size}")
+
+    # --- one optimizer step ------------------------------------------------------------------------------
+    def train_step(self, batch: dict) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches of this rank's batch, then one guarded step."""
+        self.policy.train()
+        batch = self.step_statistics(batch)
+        budget = self.config.max_tokens_per_microbatch
+        micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
+        n = len(batch["chosen_input_ids"])
+        step_metrics = defaultdict(list)
+        for i, micro in enumerate(micro_batches):
+            with self.no_sync(last_micro_batch=i == len(micro_batches) - 1):
+                loss, metrics = self.get_batch_metrics(micro, "train")
+                # weighted by its share of the batch: the summed gradient is that of the batch's mean loss
+                (loss * len(micro["chosen_input_ids"]) / n).backward()
+            for name, v in metrics.items():
+                step_metrics[name].append(v.detach())
+        # What the step's FLOPs are counted from (throughput): real tokens, the positions the LM head scores, and
+        # the sum of squared sequence lengths (query-key pairs of attention).
+        sides = [side for side in ("chosen", "rejected") if f"{side}_input_ids" in batch]
+        lengths = torch.cat([batch[f"{side}_attention_mask"].sum(-1) for side in sides]).double()
+        scored = sum(int((batch[f"{side}_labels"][:, 1:] != losses.IGNORE_INDEX).sum()) for side in sides)
+        for name, value in (("tokens", lengths.sum().item()), ("scored_tokens", scored), ("attention_pairs", (lengths ** 2).sum().item())):
+            step_metrics[name] = [torch.tensor([float(value)], device=self.device)]
+        grad_norm = self.clip_gradient()
+        finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for name, v in step_metrics.items() if name.startswith("loss"))
+        finite = self.all_ranks_finite(finite)  # every rank steps, or every rank skips
+        if finite:
+            self.step_optimizer()
+            self.scheduler.step()
+            self.nonfinite_in_a_row = 0
+        else:  # skip: parameters, optimizer state and schedule stay exactly as they were
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
+                        f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
+        self.optimizer.zero_grad(set_to_none=True)
+        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
+        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
+        for name in ("tokens", "scored_tokens", "attention_pairs"):
+            mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
+        mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
+        return mean
+
+    # --- logging -----------------------------------------------------------------------------------------
+    def init_logging(self, resumed_wandb_id: Optional[str]) -> None:
+        if self.rank != 0 or self.config.debug or not self.config.wandb.enabled:
+            return
+        online = bool(os.environ.get("WANDB_API_KEY")) or Path("~/.netrc").expanduser().exists()
+        mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
+        self.wandb_run = _wandb().init(entity=self.config.wandb.entity, project=self.config.wandb.project,
+                                    name=self.config.exp_name, dir=str(self.run_dir), mode=mode,
+                                    config=self.config.to_dict(), id=resumed_wandb_id, resume="allow" if resumed_wandb_id else None)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """One record: W&B (step = examples seen) and a line of run_dir/metrics.jsonl."""
+        if self.rank != 0:
+            return
+        record = {"step": self.example_counter, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: NaN/inf are logged as null
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=self.example_counter)
+
+    # --- the loop ----------------------------------------------------------------------------------------
+    def build_optimizer(self) -> None:
+        self.optimizer = OPTIMIZERS[self.config.optimizer]([p for p in self.policy.parameters() if p.requires_grad], self.config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.config.warmup_steps, self.total_steps, self.config.scheduler))
+
+    def train_batches(self) -> Iterator[dict]:
+        return data.get_batch_iterator(
+            self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
+            n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
+            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True,
+            kl_rows=self.unpaired, **self.data_kwargs)
+
+    def train(self) -> None:
+        """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
+        if self.config.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
+            self.init_logging(None)
+            self.evaluate_and_log()
+            return
+        self.build_optimizer()
+        self.precompute_reference()
+        wandb_id = self.maybe_resume()
+        self.init_logging(wandb_id)
+        self.barrier()  # W&B starts on rank 0 alone (up to minutes online); the others wait here, not in a collective
+        resumed_at = self.example_counter if self.config.resume_from else None  # its eval and save already happened
+        bar = tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.show_bars(),
+                        dynamic_ncols=True)
+        last_progress = time.time()
+        start, start_examples = time.time(), self.example_counter
+        for batch in self.train_batches():
+            if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
+                if self.example_counter > 0 or self.config.do_first_eval:
+                    self.evaluate_and_log()
+                if self.example_counter > 0:
+                    self.save_checkpoint()
+            step_start = time.time()
+            with self.params_on_device():
+                metrics = self.train_step(batch)
+            metrics.update(self.throughput(metrics.pop("tokens"), time.time() - step_start,
+                                           metrics.pop("scored_tokens"), metrics.pop("attention_pairs")))
+            self.batch_counter += 1
+            self.example_counter += self.config.batch_size
+            self.update_reference()
+            rate = (self.example_counter - start_examples) / max(1e-9, time.time() - start)
+            bar.update(1)
+            bar.set_postfix(pairs_per_s=f"{rate:.2f}", loss=f"{metrics.get('loss/train', float('nan')):.4f}")
+            if self.rank == 0 and bar.disable and (time.time() - last_progress >= PROGRESS_EVERY_SECS
+                                                   or self.batch_counter == self.total_steps):
+                # a log file gets plain lines instead of the bar's \r redraws
+                print(f"progress: step {self.batch_counter}/{self.total_steps}, pairs seen {self.example_counter},"
+                      f" pairs/s {rate:.2f}, loss/train {metrics.get('loss/train', float('nan')):.4f}", flush=True)
+                last_progress = time.time()
+            if time.time() - self.last_log >= self.config.minimum_log_interval_secs:
+                self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
+                          "counters/updates": self.batch_counter})
+                self.last_log = time.time()
+            if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
+                self.save_checkpoint()
+                raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
+                                     f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
+        bar.close()
+        if self.example_counter != resumed_at:
+            self.evaluate_and_log()
+            self.save_checkpoint()
+
+    def throughput(self, tokens: float, seconds: float, scored_tokens: float = 0.0, attention_pairs: float = 0.0
+                   ) -> dict[str, float]:
+        """pairs/s, real tokens/s and two model FLOPs utilizations of one step, over the peak:
+
+        throughput/mfu: the 6N rule, 6 N FLOPs per trained token plus 2 N per token through an online reference
+            (N = parameters outside the input embedding), as usually reported; it counts the LM head at every
+            token and no attention.
+        throughput/mfu_executed: the matmuls the step runs on its real tokens (executed_flops): the LM head only
+            at the positions it projects (the scored ones under tiled_lm_head), attention included.
+        """
+        if not hasattr(self, "peak_flops"):
+            self.peak_flops, source = measure_peak_flops(self.config, self.device)
+            rank0_print(f"MFU peak: {self.peak_flops / 1e12:.3f} TFLOP/s ({source})")
+        reference = self.reference_model is not None
+        per_token = 6 * self.flops_params + (2 * self.flops_params if reference else 0)
+        head_positions = scored_tokens if self.forward_options()["tiled"] else tokens
+        executed = executed_flops(flops_shape(self.policy, self.flops_params), tokens, head_positions, attention_pairs,
+                                  passes=3 + (1 if reference else 0))
+        return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
+                "throughput/mfu": per_token * tokens / seconds / self.peak_flops,
+                "throughput/mfu_executed": executed / seconds / self.peak_flops}
+
+
+
 # ------------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ------------------------------------------------------------------------------------------------------
 def sampling_seed(seed: int, examples_seen: int, batch_index: int) -> int:
     """The seed of one eval batch's samples: a pure function of the run's seed, the training pairs seen and the
     batch, mixed by numpy's SeedSequence (so nearby inputs give unrelated streams)."""
-    import numpy as np
     return int(np.random.SeedSequence([seed, examples_seen, batch_index]).generate_state(1)[0])
 
 
@@ -868,7 +919,6 @@ def measure_peak_flops(config, device: torch.device) -> tuple[float, str]:
     run's compute dtype (one second of work; an estimate of what this device reaches, not its datasheet)."""
     if config.peak_tflops:
         return config.peak_tflops * 1e12, "peak_tflops from the config"
-    from utils import dtype_of
     mp = config.fsdp.mixed_precision
     dtype = dtype_of(mp.get("param_dtype", config.fsdp.dtype) if mp else config.fsdp.model_dtype)
     n = 1024
@@ -929,7 +979,6 @@ def write_manifest(ckpt: Path) -> None:
     Written last: a manifest vouches for files that are complete and on disk (each is fsynced as it is hashed),
     so a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as wrong weights.
     """
-    import hashlib
     files, sha256 = {}, {}
     for p in sorted(ckpt.rglob("*")):
         name = str(p.relative_to(ckpt))
@@ -948,7 +997,6 @@ def validate_checkpoint(ckpt: Path) -> Path:
     Nothing is loaded from a checkpoint that fails; the message names each bad file and the earlier
     complete checkpoints of the run, to which LATEST can be pointed by hand.
     """
-    import hashlib
     run_dir = ckpt.parent
     earlier = sorted((p.name for p in run_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
                       and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()),
@@ -999,7 +1047,6 @@ def check_compatible(state: dict, config, world_size: int) -> None:
                   "max_prompt_length", "truncation_mode", "ref_update", "lora", "pairs_to_unpaired")
     original = Path(config.resume_from or "") / "config.yaml"
     if config.resume_from and original.is_file():  # what the run was started with
-        import yaml
 
         def flat(d: dict, prefix: str = "") -> dict:
             return {k2: v2 for k, v in d.items()
@@ -1013,11 +1060,11 @@ def check_compatible(state: dict, config, world_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-# FSDPTrainer: the distributed part. Everything below runs with an initialized process group.
+# Sharding: FSDP1 or FSDP2, one object chosen once from fsdp.strategy. Everything below runs with an
+# initialized process group.
 # ------------------------------------------------------------------------------------------------------
 def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
     """The transformer block classes to wrap: fsdp.wrap_policy's names, else the model's _no_split_modules."""
-    from utils import find_block_class_names, get_block_class_from_model
     names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
     if not names:
         candidates = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Module) and len(list(m.children())) > 1})
@@ -1046,8 +1093,6 @@ def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
     """Recompute each block of class `units` in backward (NO_REENTRANT), as the original FSDPTrainer did.
 
     Unlike the original, a failure to import or apply the wrapper is an error, not a printed warning."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda m: isinstance(m, units))
@@ -1055,66 +1100,35 @@ def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
     rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
 
 
-class FSDPTrainer(BasicTrainer):
-    """Shards policy and reference over all ranks with FSDP1 (`fsdp.strategy=fsdp`) or FSDP2 (`fsdp2`).
+class Sharding:
+    """How a model is sharded over the ranks, and the few things that then differ: the interface FSDPTrainer
+    calls. FSDP1 and FSDP2 implement it; `SHARDINGS[fsdp.strategy]` picks one, once. The state-dict methods are
+    the same for both (torch.distributed.checkpoint reads either), so they live here.
 
-    As the original: each transformer block is its own FSDP unit (FULL_SHARD, BACKWARD_PRE prefetch,
-    MixedPrecision), with NO_REENTRANT activation checkpointing per block when asked. Every field of
-    `config.fsdp` is read here or rejected by config.validate.
+    As the original: each transformer block is its own unit (FULL_SHARD, BACKWARD_PRE prefetch for FSDP1, mixed
+    precision), with NO_REENTRANT activation checkpointing per block when asked.
     """
 
-    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None):
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
-        # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        self.fsdp, self.rank = config.fsdp, rank
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
-        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self.flops_params = flops_params(policy)  # meta tensors know their shapes too
+    def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
+        self.fsdp, self.device, self.rank = fsdp, device, rank
         self.mesh = self.build_mesh(world_size)
-        self.blocks = self.wrap_units(policy)
-        rank0_print(f"sharding policy with {self.fsdp.strategy} ({self.describe()})")
-        policy = self.shard(policy, checkpoint=config.activation_checkpointing)
-        if reference_model is not None:
-            rank0_print("sharding reference model (forward only)")
-            reference_model = self.shard(reference_model, checkpoint=False,
-                                         mixed_precision=config.model.reference_mixed_precision)
-        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
+        # ("min_num_params", n) for a size policy, else the set of block classes that become units
+        if fsdp.wrap_policy.get("min_num_params") is not None:
+            self.blocks = ("min_num_params", fsdp.wrap_policy["min_num_params"])
+        else:
+            self.blocks = block_classes(policy, fsdp.wrap_policy)
 
-    # --- wrapping -----------------------------------------------------------------------------------------
     def build_mesh(self, world_size: int):
         """A 1-D mesh (shard over all ranks) or, when 1 <= fsdp_size < world, 2-D (replicate x shard)."""
-        from torch.distributed.device_mesh import init_device_mesh
         size = self.fsdp.fsdp_size
         if size in (-1, world_size):
             return init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("shard",))
         return init_device_mesh(self.device.type, (world_size // size, size), mesh_dim_names=("replicate", "shard"))
 
-    def wrap_units(self, model: nn.Module):
-        if self.fsdp.wrap_policy.get("min_num_params") is not None:
-            return ("min_num_params", self.fsdp.wrap_policy["min_num_params"])
-        return block_classes(model, self.fsdp.wrap_policy)
-
-    def unit_modules(self, model: nn.Module) -> list[nn.Module]:
-        """The modules that become FSDP2 units; a checkpointed block's unit is its checkpoint wrapper."""
-        if isinstance(self.blocks, tuple):
-            return size_based_modules(model, self.blocks[1])
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-        blocks = tuple(self.blocks)
-        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
-        return [m for m in model.modules() if (isinstance(m, blocks) and id(m) not in wrapped)
-                or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
-
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
         """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to
         fp32 (as verl): gradients summed over ranks in bf16 lose bits, and rotary `inv_freq` tables rounded to
         bf16 shift every angle by up to 0.4% of its value, an error that grows with the position."""
-        from utils import dtype_of
         mp = self.fsdp.mixed_precision
         if mp is None:
             return None
@@ -1122,21 +1136,73 @@ class FSDPTrainer(BasicTrainer):
                 "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")), "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32"))}
 
     def describe(self) -> str:
-        return (f"units {sorted(getattr(b, '__name__', str(b)) for b in self.blocks) if not isinstance(self.blocks, tuple) else self.blocks},"
-                f" mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward},"
+        units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
+        return (f"units {units}, mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward},"
                 f" mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
 
+    # --- what differs between FSDP1 and FSDP2 --------------------------------------------------------------
     def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
-        """`mixed_precision=False`: the model computes in the dtype it was loaded in (the reference, unless
-        model.reference_mixed_precision)."""
-        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
-        fsdp = self.shard_fsdp2 if self.fsdp.strategy == "fsdp2" else self.shard_fsdp1
-        return fsdp(model, checkpoint, dtypes)
+        """The sharded model. `mixed_precision=False`: it computes in the dtype it was loaded in (the reference,
+        unless model.reference_mixed_precision)."""
+        raise NotImplementedError
 
-    def shard_fsdp1(self, model: nn.Module, checkpoint: bool, dtypes: Optional[dict]) -> nn.Module:
-        from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision,
-                                            ShardingStrategy)
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+    def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
+        """A context for one micro-batch's backward: gradients are reduced across ranks only on the last."""
+        raise NotImplementedError
+
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        """Clip the gradients of all shards together; returns the global norm before clipping."""
+        raise NotImplementedError
+
+    def params_on_device(self, model: nn.Module):
+        """A context in which the parameters are on the device (they may live on CPU between uses)."""
+        return contextlib.nullcontext()
+
+    def after_reference_update(self, model: nn.Module) -> None:
+        """Called after TR-DPO changed a forward-only model's shards in place (FSDP2 reshards every unit after
+        forward: nothing to do)."""
+
+    # --- the same for both ---------------------------------------------------------------------------------
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        """Every rank runs the same number of forwards (synced_gpus) so that the all-gathers line up:
+        the original's sampling hung when ranks stopped at different lengths. Each forward runs through the
+        root FSDP1 unit (through_root_unit); FSDP2's units are hooks on the model itself."""
+        with through_root_unit(model):
+            return model.generate(**kwargs, synced_gpus=True)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The consolidated state dict on rank 0 (on CPU), {} on the others; a collective."""
+        # On CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu on CPU).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
+        state = get_model_state_dict(model, options=options)
+        return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
+
+    def save_sharded(self, model: nn.Module, optimizer, path: Path) -> None:
+        """Each rank's shard of model and optimizer state (torch.distributed.checkpoint)."""
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+    def load_sharded(self, model: nn.Module, optimizer, path: Path) -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def save_model_sharded(self, model: nn.Module, path: Path) -> None:
+        """Each rank's shard of a model without an optimizer (TR-DPO's reference)."""
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+
+    def load_model_sharded(self, model: nn.Module, path: Path) -> None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
+
+
+class FSDP1(Sharding):
+    """FullyShardedDataParallel: the model is wrapped, each unit a FlatParameter."""
+
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
+        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         if self.fsdp.offload_policy:
             raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
         if isinstance(self.blocks, tuple):
@@ -1156,7 +1222,7 @@ class FSDPTrainer(BasicTrainer):
         wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy,
                        # FSDP1's offload pins host memory, which needs a GPU; on a CPU-only machine the
                        # parameters are in host memory anyway.
-                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and self.device.type == "cuda"),
+                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),
                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
                        mixed_precision=MixedPrecision(**dtypes) if dtypes else None, device_id=self.device,
                        use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False,
@@ -1168,8 +1234,26 @@ class FSDPTrainer(BasicTrainer):
             checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
         return wrapped
 
-    def shard_fsdp2(self, model: nn.Module, checkpoint: bool, dtypes: Optional[dict]) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
+        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        return model.clip_grad_norm_(max_norm).item()
+
+    def after_reference_update(self, model: nn.Module) -> None:
+        """FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward, which a
+        forward-only model never runs), and its next forward reuses them without gathering: free them, so that it
+        gathers the updated shards."""
+        for unit in FSDP.fsdp_modules(model):
+            if unit._handle is not None and unit._handle.uses_sharded_strategy:
+                unit._handle.reshard(free_unsharded_flat_param=True)
+
+
+class FSDP2(Sharding):
+    """fully_shard: the model keeps its class, its parameters become DTensors, each unit's hooks all-gather."""
+
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
+        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
         # FSDP2 has no buffer dtype: buffers keep the dtype they were loaded in unless buffer_dtype is set explicitly
         # (then they are cast once, as FSDP1's buffer_dtype would).
@@ -1177,7 +1261,8 @@ class FSDPTrainer(BasicTrainer):
             for buffer in model.buffers():
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(dtypes["buffer_dtype"])
-        ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter        # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
+        ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter
+        # Pinned memory needs a GPU; without one the copies are plain CPU tensors anyway.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
         full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (others: meta)
         buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
@@ -1198,12 +1283,19 @@ class FSDPTrainer(BasicTrainer):
                 unit.set_modules_to_forward_prefetch([following])
         return model
 
+    def unit_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules that become FSDP2 units; a checkpointed block's unit is its checkpoint wrapper."""
+        if isinstance(self.blocks, tuple):
+            return size_based_modules(model, self.blocks[1])
+        blocks = tuple(self.blocks)
+        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+        return [m for m in model.modules() if (isinstance(m, blocks) and id(m) not in wrapped)
+                or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
+
     def load_from_rank0(self, model: nn.Module, full_state: dict, buffers: dict, cpu: bool, ties: list) -> None:
         """Allocate the sharded empty model, re-tie what `to_empty` untied (the sharded DTensor of a tied
         embedding must be ONE Parameter on every rank), then fill it: parameters and persistent buffers scattered
         from rank 0's full state dict, every buffer (rotary tables are not in the state dict) broadcast."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         model.to_empty(device="cpu" if cpu else self.device)
         retie(ties)
         set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -1212,53 +1304,75 @@ class FSDPTrainer(BasicTrainer):
                 buffer.copy_(buffers[name])
             dist.broadcast(buffer, src=0)
 
-    # --- what sharding changes in the loop ----------------------------------------------------------------
-    def input_device(self, model: nn.Module) -> torch.device:
-        return self.device
+    def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
+        model.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
 
-    def checkpoint_activations(self, policy: nn.Module) -> None:
-        pass  # done while sharding: after wrapping (FSDP1) or before (FSDP2)
-
-    def autocast(self):
-        return contextlib.nullcontext()  # FSDP's own MixedPrecision casts the parameters
-
-    def forward_options(self, entropy_grad: bool = False) -> dict:
-        # The root FSDP unit gathers the embeddings and the LM head in its own forward: it must run whole.
-        return dict(super().forward_options(entropy_grad), tiled=False)
-
-    def no_sync(self, last_micro_batch: bool):
-        """Gradients are reduced across ranks only on the last micro-batch of a step."""
-        if self.fsdp.strategy == "fsdp2":
-            self.policy.set_requires_gradient_sync(last_micro_batch)
-            return contextlib.nullcontext()
-        return contextlib.nullcontext() if last_micro_batch else self.policy.no_sync()
-
-    def clip_gradient(self) -> float:
-        if self.fsdp.strategy == "fsdp":
-            return self.policy.clip_grad_norm_(self.config.max_grad_norm).item()
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
     @contextlib.contextmanager
-    def params_on_device(self):
-        """FSDP2 with fsdp.param_offload: the (sharded) parameters live on CPU between steps and evaluations and
-        come to the device only while used, as verl offloads them (FSDP1 uses its own CPUOffload instead)."""
-        offload = self.fsdp.param_offload and self.fsdp.strategy == "fsdp2"
-        if offload:
-            self.policy.to(self.device)
+    def params_on_device(self, model: nn.Module):
+        """With fsdp.param_offload the (sharded) parameters live on CPU between steps and evaluations and come to
+        the device only while used, as verl offloads them (FSDP1 uses its own CPUOffload instead)."""
+        if self.fsdp.param_offload:
+            model.to(self.device)
         try:
             yield
         finally:
-            if offload:
-                self.policy.to("cpu")
+            if self.fsdp.param_offload:
+                model.to("cpu")
 
-    def train_step(self, batch: dict) -> dict[str, float]:
-        with self.params_on_device():
-            return super().train_step(batch)
 
-    def evaluate(self) -> dict[str, float]:
-        with self.params_on_device():
-            return super().evaluate()
+SHARDINGS: dict[str, type[Sharding]] = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
+
+
+class FSDPTrainer(BasicTrainer):
+    """BasicTrainer with policy and reference sharded over all ranks by `self.sharding` (FSDP1 or FSDP2, from
+    fsdp.strategy). Overrides what the original FSDPTrainer overrode (wrapping, clipping, saving, loading) and
+    the few hooks where several processes differ from one: input device, gradient sync, sampling, the
+    optimizer step with its state offloaded, gathering, barriers and the non-finite decision. Every field of
+    `config.fsdp` is read here, in the Sharding classes, or rejected by config.validate.
+    """
+    # FSDP's own mixed precision casts the parameters (no autocast); the root FSDP unit gathers the embeddings
+    # and the LM head in its own forward, so it must run whole (no tiled LM head); activation checkpointing is
+    # applied while sharding (after wrapping for FSDP1, before for FSDP2).
+    autocasts, tiles_lm_head, checkpoints_when_built = False, False, False
+
+    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
+                 rank: int = 0, world_size: int = 1, tokenizer=None):
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
+        # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
+        self.fsdp, self.rank = config.fsdp, rank
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
+        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.flops_params = flops_params(policy)  # meta tensors know their shapes too
+        self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, self.device, rank, world_size, policy)
+        rank0_print(f"sharding policy with {config.fsdp.strategy} ({self.sharding.describe()})")
+        policy = self.sharding.shard(policy, checkpoint=config.activation_checkpointing)
+        if reference_model is not None:
+            rank0_print("sharding reference model (forward only)")
+            reference_model = self.sharding.shard(reference_model, checkpoint=False,
+                                                  mixed_precision=config.model.reference_mixed_precision)
+        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
+
+    # --- what several processes change in the loop --------------------------------------------------------
+    def input_device(self, model: nn.Module) -> torch.device:
+        return self.device
+
+    def no_sync(self, last_micro_batch: bool):
+        return self.sharding.gradient_sync(self.policy, last_micro_batch)
+
+    def clip_gradient(self) -> float:
+        return self.sharding.clip(self.policy, self.config.max_grad_norm)
+
+    def params_on_device(self):
+        return self.sharding.params_on_device(self.policy)
 
     def step_optimizer(self) -> None:
         """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl)."""
@@ -1271,14 +1385,9 @@ class FSDPTrainer(BasicTrainer):
             move_optimizer_state(self.optimizer, torch.device("cpu"))
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
-        """Every rank runs the same number of forwards (synced_gpus) so that the all-gathers line up:
-        the original's sampling hung when ranks stopped at different lengths. Each forward runs through the
-        root FSDP1 unit (through_root_unit); FSDP2's units are hooks on the model itself."""
-        with through_root_unit(model):
-            return model.generate(**kwargs, synced_gpus=True)
+        return self.sharding.generate(model, **kwargs)
 
     def gather_objects(self, items: list) -> list:
-        import torch.distributed as dist
         out = [None] * self.world_size
         dist.all_gather_object(out, items)
         return [x for part in out for x in part]
@@ -1286,66 +1395,39 @@ class FSDPTrainer(BasicTrainer):
     def barrier(self) -> None:
         """Wait for rank 0's lone checkpoint work (writes, fsyncs, hashes): a barrier that slow disks do not
         time out (utils.RANK0_WORK_TIMEOUT, not collective_timeout_secs)."""
-        from utils import wait_for_rank0
         wait_for_rank0()
 
     def all_ranks_finite(self, finite: bool) -> bool:
         """The losses are per rank: one rank's NaN must skip the step on all ranks, or the shards diverge."""
-        from utils import all_ranks_true
         return all_ranks_true(finite, self.device)
 
     # --- checkpoints: sharded for resume, consolidated on rank 0 for everyone else -------------------------
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        # On CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu on CPU).
-        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
-        state = get_model_state_dict(self.policy, options=options)
-        return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
+        return self.sharding.full_state_dict(self.policy)
 
     def write_resume_state(self, tmp_dir: Path) -> None:
         """Sharded model and optimizer (torch.distributed.checkpoint) and each rank's RNG."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp_dir / "sharded"))
+        self.sharding.save_sharded(self.policy, self.optimizer, tmp_dir / "sharded")
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
 
+    # --- TR-DPO: the reference is trained state, sharded like the policy ------------------------------------
     def update_reference(self) -> bool:
-        updated = super().update_reference()
-        if updated and self.fsdp.strategy == "fsdp":
-            # FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward, which the
-            # reference never runs), and its next forward reuses them without gathering: free them, so that it
-            # gathers the updated shards. (FSDP2 reshards every unit after forward: nothing to do.)
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            for unit in FSDP.fsdp_modules(self.reference_model):
-                if unit._handle is not None and unit._handle.uses_sharded_strategy:
-                    unit._handle.reshard(free_unsharded_flat_param=True)
+        updated = super().update_reference()  # shard by shard, in place: no communication
+        if updated:
+            self.sharding.after_reference_update(self.reference_model)
         return updated
 
     def write_reference(self, tmp_dir: Path) -> None:
         """The TR-DPO reference, sharded like the policy (each rank writes its shards: no gather)."""
-        if self.config.ref_update.tau is None:
-            return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        dcp.save({"model": get_model_state_dict(self.reference_model)}, checkpoint_id=str(tmp_dir / "reference_sharded"))
+        if self.config.ref_update.tau is not None:
+            self.sharding.save_model_sharded(self.reference_model, tmp_dir / "reference_sharded")
 
     def load_reference(self, ckpt: Path) -> None:
-        if self.config.ref_update.tau is None:
-            return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-        state = {"model": get_model_state_dict(self.reference_model)}
-        dcp.load(state, checkpoint_id=str(ckpt / "reference_sharded"))
-        set_model_state_dict(self.reference_model, state["model"])
+        if self.config.ref_update.tau is not None:
+            self.sharding.load_model_sharded(self.reference_model, ckpt / "reference_sharded")
 
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        model_state, optim_state = get_state_dict(self.policy, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
-        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.sharding.load_sharded(self.policy, self.optimizer, ckpt / "sharded")
 
 
 @contextlib.contextmanager
@@ -1354,7 +1436,6 @@ def through_root_unit(model: nn.Module):
     unit's pre-forward (the all-gather of the embeddings, final norm and LM head, the input casts of mixed
     precision). Inside this block the inner model's forward goes through the root unit; the root then calls the
     inner model's own forward. Anything else (FSDP2, one process) is left as it is."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     if not isinstance(model, FSDP):
         yield
         return
@@ -1423,7 +1504,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def broadcast_module(model: nn.Module, rank: int) -> None:
     """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first,
     then are re-tied: the broadcast must see the same list of tensors on every rank)."""
-    import torch.distributed as dist
     if rank != 0:
         ties = tied_slots(model)
         model.to_empty(device="cpu")

@@ -12,8 +12,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from config import DTYPES
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -66,7 +69,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 def dtype_of(name: str) -> torch.dtype:
     """'bf16' / 'bfloat16' / 'fp32' / ... -> torch dtype (the config module validated the spelling)."""
-    from config import DTYPES
     return getattr(torch, DTYPES[name])
 
 
@@ -77,11 +79,7 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
     """Seed python, torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
+    np.random.seed(seed % 2**32)
     if full_determinism:
         # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

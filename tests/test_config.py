@@ -264,6 +264,24 @@ def test_config_reads_the_loss_registry_as_losses_py_declares_it():
         k: config._readers(k) for k in losses.hyperparameter_readers()}
 
 
+def test_loss_hyperparameters_are_declared_once_in_losses_py():
+    """losses.HYPERPARAMETERS is the one declaration: config.py reads it as text, LossConfig's fields and their
+    --help docs come from it, each range is enforced, and f_divergence's choices are the implemented ones."""
+    import losses
+    declared = {k: (h.default, h.doc, h.allowed) for k, h in losses.HYPERPARAMETERS.items()}
+    assert config.loss_hyperparameters() == declared
+    fields = {f.name: f for f in dataclasses.fields(config.LossConfig)}
+    for key, (default, doc, allowed) in declared.items():
+        assert fields[key].default == default and fields[key].metadata["doc"] == doc, key
+        assert f"  loss.{key}: {type(default).__name__} = {default!r}  # {doc}" in help_text(), key
+    assert set(declared["f_divergence"][2]) == set(losses.F_DIVERGENCES)
+    with pytest.raises(ConfigError) as info:
+        load_config(["loss=dpo", "loss.beta=0", "loss.label_smoothing=0.5", "loss.f_divergence=alpha_divergence",
+                     "loss.f_alpha=1.5"])
+    assert sorted(p.split("=")[0] for p in info.value.problems) == ["loss.beta", "loss.f_alpha", "loss.label_smoothing"]
+    load_config(["loss=dpo", "loss.label_smoothing=0.49", "loss.f_divergence=alpha_divergence", "loss.f_alpha=1"])
+
+
 def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
     """Presets restate defaults freely (dpo.yaml sets f_alpha: 0.5 for reverse_kl); only a value changed away
     from the default that no selected loss reads is refused, wherever it was set."""

@@ -27,6 +27,7 @@ import yaml
 
 import losses
 from losses import (
+    HYPERPARAMETERS,
     LOSSES,
     compute_loss,
     entropy_from_logits,
@@ -47,23 +48,9 @@ POLICY_CHOSEN = [-10.0, -15.0, -20.0]
 POLICY_REJECTED = [-15.0, -30.0, -45.0]
 A = [0.0, 5.0, 10.0]  # chosen log-ratios
 B = [0.0, -5.0, -10.0]  # rejected log-ratios
-ALL_HPARAMS = dict(  # every config key a loss may read, at the config defaults
-    beta=0.1,
-    label_smoothing=0.1,
-    gamma=1.0,
-    rpo_alpha=1.0,
-    orpo_lambda=0.1,
-    f_divergence="reverse_kl",
-    f_alpha=0.5,
-    discopop_tau=0.05,
-    desirable_weight=1.0,
-    undesirable_weight=1.0,
-)
-CONFIG_KEYS = {
-    "name", "weights", "beta", "label_smoothing", "reference_free", "average_log_prob",
-    "gamma", "rpo_alpha", "orpo_lambda", "f_divergence", "f_alpha", "discopop_tau",
-    "desirable_weight", "undesirable_weight",
-}
+# every config key a loss may read, at its declared default (label_smoothing: exo_pair needs it > 0)
+ALL_HPARAMS = dict({key: h.default for key, h in HYPERPARAMETERS.items()}, label_smoothing=0.1)
+CONFIG_KEYS = {"name", "weights", "reference_free", "average_log_prob", *HYPERPARAMETERS}
 KL = torch.tensor(2.0, dtype=torch.float64)  # KTO's KL reference point where a test passes pairs to every loss
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
 

@@ -290,3 +290,19 @@ def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_th
     assert torch.stack(halves).mean().item() == pytest.approx(whole.item(), abs=1e-6)
     own = [(sums(policy, rows) - sums(reference, rows)).mean().item() for rows in (slice(0, 4), slice(4, 8))]
     assert abs(own[0] - own[1]) > 0.05 and min(own) > 0  # so the split would matter for a per-micro-batch KL
+
+
+def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
+    """fsdp.strategy picks a Sharding implementation once (trainers.SHARDINGS); the loop never compares the
+    strategy name, so a new strategy is a new class and an entry, not branches through the file."""
+    import ast
+
+    import config
+    assert set(trainers.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
+    assert all(issubclass(cls, trainers.Sharding) for cls in trainers.SHARDINGS.values())
+    for cls in trainers.SHARDINGS.values():  # each implements what differs between the strategies
+        assert all(name in vars(cls) for name in ("shard", "gradient_sync", "clip")), cls
+    tree = ast.parse((REPO / "trainers.py").read_text())
+    compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
+    assert compared == [], f"trainers.py compares fsdp.strategy at lines {compared}"
