@@ -120,11 +120,9 @@ def test_loss_falls_when_overfitting_eight_pairs(tmp_path):
     assert losses[-1] < 0.05 < losses[0]
 
 
-def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
-    args = ["loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "minimum_log_interval_secs=0"]
-    full = train(tmp_path / "full", *args)
-    # The same run, killed right after its first checkpoint, then resumed.
-    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
+def kill_after_first_checkpoint(run_dir, *args) -> None:
+    """train.py with `args` into `run_dir`, SIGKILLed as soon as it prints that a checkpoint was written."""
+    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={run_dir}", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     for line in proc.stdout:
         if "checkpoint written" in line:
@@ -132,6 +130,13 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
             break
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
+    args = ["loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "minimum_log_interval_secs=0"]
+    full = train(tmp_path / "full", *args)
+    # The same run, killed right after its first checkpoint, then resumed.
+    kill_after_first_checkpoint(tmp_path / "cut", *args)
     assert (tmp_path / "cut" / "LATEST").resolve().name == "step-16"
     result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
     assert "resumed from" in result.stdout and "at 16 examples" in result.stdout
@@ -371,14 +376,7 @@ def test_tr_dpo_resumed_after_a_kill_ends_exactly_like_an_uninterrupted_run(tmp_
     policy AND reference end bit-identical (the reference's weights are in the checkpoint)."""
     args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "ref_update.tau=2", "sample_during_eval=false"]
     train(tmp_path / "full", *args)
-    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    for line in proc.stdout:
-        if "checkpoint written" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_first_checkpoint(tmp_path / "cut", *args)
     assert (tmp_path / "cut" / "step-16" / "reference.pt").is_file()
     result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
     assert "at 16 examples" in result.stdout
@@ -402,14 +400,7 @@ def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_p
     train(tmp_path / "full", *args)
     losses = [r["loss/train"] for r in metrics(tmp_path / "full") if "loss/train" in r]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0]
-    cmd = [sys.executable, "-u", str(REPO / "train.py"), *FAST, f"run_dir={tmp_path / 'cut'}", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    for line in proc.stdout:
-        if "checkpoint written" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_first_checkpoint(tmp_path / "cut", *args)
     result = train(tmp_path / "cut2", *args, f"resume_from={tmp_path / 'cut'}")
     assert "at 16 examples" in result.stdout
     full, cut = final_state(tmp_path / "full"), final_state(tmp_path / "cut")
