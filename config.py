@@ -315,7 +315,7 @@ class Config(BaseConfig):
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
     pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each training pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps the pairs")
-    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (one process; FSDP uses full logits)")
+    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (every trainer; under FSDP inside the root unit's forward)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
@@ -768,9 +768,6 @@ def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
         if cfg.gradient_accumulation_steps != 1:
             p.append(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch} and gradient_accumulation_steps="
                      f"{cfg.gradient_accumulation_steps}: the token budget decides the micro-batches; leave accumulation at 1")
-        if cfg.trainer == "FSDPTrainer":
-            p.append("max_tokens_per_microbatch: not supported yet with trainer=FSDPTrainer (ranks would run different"
-                     " numbers of micro-batches, and FSDP's collectives must line up)")
     if cfg.model.reference_mixed_precision and cfg.fsdp.mixed_precision is None:
         p.append("model.reference_mixed_precision=true: there is no mixed precision to give the reference"
                  " (fsdp.mixed_precision / model.fsdp_policy_mp is null)")
@@ -915,8 +912,6 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     else:
         problems += [f"fsdp.{k}={cfg.fsdp[k]!r}: only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
                      for k, s in STRATEGY_ONLY.items() if k in typed and s != cfg.fsdp.strategy]
-        if explicit.get("tiled_lm_head") == 2 and cfg.tiled_lm_head:
-            problems.append("tiled_lm_head=true: not supported yet with trainer=FSDPTrainer (its root unit must run the LM head)")
     if problems:
         raise ConfigError(problems)
     if cfg.exp_name is None:

@@ -169,7 +169,41 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     `packed_capacity` packs the sequences padding-free (packed_inputs). `tiled` runs only the backbone and
     projects the scored positions through the LM head in tiles (losses.linear_token_logps): no (rows, seq,
     vocab) logits ever exist. Both change how log-probs are computed, never the loss.
+
+    The ONE log-prob path of every trainer. Under FSDP (1 or 2) the whole computation runs as the forward of the
+    root unit (as_root_forward): the root's pre-forward gathers the embeddings, final norm and LM head, so the
+    tiled path may call the backbone and read the head's weight directly, and its post-forward hooks the
+    backward on the returned sums. In one process the model is called as is.
     """
+    options = dict(packed_capacity=packed_capacity, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad)
+    inner = model.module if isinstance(model, FSDP) else model
+    if not isinstance(model, FSDP) and not is_fsdp2_root(model):
+        return sequence_logps(model, model, inputs, **options)
+    with as_root_forward(inner, lambda: sequence_logps(inner, functools.partial(type(inner).forward, inner), inputs, **options)):
+        return model()
+
+
+def is_fsdp2_root(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def as_root_forward(inner: nn.Module, compute):
+    """While inside, `inner`'s forward is `compute()`: calling the FSDP root (the FSDP1 wrapper of `inner`, or
+    `inner` itself under FSDP2) runs the root unit's pre-forward, then `compute`, then its post-forward. Nothing
+    is wrapped or renamed, so state dicts, checkpoints and the HF export keep the model's own keys."""
+    inner.forward = lambda *args, **kwargs: compute()
+    try:
+        yield
+    finally:
+        del inner.forward
+
+
+def sequence_logps(model: nn.Module, call, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
+                   tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False):
+    """forward_logps's computation on the causal LM `model`; `call(**kwargs)` runs its full forward (the model
+    itself, or its class forward when already inside the root unit's forward)."""
     n = inputs["input_ids"].size(0)
     kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
     if packed_capacity:
@@ -190,7 +224,7 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
                                         with_entropy=entropy is not None, **lm_head_extras(model.config))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
-        logits = model(**kwargs, use_cache=False).logits
+        logits = call(**kwargs, use_cache=False).logits
         labels, owner = labels.to(logits.device), owner.to(logits.device)
         scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
         logps = losses.per_token_logps(logits, labels)[0][scored]
@@ -577,7 +611,7 @@ class MicroBatchLoss:
     def forward_options(self, entropy_grad: bool = False) -> dict:
         """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
         return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and self.tiles_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
+                "tiled": self.config.tiled_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
 
     # --- KTO's KL reference point ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -624,8 +658,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     cadence. Several GPUs in one process: naive model parallel through `device_map`."""
 
     # What FSDPTrainer does differently, as facts rather than overrides: in one process fsdp.mixed_precision is
-    # torch.autocast, the LM head may be tiled, and activation checkpointing wraps the blocks here.
-    autocasts, tiles_lm_head, checkpoints_when_built = True, True, True
+    # torch.autocast, and activation checkpointing wraps the blocks here.
+    autocasts, checkpoints_when_built = True, True
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
@@ -699,6 +733,9 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     def clip_gradient(self) -> float:
         return torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm).item()
 
+    def agreed_micro_batches(self, count: int) -> int:
+        return count  # one process: nothing to line up
+
     def step_optimizer(self) -> None:
         self.optimizer.step()
 
@@ -734,15 +771,21 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         batch = self.step_statistics(batch)
         budget = self.config.max_tokens_per_microbatch
         micro_batches = split_by_tokens(batch, budget) if budget else split_batch(batch, self.config.gradient_accumulation_steps)
+        real = len(micro_batches)
+        # Under FSDP every forward and backward is a collective: all ranks run the same number of micro-batches.
+        # A rank with fewer token-budget micro-batches repeats its last one with weight 0 (no gradient, no metrics).
+        micro_batches += [micro_batches[-1]] * (self.agreed_micro_batches(real) - real)
         n = len(batch["chosen_input_ids"])
         step_metrics = defaultdict(list)
         for i, micro in enumerate(micro_batches):
             with self.no_sync(last_micro_batch=i == len(micro_batches) - 1):
                 loss, metrics = self.get_batch_metrics(micro, "train")
                 # weighted by its share of the batch: the summed gradient is that of the batch's mean loss
-                (loss * len(micro["chosen_input_ids"]) / n).backward()
-            for name, v in metrics.items():
-                step_metrics[name].append(v.detach())
+                weight = len(micro["chosen_input_ids"]) / n if i < real else 0.0
+                (loss * weight).backward()
+            if i < real:
+                for name, v in metrics.items():
+                    step_metrics[name].append(v.detach())
         # What the step's FLOPs are counted from (throughput): real tokens, the positions the LM head scores, and
         # the sum of squared sequence lengths (query-key pairs of attention).
         sides = [side for side in ("chosen", "rejected") if f"{side}_input_ids" in batch]
@@ -1335,10 +1378,10 @@ class FSDPTrainer(BasicTrainer):
     optimizer step with its state offloaded, gathering, barriers and the non-finite decision. Every field of
     `config.fsdp` is read here, in the Sharding classes, or rejected by config.validate.
     """
-    # FSDP's own mixed precision casts the parameters (no autocast); the root FSDP unit gathers the embeddings
-    # and the LM head in its own forward, so it must run whole (no tiled LM head); activation checkpointing is
-    # applied while sharding (after wrapping for FSDP1, before for FSDP2).
-    autocasts, tiles_lm_head, checkpoints_when_built = False, False, False
+    # FSDP's own mixed precision casts the parameters (no autocast); log-probs (plain, tiled or packed) are the
+    # root unit's forward (forward_logps); activation checkpointing is applied while sharding (after wrapping for
+    # FSDP1, before for FSDP2).
+    autocasts, checkpoints_when_built = False, False
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
@@ -1370,6 +1413,13 @@ class FSDPTrainer(BasicTrainer):
 
     def clip_gradient(self) -> float:
         return self.sharding.clip(self.policy, self.config.max_grad_norm)
+
+    def agreed_micro_batches(self, count: int) -> int:
+        """The most micro-batches any rank has this step (max_tokens_per_microbatch splits each rank's pairs by
+        their lengths); one integer per rank, on self.device (NCCL reduces CUDA tensors only)."""
+        count = torch.tensor([count], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
 
     def params_on_device(self):
         return self.sharding.params_on_device(self.policy)

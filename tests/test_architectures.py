@@ -43,6 +43,8 @@ FAST = [LOCAL_DIRS, "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_ba
         f"model.tokenizer_name_or_path={architectures.TOKENIZER}"]
 ONE_STEP, TWO_STEPS = ["n_examples=8"], ["n_examples=16"]
 BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
+PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
+BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 130  # rank 0: 3 micro-batches, rank 1: 2
 ARCHS = list(architectures.ARCHITECTURES)
 TIED = [a for a in ARCHS if architectures.ARCHITECTURES[a][2]]
 ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no rotary table
@@ -68,9 +70,12 @@ def scenarios() -> dict[str, list[str]]:
     for arch in ARCHS:
         for strategy in ("fsdp", "fsdp2"):
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"
-            out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP]
+            out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP]  # tiled LM head (the default)
+            out[f"{arch}-{strategy}-packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *PACKED]
             if FULL or bf16_in_ci(arch, strategy):
                 out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
+    for arch, strategy in BUDGET:  # token-budget micro-batches: the ranks' counts differ, FSDP needs them equal
+        out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
         out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
         out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
@@ -127,6 +132,20 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         info["late_logps"] = late_token_logps(trainer.policy)
         info["buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.policy.buffers() if b.is_floating_point()})
         info["reference_buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.reference_model.buffers() if b.is_floating_point()})
+    # The tiled path reads the LM head's weight and never calls the head module: count its calls during training.
+    head = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_output_embeddings()
+    info["head_calls"] = 0
+
+    def count(*_):
+        info["head_calls"] += 1
+    hook = head.register_forward_hook(count)
+    split_by_tokens = trainers.split_by_tokens  # this rank's own token-budget micro-batches, before padding
+
+    def counted(batch, max_tokens):
+        out = split_by_tokens(batch, max_tokens)
+        info.setdefault("micro_batches", []).append(len(out))
+        return out
+    trainers.split_by_tokens = counted
     if name.endswith("interrupted"):
         save = trainer.save_checkpoint
 
@@ -138,6 +157,8 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         trainer.train()
     except Preempted:
         pass
+    hook.remove()
+    trainers.split_by_tokens = split_by_tokens
     info["tie_after_training"] = tie_state(trainer.policy)
     return info
 
@@ -185,7 +206,9 @@ def sharded(tmp_path_factory, models):
 def single(tmp_path_factory, models):
     """BasicTrainer in this process on the full batch, fp32 and bf16 autocast: what every sharded run must match."""
     out = tmp_path_factory.mktemp("arch_single")
-    runs = {f"{arch}-{precision}": [f"model.name_or_path={models[arch]}", *ONE_STEP, *(BF16 if precision == "bf16" else [])]
+    # fp32: the plain path (full logits, padded rows), which every sharded path (tiled, packed) must match
+    runs = {f"{arch}-{precision}": [f"model.name_or_path={models[arch]}", *ONE_STEP,
+                                    *(BF16 if precision == "bf16" else ["tiled_lm_head=false"])]
             for arch in ARCHS for precision in ("fp32", "bf16")}
     runs["gpt2-two-steps"] = [f"model.name_or_path={models['gpt2']}", *TWO_STEPS, "activation_checkpointing=true"]
     for name, args in runs.items():
@@ -266,13 +289,30 @@ def test_fsdp1_param_init_fn_keeps_ties(models, order):
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy):
-    """SGD, lr 1: parameters after one step = before - gradient; 2 ranks vs one process on the full batch."""
+    """SGD, lr 1: parameters after one step = before - gradient; 2 ranks vs one process on the full batch.
+    The sharded runs take the tiled LM head (fp32: the head module is never called) and the padding-free path
+    (packed: full logits); both equal the one-process plain path (full logits, padded rows) to 1e-5."""
     out, results = sharded
-    ok(results, f"{arch}-{strategy}-fp32")
     before = AutoModelForCausalLM.from_pretrained(models[arch]).state_dict()
     step = max_difference(final_state(single / f"{arch}-fp32"), {k: v for k, v in before.items() if k in final_state(single / f"{arch}-fp32")})
     assert step > 1e-3  # a real step happened
-    assert max_difference(final_state(out / f"{arch}-{strategy}-fp32"), final_state(single / f"{arch}-fp32")) <= 1e-5
+    for info in ok(results, f"{arch}-{strategy}-fp32"):
+        assert info["head_calls"] == 0  # tiled under FSDP: no full-logits forward of the policy
+    for info in ok(results, f"{arch}-{strategy}-packed"):
+        assert info["head_calls"] > 0
+    for path in ("fp32", "packed"):
+        assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
+
+
+@pytest.mark.parametrize("arch,strategy", BUDGET)
+def test_token_budget_under_fsdp_equals_one_process(sharded, single, arch, strategy):
+    """max_tokens_per_microbatch under FSDP: the two ranks split their pairs into different numbers of micro-
+    batches, agree on the larger (the other repeats its last with weight 0), and the step equals one process on
+    the full batch (plain path) to 1e-5."""
+    out, results = sharded
+    counts = [info["micro_batches"] for info in ok(results, f"{arch}-{strategy}-budget")]
+    assert counts[0] != counts[1]  # the case that needs agreeing
+    assert max_difference(final_state(out / f"{arch}-{strategy}-budget"), final_state(single / f"{arch}-fp32")) <= 1e-5
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
