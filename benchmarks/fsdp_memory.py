@@ -1,0 +1,94 @@
+"""Peak host memory per rank of one FSDP2 training step at Llama-3's vocabulary (128256): tiled LM head vs full logits.
+
+Each variant runs in a fresh pair of gloo ranks (torch.multiprocessing.spawn). Every rank builds the same
+random Llama-style model (hidden --hidden, --layers layers, untied head, vocab --vocab, fp32), shards each block
+and then the root with fully_shard (as trainers.FSDP2 does), and runs ONE forward + backward of the sum of
+sequence log-probs through trainers.forward_logps, the trainers' one log-prob path (under FSDP it is the root
+unit's forward). Each rank holds --rows sequences of --length tokens, the first --prompt of each unscored (as a
+DPO prompt).
+
+Peak = VmHWM after resetting it through /proc/self/clear_refs once the model is sharded and the inputs exist,
+minus VmRSS then: what the step itself adds, per rank.
+
+    python benchmarks/fsdp_memory.py                  # ~1 min on 2 CPU cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from logps_memory import GIB, status_kib  # noqa: E402  (it also puts the repo on sys.path)
+import trainers  # noqa: E402
+from utils import get_open_port  # noqa: E402
+
+
+def rank_step(rank: int, port: int, args, tiled: bool, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)  # two ranks share the two cores
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                      num_attention_heads=8, num_key_value_heads=8, intermediate_size=4 * args.hidden,
+                                      max_position_embeddings=args.length, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(4, args.vocab, (args.rows, args.length), generator=g)
+    labels = ids.clone()
+    labels[:, :args.prompt] = -100
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = status_kib("VmRSS")
+    start = time.time()
+    sums, counts, _ = trainers.forward_logps(model, inputs, tiled=tiled)
+    (sums / counts).sum().backward()
+    seconds = time.time() - start
+    peak = status_kib("VmHWM") - base
+    result = {"rank": rank, "tiled": tiled, "peak_gib": peak * 1024 / GIB, "base_gib": base * 1024 / GIB, "seconds": seconds}
+    Path(out, f"{'tiled' if tiled else 'full'}-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=128, help="unscored leading tokens of each sequence")
+    ap.add_argument("--out", default="/tmp/fsdp_memory")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = {}
+    for tiled in (False, True):
+        mp.spawn(rank_step, args=(get_open_port(), args, tiled, args.out), nprocs=2, join=True)
+        results[tiled] = [json.loads(Path(args.out, f"{'tiled' if tiled else 'full'}-{r}.json").read_text()) for r in range(2)]
+    logits_gib = args.rows * args.length * args.vocab * 4 / GIB
+    print(f"FSDP2, 2 gloo ranks, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.rows} x "
+          f"{args.length} tokens per rank ({args.prompt} prompt tokens unscored); full fp32 logits per rank = {logits_gib:.2f} GiB")
+    for tiled in (False, True):
+        for r in results[tiled]:
+            print(f"  {'tiled' if tiled else 'full '}  rank {r['rank']}  step_peak_gib={r['peak_gib']:.3f}  "
+                  f"rss_before_gib={r['base_gib']:.3f}  step_seconds={r['seconds']:.2f}")
+    ratio = max(r["peak_gib"] for r in results[True]) / max(r["peak_gib"] for r in results[False])
+    print(f"tiled_over_full_peak_ratio={ratio:.3f} (goal <= 0.35)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
