@@ -6,6 +6,7 @@ variant in a fresh subprocess, alternating ours and TRL, and prints one table:
     python -u benchmarks/bench_dpo.py                       # everything: ~17 min on 2 idle CPU cores
     python -u benchmarks/bench_dpo.py --which ours --rounds 1
     python -u benchmarks/bench_dpo.py --profile-only        # the one-step profile of ours, nothing else
+    python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
 
 Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
 ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
@@ -359,7 +360,8 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
     rdir.mkdir(parents=True)
     n = n_steps * BATCH
     cmd = [sys.executable, "-u", "train.py", "loss=dpo", f"datasets=[{meta['data'][str(n_steps)]}]",
-           f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", "trainer=BasicTrainer",
+           f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", f"trainer={args.trainer}",
+           *([f"fsdp.strategy={args.fsdp_strategy}"] if args.trainer == "FSDPTrainer" else []),
            "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}", f"max_length={MAX_LENGTH}",
            f"max_prompt_length={MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
            "n_eval_examples=8", f"eval_every={BATCH * 100000}", "wandb.enabled=false", "fsdp.use_torch_compile=false",
@@ -776,6 +778,9 @@ def main() -> int:
     ap.add_argument("--idle-wait", type=float, default=20.0,
                     help="before each run, wait up to this many seconds for other processes to leave the CPUs")
     ap.add_argument("--which", choices=("all", "ours", "trl"), default="all")
+    ap.add_argument("--trainer", choices=("BasicTrainer", "FSDPTrainer"), default="BasicTrainer",
+                    help="our trainer: FSDPTrainer starts 2 ranks on CPU (n_workers), the same global batch of 8 pairs")
+    ap.add_argument("--fsdp-strategy", choices=("fsdp", "fsdp2"), default="fsdp2", help="with --trainer FSDPTrainer")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset/extension of ours_best,ours_padded,ours_online,trl_best,trl_online "
                          "(default: all but trl_online, filtered by --which)")
