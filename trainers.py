@@ -1120,10 +1120,12 @@ def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]
     """Modules to shard under a size policy, leaves first: a module is wrapped once the parameters it holds
     that no wrapped descendant holds reach `min_num_params` (FSDP1's size_based_auto_wrap_policy, for FSDP2)."""
     chosen = []
+    # The LM head stays in the root unit: the tiled path reads its weight inside the root's forward, never calling it.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def remaining(module: nn.Module) -> int:
         n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())
-        if module is not model and n >= min_num_params:
+        if module is not model and module is not head and n >= min_num_params:
             chosen.append(module)
             return 0
         return n
@@ -1249,7 +1251,10 @@ class FSDP1(Sharding):
         if self.fsdp.offload_policy:
             raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
         if isinstance(self.blocks, tuple):
-            policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
+            size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
+            head = model.get_output_embeddings()  # stays in the root unit: the tiled path reads its weight there
+            policy = lambda module, recurse, nonwrapped_numel: (  # noqa: E731
+                size_policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) and (recurse or module is not head))
         else:
             policy = ModuleWrapPolicy(self.blocks)
         hybrid = self.mesh.ndim == 2
