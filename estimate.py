@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import config
+
 GiB = 2 ** 30
 CHUNK_ROWS = 1024  # losses.DEFAULT_CHUNK_SIZE: rows of one LM-head / entropy tile
 
@@ -185,9 +187,10 @@ def _sft(cfg) -> bool:
 
 
 def _needs_reference(cfg) -> bool:
-    """As losses.needs_reference, without importing torch (losses imports it): every loss but sft, simpo and orpo
-    reads a reference; tests/test_estimate.py checks the two agree for every registered loss."""
-    return not cfg.loss.reference_free and not set(cfg.loss_names) <= {"sft", "simpo", "orpo"}
+    """As losses.needs_reference, from the registry config.py reads without importing torch (one declaration:
+    each LossSpec's needs_reference); tests/test_estimate.py checks the two agree for every registered loss."""
+    registry = config.loss_registry()
+    return not cfg.loss.reference_free and any(registry[name]["needs_reference"] for name in cfg.loss_names)
 
 
 def world_size_of(cfg) -> int:
