@@ -166,7 +166,7 @@ class FSDPEngineConfig(EngineConfig):
     model_dtype: str = param("fp32", "dtype of the master weights the model is loaded in (alias: model.policy_dtype)")
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (needed for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype (bf16) for param_dtype; param_dtype defaults to fsdp.dtype, the other two to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
-    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism; > 1 is not supported yet")
+    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism: ranks per group that split every sequence (FSDPTrainer; divides the world size and the attention heads); 1 = off")
     entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
     use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA (on CPU the compile costs ~20 s per run for a logged figure)")
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
@@ -722,6 +722,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> list[str]:
             + _engine_problems(cfg, world_size))
 
 
+def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
+    """Ranks that each see different pairs, and how to name them in a message: the world size, or under Ulysses
+    sequence parallelism (whose groups share their pairs) world size / fsdp.ulysses_sequence_parallel_size."""
+    ws, sp = world_size or 1, cfg.fsdp.ulysses_sequence_parallel_size
+    if isinstance(sp, int) and sp > 1 and ws % sp == 0:
+        return ws // sp, f"data-parallel size (world size {ws} / fsdp.ulysses_sequence_parallel_size {sp})"
+    return ws, "world size"
+
+
 def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
     """The enumerated keys, sizes and counts, batch geometry, data and directories."""
     p = []
@@ -756,12 +765,12 @@ def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
             p.append(f"{key}={cfg[key]}: expected a positive number or null")
     if cfg.eval_every > 0 and cfg.batch_size > 0 and cfg.eval_every % cfg.batch_size:
         p.append(f"eval_every={cfg.eval_every}: expected a multiple of batch_size={cfg.batch_size} (evaluation happens between steps)")
-    ws = world_size or 1
+    ws, ranks = data_parallel_size(cfg, world_size)
     if cfg.batch_size > 0 and cfg.gradient_accumulation_steps > 0 and cfg.batch_size % (cfg.gradient_accumulation_steps * ws):
         p.append(f"batch_size={cfg.batch_size}: expected divisible by gradient_accumulation_steps={cfg.gradient_accumulation_steps}"
-                 f" x world size={ws}")
+                 f" x {ranks}={ws}")
     if cfg.eval_batch_size > 0 and cfg.eval_batch_size % ws:
-        p.append(f"eval_batch_size={cfg.eval_batch_size}: expected divisible by world size={ws}")
+        p.append(f"eval_batch_size={cfg.eval_batch_size}: expected divisible by {ranks}={ws}")
     if cfg.max_tokens_per_microbatch is not None:
         if cfg.max_tokens_per_microbatch <= 0:
             p.append(f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch}: expected a positive number or null")
@@ -785,7 +794,7 @@ def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
 def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
     """Loss names and weights, each hyperparameter in its declared range, losses that cannot split a step."""
     p = []
-    ws = world_size or 1
+    ws, ranks = data_parallel_size(cfg, world_size)
     loss = cfg.loss
     names = cfg.loss_names
     if not names or not all(isinstance(n, str) for n in names):
@@ -806,7 +815,7 @@ def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
     batch_level = [n for n in names if loss_registry().get(n, {}).get("batch_statistics")]
     split = [f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}"] * (cfg.gradient_accumulation_steps > 1)
     split += [f"max_tokens_per_microbatch={cfg.max_tokens_per_microbatch}"] * (cfg.max_tokens_per_microbatch is not None)
-    split += [f"world size {ws}"] * (ws > 1)
+    split += [f"{ranks} {ws}"] * (ws > 1)
     if batch_level and split:
         p.append(f"loss.name={loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} statistics of the whole batch (a sort or "
                  f"a mean over its pairs), so {' and '.join(split)} would change the loss by splitting the step; "
@@ -818,7 +827,7 @@ def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
         for key in ("batch_size", "eval_batch_size"):
             if cfg[key] // ws < 2:
                 p.append(f"{key}={cfg[key]}: {unpaired[0]} estimates its KL reference point from each completion paired with "
-                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank (world size {ws})")
+                         f"the next one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})")
         if cfg.precompute_ref_log_probs:
             p.append(f"precompute_ref_log_probs=true: not supported with loss {unpaired[0]} (its KL reference point needs the"
                      " reference on mismatched prompt/completion pairs of each batch)")
@@ -870,9 +879,14 @@ def _engine_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
         p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected -1 (all ranks) or a positive number")
     elif world_size and cfg.fsdp.fsdp_size > 0 and world_size % cfg.fsdp.fsdp_size:
         p.append(f"fsdp.fsdp_size={cfg.fsdp.fsdp_size}: expected a divisor of the world size {world_size}")
-    if cfg.fsdp.ulysses_sequence_parallel_size != 1:
-        p.append(f"fsdp.ulysses_sequence_parallel_size={cfg.fsdp.ulysses_sequence_parallel_size}: not supported yet"
-                 " (Ulysses sequence parallelism is not built); expected 1")
+    sp = cfg.fsdp.ulysses_sequence_parallel_size
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        p.append(f"fsdp.ulysses_sequence_parallel_size={sp!r}: expected a positive integer (1 = off)")
+    elif sp > 1 and cfg.trainer != "FSDPTrainer":
+        p.append(f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over ranks; it needs"
+                 f" trainer=FSDPTrainer (trainer={cfg.trainer} runs one process)")
+    elif sp > 1 and world_size and world_size % sp:
+        p.append(f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world_size}")
 
     mnp = cfg.fsdp.wrap_policy.get("min_num_params")
     if mnp is not None and (not isinstance(mnp, int) or isinstance(mnp, bool) or mnp < 0):

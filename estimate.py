@@ -129,11 +129,13 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     c = dtype_bytes(mp.get("param_dtype", cfg.fsdp.model_dtype)) if mp else w  # compute (activations)
     ref_online = _needs_reference(cfg) and not cfg.precompute_ref_log_probs
     pairs = 1 if _sft(cfg) else 2
-    micro = cfg.batch_size // world_size // (1 if cfg.max_tokens_per_microbatch else cfg.gradient_accumulation_steps)
+    sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
+    micro = cfg.batch_size // (world_size // sp) // (1 if cfg.max_tokens_per_microbatch else cfg.gradient_accumulation_steps)
     if cfg.max_tokens_per_microbatch:  # token budget: as many sequences as fit max_tokens real tokens
         tokens = min(micro * pairs * cfg.max_length, cfg.max_tokens_per_microbatch)
     else:
         tokens = micro * pairs * cfg.max_length
+    tokens = -(-tokens // sp)  # Ulysses: each rank holds 1/sp of every row's positions
     P = g.params
     out = {"parameters": P, "parameters per rank": P / shard, "micro-batch tokens": tokens}
     out["weights"] = P * w / shard
@@ -148,7 +150,7 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
         out["activations"] = g.layers * per_block
     out["activations"] += 2 * g.hidden * tokens * c  # final norm
     chunk_rows = min(tokens, CHUNK_ROWS)
-    tiled = cfg.tiled_lm_head and not fsdp and not cfg.loss.entropy_coeff
+    tiled = cfg.tiled_lm_head and not cfg.loss.entropy_coeff  # under FSDP too (forward_logps is the root's forward)
     if tiled:  # the logged entropy and the log-probs: a few (chunk, V) fp32 tiles at a time, never (tokens, V)
         out["logits"] = 4 * chunk_rows * g.vocab * 4
     else:  # the logits kept for backward, and beside them the fp32 softmax work of the logged entropy

@@ -159,9 +159,23 @@ def per_token_logps(
     """
     _check_shapes(logits, labels)
     shifted = _shift_labels(labels)
+    return target_logps(logits, shifted, chunk_size)[..., :-1], shifted[..., :-1] != IGNORE_INDEX
+
+
+def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """per_token_logps with the targets already aligned to the logits (no shift): log p(targets[b, t] | logits[b, t]).
+
+    Args:
+        logits: Shape (batch, seq, vocab).
+        targets: Shape (batch, seq); IGNORE_INDEX where not scored. Used where a row's positions are cut into
+            slices (sequence parallelism): the target of a slice's last position is the next slice's first token.
+
+    Returns:
+        Shape (batch, seq), fp32 (fp64 for fp64 logits), 0 where ignored.
+    """
+    _check_shapes(logits, targets)
     vocab = logits.shape[-1]
-    flat = _LabelLogProbs.apply(logits.reshape(-1, vocab), shifted.reshape(-1), chunk_size)
-    return flat.view(labels.shape)[..., :-1], shifted[..., :-1] != IGNORE_INDEX
+    return _LabelLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1), chunk_size).view(targets.shape)
 
 
 def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -> Tensor:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import estimate  # json and math only: --estimate must not wait for torch
 import run_manifest
-from config import ConfigError, OnFirstUse, help_text, load_config, to_yaml, validate
+from config import ConfigError, OnFirstUse, data_parallel_size, help_text, load_config, to_yaml, validate
 from estimate import EstimateError
 
 REPO = Path(__file__).resolve().parent
@@ -144,13 +144,31 @@ def check_inputs(cfg, world_size: int) -> None:
         raise ArchiveError(f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)")
     if cfg.resume_from:
         check_resumable(cfg, world_size)
+    if cfg.fsdp.ulysses_sequence_parallel_size > 1:
+        check_sequence_parallel(cfg)
     check_data(cfg, world_size)
+
+
+def check_sequence_parallel(cfg) -> None:
+    """Ulysses gives each rank of a group heads / sp whole attention heads: sp must divide the model's attention
+    heads (read from its config.json; no weights). Fewer key/value heads are repeated, so they need not divide."""
+    name = resolve_local(cfg.model.name_or_path)
+    sp = cfg.fsdp.ulysses_sequence_parallel_size
+    try:
+        heads = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code).num_attention_heads
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: cannot read the attention heads of model.name_or_path="
+                           f"{name!r} ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
+    if heads % sp:
+        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
+                           f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"])
 
 
 def check_data(cfg, world_size: int) -> None:
     """Tokenize both splits as the trainer will (the result is cached for it) and refuse data that leaves
     fewer training pairs than one step, or fewer eval pairs than ranks, naming each source and its drops."""
     tokenizer = load_tokenizer(cfg)
+    dp, ranks = data_parallel_size(cfg, world_size)
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,
                   sft_mode=losses.is_sft_only(cfg.loss_names), truncation_mode=cfg.truncation_mode,
                   cache_dir=str(utils.first_usable_dir(cfg.local_dirs) / "datasets"))
@@ -158,7 +176,7 @@ def check_data(cfg, world_size: int) -> None:
     modes = {"train": dict(unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired),
              "test": dict(unpaired=cfg.unpaired_loss and not cfg.pairs_to_unpaired)}
     for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
-                                ("test", world_size, f"world size {world_size} (one eval pair per rank)")):
+                                ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)")):
         examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **kwargs, **modes[split])
         if len(examples) < needed:
             per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "

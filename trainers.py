@@ -9,8 +9,9 @@ FSDP1 and FSDP2 implementations, picked once from fsdp.strategy (SHARDINGS), and
 policy and reference with its Sharding object and overrides what the original FSDPTrainer overrode (wrapping,
 clipping, saving, loading) and the few hooks where several processes differ from one (input device, gradient
 sync, sampling, offloaded optimizer step, gathering, barriers, the non-finite decision, TR-DPO's sharded
-reference). Every torch.distributed call of the training loop is in FSDPTrainer, the Sharding classes or utils.py's
-small helpers.
+reference). Every torch.distributed call of the training loop is in FSDPTrainer, the Sharding classes, utils.py's
+small helpers or ulysses.py (sequence parallelism: the all-to-alls around attention and the sum of the slices'
+log-probs, reached through forward_logps's `sequence_parallel`).
 
 A step: the rank-local batch is split into `gradient_accumulation_steps` micro-batches; each runs ONE
 policy forward over chosen and rejected concatenated (and one reference forward), the loss of each
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+import torch.nn.functional as F
 import tqdm
 import yaml
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -52,6 +54,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 
 import losses
 import preference_datasets as data
+import ulysses
 from utils import (all_gather_if_needed, all_ranks_true, atomic_write_text, dtype_of, find_block_class_names,
                    first_usable_dir, formatted_dict, fsync_dir, get_block_class_from_model, get_rng_state, rank0_print,
                    set_rng_state, wait_for_rank0)
@@ -89,19 +92,23 @@ def concatenated_inputs(batch: dict) -> dict[str, torch.Tensor]:
             for k, p in pads.items()}
 
 
-def padded_inputs(inputs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Model kwargs, labels (R, T) and the sequence each token belongs to (R, T; -1 on padding): one row each."""
+def padded_inputs(inputs: dict[str, torch.Tensor], multiple: int = 1) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Model kwargs, labels (R, T) and the sequence each token belongs to (R, T; -1 on padding): one row each,
+    T padded up to a multiple of `multiple` (the sequence-parallel size)."""
+    length = -(-inputs["input_ids"].size(1) // multiple) * multiple
+    pads = {"input_ids": 0, "attention_mask": 0, "labels": losses.IGNORE_INDEX}
+    inputs = {k: pad_to_length(inputs[k], length, p) for k, p in pads.items()}
     n, t = inputs["input_ids"].shape
     owner = torch.arange(n, device=inputs["input_ids"].device)[:, None].expand(n, t)
     owner = torch.where(inputs["attention_mask"].bool(), owner, -1)
     return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}, inputs["labels"], owner
 
 
-def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int, multiple: int = 1) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The same sequences without padding: packed first-fit-decreasing into rows of at most `capacity` tokens
     (or the longest sequence), position_ids restarting at 0 for each, attention confined to each sequence by a
     block-diagonal causal mask. Returns what `padded_inputs` returns. Sequences never share a row with padding
-    in between, and only the row ends are padded."""
+    in between, and only the row ends are padded (up to a multiple of `multiple`)."""
     lengths = inputs["attention_mask"].sum(1).tolist()
     capacity = max(capacity, max(lengths))
     rows: list[list[int]] = []
@@ -113,7 +120,7 @@ def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int) -> tuple[dict,
             slot = len(rows) - 1
         rows[slot].append(i)
         loads[slot] += lengths[i]
-    width, device = max(loads), inputs["input_ids"].device
+    width, device = -(-max(loads) // multiple) * multiple, inputs["input_ids"].device
     shape = (len(rows), width)
     ids = torch.zeros(shape, dtype=torch.long, device=device)
     labels = torch.full(shape, -100, dtype=torch.long, device=device)
@@ -162,20 +169,24 @@ def lm_head_extras(config) -> dict:
 
 
 def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
-                  tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False):
+                  tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
+                  sequence_parallel: Optional[ulysses.SequenceParallel] = None):
     """Per sequence: the summed log-probs of its labelled tokens (N,), their count (N,) and, with `entropy`
     (losses.entropy_from_logits kwargs), the policy's mean entropy over them (N,), else None.
 
     `packed_capacity` packs the sequences padding-free (packed_inputs). `tiled` runs only the backbone and
     projects the scored positions through the LM head in tiles (losses.linear_token_logps): no (rows, seq,
-    vocab) logits ever exist. Both change how log-probs are computed, never the loss.
+    vocab) logits ever exist. `sequence_parallel` (Ulysses, see ulysses.py): every rank of the group passes the
+    same `inputs`, runs the model on its slice of the positions, and gets the whole sequences' results. None of
+    the three changes what the log-probs are, only how they are computed.
 
     The ONE log-prob path of every trainer. Under FSDP (1 or 2) the whole computation runs as the forward of the
     root unit (as_root_forward): the root's pre-forward gathers the embeddings, final norm and LM head, so the
     tiled path may call the backbone and read the head's weight directly, and its post-forward hooks the
     backward on the returned sums. In one process the model is called as is.
     """
-    options = dict(packed_capacity=packed_capacity, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad)
+    options = dict(packed_capacity=packed_capacity, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad,
+                   sequence_parallel=sequence_parallel)
     inner = model.module if isinstance(model, FSDP) else model
     if not isinstance(model, FSDP) and not is_fsdp2_root(model):
         return sequence_logps(model, model, inputs, **options)
@@ -201,16 +212,27 @@ def as_root_forward(inner: nn.Module, compute):
 
 
 def sequence_logps(model: nn.Module, call, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
-                   tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False):
+                   tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
+                   sequence_parallel: Optional[ulysses.SequenceParallel] = None):
     """forward_logps's computation on the causal LM `model`; `call(**kwargs)` runs its full forward (the model
     itself, or its class forward when already inside the root unit's forward)."""
     n = inputs["input_ids"].size(0)
-    kwargs, labels, owner = packed_inputs(inputs, packed_capacity) if packed_capacity else padded_inputs(inputs)
-    if packed_capacity:
+    sp = sequence_parallel
+    multiple = sp.size if sp else 1
+    kwargs, labels, owner = packed_inputs(inputs, packed_capacity, multiple) if packed_capacity else padded_inputs(inputs, multiple)
+    # Output t predicts token t+1: position t's target is labels[t+1], owned by that token's sequence. Aligned this
+    # way, a row can be cut into slices of positions (sequence parallelism) and each slice scored on its own.
+    targets = F.pad(labels[:, 1:], (0, 1), value=losses.IGNORE_INDEX)
+    owner = F.pad(owner[:, 1:], (0, 1), value=-1)
+    if sp:
+        if not packed_capacity:
+            kwargs = ulysses.whole_row_inputs(kwargs, targets.size(1))
+        kwargs, targets, owner = ulysses.local_slice(kwargs, targets, owner, sp)
+    if kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config)
     # use_cache=False: training needs no KV cache, and a cache grows again when checkpointed blocks recompute.
     # Under device_map (several GPUs) the inputs sit on the first GPU, the backbone's output and the LM head on
-    # the last: labels, the scored-position mask and the owners follow the tensor they index (`to` is free when
+    # the last: targets, the scored-position mask and the owners follow the tensor they index (`to` is free when
     # the devices are the same), so every op below runs on one device.
     if tiled:
         backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
@@ -218,26 +240,28 @@ def sequence_logps(model: nn.Module, call, inputs: dict[str, torch.Tensor], *, p
         head = model.get_output_embeddings()
         # under autocast the backbone's output is in the compute dtype
         hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
-        labels, owner = labels.to(hidden.device), owner.to(hidden.device)
-        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
-        out = losses.linear_token_logps(hidden[:, :-1][scored], head.weight, labels[:, 1:][scored], head.bias,
+        targets, owner = targets.to(hidden.device), owner.to(hidden.device)
+        scored = targets != losses.IGNORE_INDEX
+        out = losses.linear_token_logps(hidden[scored], head.weight, targets[scored], head.bias,
                                         with_entropy=entropy is not None, **lm_head_extras(model.config))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
         logits = call(**kwargs, use_cache=False).logits
-        labels, owner = labels.to(logits.device), owner.to(logits.device)
-        scored = labels[:, 1:] != losses.IGNORE_INDEX  # output t predicts token t+1
-        logps = losses.per_token_logps(logits, labels)[0][scored]
+        targets, owner = targets.to(logits.device), owner.to(logits.device)
+        scored = targets != losses.IGNORE_INDEX
+        logps = losses.target_logps(logits, targets)[scored]
         token_entropy = None
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                token_entropy = losses.entropy_from_logits(logits, **entropy)[:, :-1][scored]
-    owner = owner[:, 1:][scored]
+                token_entropy = losses.entropy_from_logits(logits, **entropy)[scored]
+    owner = owner[scored]
     sums = logps.new_zeros(n).index_add(0, owner, logps)
     counts = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
-    mean_entropy = None
-    if token_entropy is not None:
-        mean_entropy = token_entropy.new_zeros(n).index_add(0, owner, token_entropy) / counts.clamp(min=1)
+    entropy_sums = None if token_entropy is None else token_entropy.new_zeros(n).index_add(0, owner, token_entropy)
+    if sp:  # each rank scored its slice of every sequence: add the slices (differentiably)
+        sums, counts = ulysses.sum_over_group(sums, sp), ulysses.sum_over_group(counts, sp)
+        entropy_sums = None if entropy_sums is None else ulysses.sum_over_group(entropy_sums, sp)
+    mean_entropy = None if entropy_sums is None else entropy_sums / counts.clamp(min=1)
     return sums, counts, mean_entropy
 
 
@@ -374,11 +398,11 @@ class Reference:
 
     @torch.no_grad()
     def reference_pass(self, examples: list, indices: list[int]) -> torch.Tensor:
-        """(len(indices), 2) reference sums; each rank takes every world_size-th example, and all ranks run the
-        same number of forwards (under FSDP every forward is a collective)."""
-        mine = indices[self.rank::self.world_size]
-        mine += mine[-1:] * (-(-len(indices) // self.world_size) - len(mine))
-        size = max(1, self.config.eval_batch_size // self.world_size)
+        """(len(indices), 2) reference sums; each data-parallel rank takes every dp_size-th example, and all ranks run
+        the same number of forwards (under FSDP every forward is a collective)."""
+        mine = indices[self.dp_rank::self.dp_size]
+        mine += mine[-1:] * (-(-len(indices) // self.dp_size) - len(mine))
+        size = max(1, self.config.eval_batch_size // self.dp_size)
         values = []
         for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=not self.show_bars(), mininterval=10):
             batch = data.collate([examples[i] for i in mine[start:start + size]], self.tokenizer.pad_token_id)
@@ -427,7 +451,7 @@ class EvaluationAndSampling:
     def sample_and_log(self) -> dict[str, float]:
         """Generate from policy and reference for n_eval_model_samples prompts (split over ranks); print,
         log a W&B table, and where the data has a checkable rule (the toy task) the rate samples follow it."""
-        n_local = -(-self.config.n_eval_model_samples // self.world_size)
+        n_local = -(-self.config.n_eval_model_samples // self.dp_size)
         prompts, policy_samples, reference_samples = [], [], []
         for i, batch in enumerate(self.eval_batches):  # every rank has as many eval batches: the loop ends together
             if len(prompts) >= n_local:
@@ -609,9 +633,10 @@ class MicroBatchLoss:
         return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
 
     def forward_options(self, entropy_grad: bool = False) -> dict:
-        """How log-probs are computed (never what they are): packed rows and/or the tiled LM head."""
+        """How log-probs are computed (never what they are): packed rows, the tiled LM head, sequence parallelism."""
         return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and not entropy_grad}  # a differentiable entropy needs full logits
+                "tiled": self.config.tiled_lm_head and not entropy_grad,  # a differentiable entropy needs full logits
+                "sequence_parallel": self.sequence_parallel}
 
     # --- KTO's KL reference point ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -660,11 +685,15 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     # What FSDPTrainer does differently, as facts rather than overrides: in one process fsdp.mixed_precision is
     # torch.autocast, and activation checkpointing wraps the blocks here.
     autocasts, checkpoints_when_built = True, True
+    sequence_parallel: Optional[ulysses.SequenceParallel] = None  # FSDPTrainer's Ulysses group, if any
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         """One process trains `policy` against the frozen `reference_model` (None for reference-free losses)."""
         self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
+        # Ranks that read different pairs: under Ulysses the `sp` ranks of a group read the same ones.
+        sp = self.sequence_parallel.size if self.sequence_parallel else 1
+        self.dp_rank, self.dp_size = rank // sp, world_size // sp
         self.run_dir = Path(run_dir)
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
         self.lora = config.lora.r is not None
@@ -707,13 +736,13 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
         # size), rather than refused for the size of a batch the user may never have chosen.
         n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **eval_kwargs)
-        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // world_size * world_size)
+        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // self.dp_size * self.dp_size)
         if self.eval_batch_size < config.eval_batch_size:
             rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
-                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, world size {world_size}")
+                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, data-parallel size {self.dp_size}")
         self.eval_batches = list(data.get_batch_iterator(
             config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
-            n_examples=config.n_eval_examples, seed=seed, rank=rank, world_size=world_size, silent=rank != 0,
+            n_examples=config.n_eval_examples, seed=seed, rank=self.dp_rank, world_size=self.dp_size, silent=rank != 0,
             kl_rows=self.unpaired, **eval_kwargs))
         self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
@@ -758,8 +787,10 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     # --- geometry ---------------------------------------------------------------------------------------
     def print_geometry(self) -> None:
         c = self.config
-        per_rank = c.batch_size // self.world_size
-        rank0_print(f"batch geometry: {c.batch_size} pairs per step = world size {self.world_size}"
+        per_rank = c.batch_size // self.dp_size
+        sp = self.sequence_parallel.size if self.sequence_parallel else 1
+        ranks = f"data-parallel {self.dp_size} (world size {self.world_size} = dp {self.dp_size} x sequence-parallel {sp})" if sp > 1 else f"world size {self.world_size}"
+        rank0_print(f"batch geometry: {c.batch_size} pairs per step = {ranks}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
                     f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
                     f" in batches of {self.eval_batch_size}")
@@ -809,7 +840,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
         mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
         for name in ("tokens", "scored_tokens", "attention_pairs"):
-            mean[name] *= self.world_size  # of the whole step, over all ranks (real tokens, no padding)
+            mean[name] *= self.dp_size  # of the whole step, over all data-parallel ranks (real tokens, no padding)
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
         return mean
 
@@ -842,8 +873,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     def train_batches(self) -> Iterator[dict]:
         return data.get_batch_iterator(
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
-            n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.rank,
-            world_size=self.world_size, start_example=self.example_counter, seed=self.seed, silent=True,
+            n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.dp_rank,
+            world_size=self.dp_size, start_example=self.example_counter, seed=self.seed, silent=True,
             kl_rows=self.unpaired, **self.data_kwargs)
 
     def train(self) -> None:
@@ -1400,6 +1431,11 @@ class FSDPTrainer(BasicTrainer):
         # FSDP1 on CPU works only with device_id=cpu (verified on torch 2.13 + gloo).
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         self.flops_params = flops_params(policy)  # meta tensors know their shapes too
+        if config.fsdp.ulysses_sequence_parallel_size > 1:  # before sharding: recomputed blocks attend through it too
+            self.sequence_parallel = ulysses.make_group(self.device, world_size, config.fsdp.ulysses_sequence_parallel_size)
+            for model in (policy, reference_model) if reference_model is not None else (policy,):
+                ulysses.install(model, self.sequence_parallel)
+            rank0_print(f"Ulysses sequence parallelism: groups of {self.sequence_parallel.size} ranks split every sequence")
         self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, self.device, rank, world_size, policy)
         rank0_print(f"sharding policy with {config.fsdp.strategy} ({self.sharding.describe()})")
         policy = self.sharding.shard(policy, checkpoint=config.activation_checkpointing)
@@ -1440,12 +1476,15 @@ class FSDPTrainer(BasicTrainer):
             move_optimizer_state(self.optimizer, torch.device("cpu"))
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
-        return self.sharding.generate(model, **kwargs)
+        with ulysses.paused():  # every rank generates from whole prompts
+            return self.sharding.generate(model, **kwargs)
 
     def gather_objects(self, items: list) -> list:
+        """Every data-parallel rank's items (the ranks of a Ulysses group hold the same ones: the first's are kept)."""
         out = [None] * self.world_size
         dist.all_gather_object(out, items)
-        return [x for part in out for x in part]
+        sp = self.sequence_parallel.size if self.sequence_parallel else 1
+        return [x for part in out[::sp] for x in part]
 
     def barrier(self) -> None:
         """Wait for rank 0's lone checkpoint work (writes, fsyncs, hashes): a barrier that slow disks do not
