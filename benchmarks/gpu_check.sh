@@ -64,6 +64,7 @@ else
                "${s}_bf16_offload|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;$offload;fsdp.optimizer_offload=true"
                "${s}_bf16_precomputed_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;precompute_ref_log_probs=true;padding_free=true")
     [ "$NGPU" -gt 1 ] && SETTINGS+=("${s}_bf16_replicate|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.fsdp_size=1")
+    [ $(( NGPU % 2 )) -eq 0 ] && SETTINGS+=("${s}_bf16_ulysses|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.ulysses_sequence_parallel_size=2")
   done
   SETTINGS+=("fsdp_bf16_orig_params|all|trainer=FSDPTrainer;fsdp.strategy=fsdp;$BF16_MP;fsdp.use_orig_params=true")
 fi

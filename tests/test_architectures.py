@@ -14,6 +14,7 @@ ONE pair of workers runs every scenario (spawning costs ~15 s of imports); the o
 """
 import contextlib
 import io
+import json
 import os
 import time
 from datetime import timedelta
@@ -45,6 +46,8 @@ ONE_STEP, TWO_STEPS = ["n_examples=8"], ["n_examples=16"]
 BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
 PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
 BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 130  # rank 0: 3 micro-batches, rank 1: 2
+SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the same 8 pairs, each half of every row
+SP_ARCHS = ["llama", "qwen2"]
 ARCHS = list(architectures.ARCHITECTURES)
 TIED = [a for a in ARCHS if architectures.ARCHITECTURES[a][2]]
 ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no rotary table
@@ -74,6 +77,14 @@ def scenarios() -> dict[str, list[str]]:
             out[f"{arch}-{strategy}-packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *PACKED]
             if FULL or bf16_in_ci(arch, strategy):
                 out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
+    for arch in SP_ARCHS:
+        for strategy in ("fsdp", "fsdp2"):
+            ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"  # recomputed attention too
+            out[f"{arch}-{strategy}-sp"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP]  # padded rows, tiled head
+            out[f"{arch}-{strategy}-sp_packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP, *PACKED]
+    # the reference precomputed (its pass splits rows too) and token-budget micro-batches, under sequence parallelism
+    out["qwen2-fsdp2-sp_budget"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
+                                    "precompute_ref_log_probs=true"]
     for arch, strategy in BUDGET:  # token-budget micro-batches: the ranks' counts differ, FSDP needs them equal
         out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
@@ -126,7 +137,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, resume[0].split("=", 1)[1] if resume else str(run_dir),
                                    reference, rank, world_size, tokenizer)
     info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference_model)}
-    if name.endswith("fp32"):
+    if name.endswith("fp32") or name.endswith("sp"):
         info["samples"] = sample(trainer, trainer.policy)  # the first forward of the run: no warm root unit
     if name.endswith("bf16"):
         info["late_logps"] = late_token_logps(trainer.policy)
@@ -134,11 +145,14 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         info["reference_buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.reference_model.buffers() if b.is_floating_point()})
     # The tiled path reads the LM head's weight and never calls the head module: count its calls during training.
     head = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_output_embeddings()
-    info["head_calls"] = 0
+    info["head_calls"], info["positions_seen"] = 0, set()
 
     def count(*_):
         info["head_calls"] += 1
     hook = head.register_forward_hook(count)
+    # the row lengths the policy's embedding sees while training (under Ulysses: this rank's slice of each row)
+    embedding = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_input_embeddings()
+    seen = embedding.register_forward_hook(lambda _m, args, _o: info["positions_seen"].add(args[0].shape[-1]))
     split_by_tokens = trainers.split_by_tokens  # this rank's own token-budget micro-batches, before padding
 
     def counted(batch, max_tokens):
@@ -157,7 +171,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         trainer.train()
     except Preempted:
         pass
-    hook.remove()
+    hook.remove(), seen.remove()
     trainers.split_by_tokens = split_by_tokens
     info["tie_after_training"] = tie_state(trainer.policy)
     return info
@@ -173,9 +187,12 @@ def worker(rank, world_size, port, out_dir, models):
             if name in results:
                 continue
             start = time.time()
+            printed = io.StringIO()
             try:
-                with contextlib.redirect_stdout(io.StringIO()):
+                with contextlib.redirect_stdout(printed):
                     results[name] = run_scenario(name, args, rank, world_size, Path(out_dir), models)
+                if "-sp" in name:
+                    results[name]["printed"] = printed.getvalue()
             except Exception as e:  # recorded, so one broken architecture does not hide the others' results
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
                 if "interrupted" in name:
@@ -304,6 +321,15 @@ def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy
         assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
 
 
+def test_ulysses_with_precomputed_reference_and_token_budget_equals_one_process(sharded, single):
+    """Sequence parallelism with the reference pass (before training, through the same split forward) and
+    token-budget micro-batches (several per step, the same on both ranks of the group): one step equals one process."""
+    out, results = sharded
+    counts = [info["micro_batches"] for info in ok(results, "qwen2-fsdp2-sp_budget")]
+    assert counts[0] == counts[1] and counts[0][0] > 1  # the group's ranks split the same pairs the same way
+    assert max_difference(final_state(out / "qwen2-fsdp2-sp_budget"), final_state(single / "qwen2-fp32")) <= 1e-5
+
+
 @pytest.mark.parametrize("arch,strategy", BUDGET)
 def test_token_budget_under_fsdp_equals_one_process(sharded, single, arch, strategy):
     """max_tokens_per_microbatch under FSDP: the two ranks split their pairs into different numbers of micro-
@@ -313,6 +339,31 @@ def test_token_budget_under_fsdp_equals_one_process(sharded, single, arch, strat
     counts = [info["micro_batches"] for info in ok(results, f"{arch}-{strategy}-budget")]
     assert counts[0] != counts[1]  # the case that needs agreeing
     assert max_difference(final_state(out / f"{arch}-{strategy}-budget"), final_state(single / f"{arch}-fp32")) <= 1e-5
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss/train" in r]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("arch", SP_ARCHS)
+def test_ulysses_step_equals_one_process(sharded, single, arch, strategy):
+    """fsdp.ulysses_sequence_parallel_size=2 on 2 ranks (dp 1 x sp 2): each rank's embedding sees half of every
+    row, attention sees whole rows through the all-to-all, and one DPO step's sequence log-probs, loss and
+    parameters equal one process on the same 8 pairs (1e-5), padded (tiled head) and packed (full logits), with
+    activation checkpointing (recomputed attention) on for one strategy and off for the other."""
+    out, results = sharded
+    expected = train_records(single / f"{arch}-fp32")[0]
+    assert "= data-parallel 1 (world size 2 = dp 1 x sequence-parallel 2) x accumulation 1 x micro-batch 8" in ok(results, f"{arch}-{strategy}-sp")[0]["printed"]
+    for path, unsplit in (("sp", "fp32"), ("sp_packed", "packed")):
+        widest = max(max(i["positions_seen"]) for i in ok(results, f"{arch}-{strategy}-{path}"))
+        # the same rows unsplit: each rank of that run held half of the 8 pairs, whole; the widest over both
+        whole = max(max(i["positions_seen"]) for i in ok(results, f"{arch}-{strategy}-{unsplit}"))
+        assert widest == -(-whole // 2), (path, widest, whole)  # each rank: half of every row, never a whole one
+        record = train_records(out / f"{arch}-{strategy}-{path}")[0]
+        for key in ("logps_train/chosen", "logps_train/rejected", "loss/train"):
+            assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (path, key)
+        assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -362,8 +413,8 @@ def test_sampling_equals_one_process(sharded, one_process, arch, strategy):
     _, results = sharded
     expected = one_process[arch]["samples"]
     assert expected.shape == (2, PROMPT.size(1) + 8)
-    for info in ok(results, f"{arch}-{strategy}-fp32"):
-        assert torch.equal(info["samples"], expected)
+    for info in ok(results, f"{arch}-{strategy}-fp32") + (ok(results, f"{arch}-{strategy}-sp") if arch in SP_ARCHS else []):
+        assert torch.equal(info["samples"], expected)  # under Ulysses too: sampling attends over whole prompts
 
 
 def test_matrix_table(sharded, single, capsys):

@@ -50,6 +50,12 @@ def test_memory_follows_the_geometry():
     assert est("activation_checkpointing=true")["activations"] < base["activations"]
     assert est("precompute_ref_log_probs=true")["reference weights"] == 0 < base["reference weights"]
     assert est("max_length=1024")["activations"] == pytest.approx(2 * base["activations"], rel=0.05)
+    # Ulysses on 2 ranks, one pair per micro-batch: each rank holds half of it (SP=1: a whole pair per rank)
+    fsdp = ["trainer=FSDPTrainer", "batch_size=2", "eval_batch_size=2"]
+    whole = est(*fsdp, world=2)
+    split = est(*fsdp, "gradient_accumulation_steps=2", "fsdp.ulysses_sequence_parallel_size=2", world=2)
+    assert split["micro-batch tokens"] == whole["micro-batch tokens"] / 2
+    assert split["activations"] == pytest.approx(whole["activations"] / 2)
 
 
 def test_estimate_reads_only_config_json_imports_no_torch_and_takes_under_3_seconds(tmp_path):

@@ -89,6 +89,18 @@ def test_architectures_train_under_fsdp_in_bf16(tmp_path, models, arch, strategy
           f"fsdp.strategy={strategy}", "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}")
 
 
+@needs_2
+@pytest.mark.skipif(N_GPUS % 2 == 1, reason="sequence-parallel groups of 2 need an even number of GPUs")
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_ulysses_all_to_all_over_nccl_in_bf16(tmp_path, models, strategy):
+    """Sequence parallelism over all GPUs: the all-to-alls and the log-prob sums go through NCCL on CUDA tensors
+    (long counts included), in bf16, padded and packed. Correctness against one process: tests/test_ulysses.py."""
+    for packed in ("false", "true"):
+        train(tmp_path, f"sp-{strategy}-{packed}", f"model.name_or_path={models['llama']}", "model.block_name=null",
+              "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", "fsdp.ulysses_sequence_parallel_size=2",
+              "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}", f"padding_free={packed}")
+
+
 def _collectives(rank, world_size, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))

@@ -1,0 +1,122 @@
+"""Ulysses sequence parallelism (ulysses.py) below the trainer: on 2 gloo ranks, the log-probs, entropies and
+gradients of forward_logps with the sequence split over the ranks equal the same rows scored whole; and the
+configurations it cannot run are refused before any model loads (exit 2).
+
+The trainer-level checks (one DPO step under FSDP1 and FSDP2 equals one process, Llama and Qwen2, padded and
+packed) run in tests/test_architectures.py's spawn, which this file does not repeat.
+"""
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+import trainers
+import ulysses
+from utils import get_open_port
+
+REPO = Path(__file__).resolve().parent.parent
+WEIGHTS = torch.tensor([1.0, -2.0, 3.0])  # a loss that weighs the three rows differently
+
+
+def tiny_llama(kv_heads: int, attention: str):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=kv_heads, intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+
+
+def rows() -> dict[str, torch.Tensor]:
+    """Three rows of 37 tokens (odd: the split pads), two right-padded, 5 prompt tokens unscored."""
+    ids = torch.randint(2, 256, (3, 37), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = mask[2, 20:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :5] = -100
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def compare(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    sp = ulysses.make_group(torch.device("cpu"), 2, 2)
+    worst = {}
+    # kv_heads 2: split over the 2 ranks with the query heads; kv_heads 1: repeated to one per query head first
+    for kv_heads, attention in ((2, "sdpa"), (1, "sdpa"), (2, "eager"), (1, "eager")):
+        model = tiny_llama(kv_heads, attention)
+        ulysses.install(model, sp)
+        for packed in (None, 64):
+            for tiled in (False, True):
+                options = dict(packed_capacity=packed, tiled=tiled, entropy=None if tiled else {})
+                model.zero_grad()
+                with ulysses.paused():  # the reference: whole rows on this rank, plain attention
+                    sums, counts, entropy = trainers.forward_logps(model, rows(), **options)
+                (sums * WEIGHTS).sum().backward()
+                whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+                model.zero_grad()
+                split_sums, split_counts, split_entropy = trainers.forward_logps(model, rows(), sequence_parallel=sp, **options)
+                # each rank holds the same loss; summing the ranks' gradients (as FSDP's reduction does, then
+                # divides by the 2 ranks) must give the whole-row gradient
+                (split_sums * WEIGHTS).sum().div(2).backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                for g in grads.values():
+                    dist.all_reduce(g)
+                key = f"kv{kv_heads}-{attention}-{'packed' if packed else 'padded'}-{'tiled' if tiled else 'plain'}"
+                worst[key] = {
+                    "counts_equal": torch.equal(counts, split_counts),
+                    "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
+                    "entropy": 0.0 if tiled else (split_entropy - entropy).abs().max().item(),
+                    "grads": max(((grads[n] - whole[n]).abs().max() / whole[n].abs().max().clamp(min=1e-12)).item() for n in whole)}
+    torch.save(worst, Path(out) / f"compare-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ulysses")
+    mp.spawn(compare, args=(get_open_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"compare-{r}.pt") for r in range(2)]
+
+
+def test_split_sequences_equal_whole_rows(compared):
+    """Per sequence: summed log-probs (relative 1e-5), token counts (exact), mean entropies (1e-5) and the weighted
+    loss's gradients (relative to each tensor's largest entry, 1e-5): sdpa and eager, KV heads split or repeated,
+    padded and packed rows, full logits and the tiled LM head, on both ranks."""
+    assert len(compared[0]) == 16
+    for rank, worst in enumerate(compared):
+        for key, w in worst.items():
+            assert w["counts_equal"], (rank, key)
+            assert w["logps"] <= 1e-5 and w["entropy"] <= 1e-5 and w["grads"] <= 1e-5, (rank, key, w)
+
+
+def run_cfg(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--cfg"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["n_workers=3", "batch_size=6", "eval_batch_size=6", "fsdp.ulysses_sequence_parallel_size=3"],
+     "fsdp.ulysses_sequence_parallel_size=3: expected a divisor of the 4 attention heads"),
+    (["n_workers=2", "fsdp.ulysses_sequence_parallel_size=4"],
+     "fsdp.ulysses_sequence_parallel_size=4: expected a divisor of the world size 2"),
+])
+def test_sequence_parallel_that_cannot_split_exits_2_before_loading(args, reason):
+    """The toy model has 4 attention heads: SP=3 (dividing the 3 ranks) cannot give each rank whole heads; SP=4 on 2
+    ranks has no group to form. Both exit 2 with the reason, from the config check (--cfg loads no model)."""
+    result = run_cfg("trainer=FSDPTrainer", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert reason in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sequence_parallel_config_that_fits_is_accepted():
+    """The same check passes SP=2 on 2 ranks (4 heads): what the two refusals above refuse is the geometry."""
+    result = run_cfg("trainer=FSDPTrainer", "n_workers=2", "fsdp.ulysses_sequence_parallel_size=2")
+    assert result.returncode == 0, result.stderr[-2000:]
