@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
