@@ -266,8 +266,6 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
     """Entry of each process that `launch` starts on one node (mp.spawn passes the rank first)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    if not torch.cuda.is_available():
-        utils.share_cores(world_size)  # all of them on this machine (torchrun sets OMP_NUM_THREADS itself)
     distributed_worker(cfg, run_dir)
 
 

@@ -171,15 +171,6 @@ RANK0_WORK_TIMEOUT = timedelta(hours=2)
 _rank0_work_group = None  # a gloo group with RANK0_WORK_TIMEOUT, made by init_distributed
 
 
-def share_cores(local_processes: int) -> None:
-    """Give each of `local_processes` CPU processes on this machine its share of the cores as torch threads, as
-    torchrun does (OMP_NUM_THREADS=1) unless the user set OMP_NUM_THREADS. Each rank would otherwise start one
-    thread per core: 2 ranks x 2 threads on 2 cores, and every parallel op of one rank waits for a thread that the
-    other rank has descheduled."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
-
-
 def process_group_backend(cuda: bool) -> str:
     """The backend string of the default process group: with GPUs "cpu:gloo,cuda:nccl" (as torchtitan), so
     every collective takes the backend of its tensor's device (NCCL takes CUDA tensors only; the precomputed

@@ -9,7 +9,7 @@ profile one more with torch.profiler. Per rank it prints:
     the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
   - the top ops by self CPU time.
 `--set key=value` passes train.py overrides (e.g. fsdp.reshard_after_forward=false); `--threads N` sets each
-rank's torch threads (default: as train.py's workers, utils.share_cores). glibc's MALLOC_MMAP_THRESHOLD_ and
+rank's torch threads (default: torch's, as train.py's workers). glibc's MALLOC_MMAP_THRESHOLD_ and
 MALLOC_TRIM_THRESHOLD_ in the environment reach the ranks (to measure the kernel's page-zeroing share).
 
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --rounds 1 --steps 1   # builds /tmp/bench_dpo
@@ -44,8 +44,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     from config import load_config
     from train import load_models
 
-    # as train.py's spawned workers: each rank's share of the cores
-    torch.set_num_threads(args.threads) if args.threads else utils.share_cores(world_size)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     utils.init_distributed(300, cuda=False)
     meta = json.loads((Path(args.workdir) / "workload.json").read_text())
     n_steps = args.warmup + args.steps + 1
@@ -139,7 +139,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="bench_dpo.py's workdir (model, data)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: as train.py sets them)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default, as train.py)")
     ap.add_argument("--set", action="append", default=[], help="a train.py override, e.g. fsdp.reshard_after_forward=false")
     ap.add_argument("--out", default="/tmp/fsdp_profile")
     args = ap.parse_args()

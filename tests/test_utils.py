@@ -73,18 +73,3 @@ def test_rng_state_round_trip():
     utils.set_rng_state(state)
     assert torch.equal(a, torch.rand(3))
 
-
-def test_share_cores_gives_each_local_process_its_share(monkeypatch):
-    """Like torchrun's OMP_NUM_THREADS=1: 2 ranks on this machine get cpu_count // 2 threads each (at least 1); a user's
-    OMP_NUM_THREADS wins."""
-    threads = torch.get_num_threads()
-    try:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        utils.share_cores(2)
-        assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
-        torch.set_num_threads(threads)
-        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
-        utils.share_cores(2)
-        assert torch.get_num_threads() == threads
-    finally:
-        torch.set_num_threads(threads)
