@@ -72,4 +72,3 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     utils.set_rng_state(state)
     assert torch.equal(a, torch.rand(3))
-
