@@ -10,7 +10,11 @@ DPO prompt).
 Peak = VmHWM after resetting it through /proc/self/clear_refs once the model is sharded and the inputs exist,
 minus VmRSS then: what the step itself adds, per rank.
 
-    python benchmarks/fsdp_memory.py                  # ~1 min on 2 CPU cores
+A variant whose 2 ranks would need more than MemAvailable (the full path: ~3x its fp32 logits per rank) is not
+run; the ratio is then bounded by the full path's logits plus their gradient.
+
+    python benchmarks/fsdp_memory.py                  # 4 x 512 tokens per rank, ~2 min on 2 CPU cores
+    python benchmarks/fsdp_memory.py --length 2048    # the issue's 8 x 2048 tokens over 2 ranks (full: not on 23 GiB)
 """
 from __future__ import annotations
 
