@@ -1324,12 +1324,7 @@ class FSDP2(Sharding):
         kwargs = dict(mesh=self.mesh, reshard_after_forward=self.fsdp.reshard_after_forward, mp_policy=mp, offload_policy=offload)
         for unit in units:
             fully_shard(unit, **kwargs)
-        # The root unit (embeddings, final norm, LM head) of a model that trains keeps its parameters gathered from
-        # forward to backward, as torch's fully_shard docs advise: its backward starts at once and needs them, so
-        # resharding would only all-gather them again (for bench_dpo.py's 50M Llama: 33M of its parameters, the
-        # embeddings and the head). A forward-only model (the reference) has no backward to free them: it reshards.
-        trains = any(p.requires_grad for p in model.parameters())
-        fully_shard(model, **dict(kwargs, reshard_after_forward=self.fsdp.reshard_after_forward and not trains))
+        fully_shard(model, **kwargs)
         self.load_from_rank0(model, full_state, buffers, cpu=self.fsdp.offload_policy, ties=ties)
         if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
             for unit, following in zip(units, units[1:]):

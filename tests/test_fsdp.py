@@ -91,12 +91,8 @@ def inspect_wrapping(trainer) -> dict:
         states = [m._get_fsdp_state() for m in policy.modules() if hasattr(m, "_get_fsdp_state")]
         groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
         param = next(policy.parameters())
-        reference = trainer.reference_model  # None once precomputed log-probs freed it
         info.update(strategy="fully_shard", units=len(groups),
-                    reshard_after_forward=[g._reshard_after_forward for g in groups],  # root first
-                    reference_reshard_after_forward=None if reference is None else [
-                        m._get_fsdp_state()._fsdp_param_group._reshard_after_forward
-                        for m in reference.modules() if hasattr(m, "_get_fsdp_state")],
+                    reshard_after_forward=[g._reshard_after_forward for g in groups],
                     forward_prefetch=sum(len(s._states_to_forward_prefetch) for s in states),
                     offload_policy=[type(g.offload_policy).__name__ for g in groups],
                     mesh_shape=tuple(param.device_mesh.shape), local_numel=param.to_local().numel(),
@@ -242,10 +238,7 @@ def test_default_wrapping_is_the_seed(fsdp_results):
     assert info["strategy"] == "FULL_SHARD" and info["units"] == 3 and info["checkpointed_blocks"] == 0
     assert not info["forward_prefetch"] and not info["use_orig_params"] and not info["offload_params"]
     info2 = results["fsdp2_adamw"]
-    # FSDP2: the blocks reshard after forward; the policy's root keeps its gathered parameters for the backward
-    # that follows at once (torch's advice), the forward-only reference's root reshards (no backward frees it)
-    assert info2["units"] == 3 and info2["reshard_after_forward"] == [False, True, True] and info2["mesh_shape"] == (2,)
-    assert info2["reference_reshard_after_forward"] == [True] * 3
+    assert info2["units"] == 3 and info2["reshard_after_forward"] == [True] * 3 and info2["mesh_shape"] == (2,)
     assert info2["local_numel"] * 2 == info2["full_numel"]  # each rank holds half of every parameter
 
 
