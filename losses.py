@@ -68,6 +68,11 @@ IGNORE_INDEX = -100  # label value of positions that are not scored (prompt, pad
 # Rows per chunk: 1024 rows x 128k vocab x 4 bytes = 0.5 GB of fp32 scratch, a small fraction of
 # the (rows, vocab) logits and their gradient, and large enough to keep a GPU busy.
 DEFAULT_CHUNK_SIZE = 1024
+# The tiled LM head (linear_token_logps) sizes its tiles by bytes instead: its scratch is the only
+# (rows, vocab) memory it has, so a fixed row count would make it grow with the vocabulary (1024 rows
+# are 0.49 GiB at Llama-3's 128256, more than the rest of a small model's step). 128 MiB is 1024 rows
+# up to vocab 32768, 261 rows at 128256; a 261 x hidden x 128256 matmul still fills a GPU.
+HEAD_TILE_BYTES = 128 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,13 +456,20 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         )
 
 
+def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """linear_token_logps' default rows per tile: DEFAULT_CHUNK_SIZE, fewer where a (rows, vocab) tile
+    in the compute dtype (fp32 for fp32/bf16/fp16 inputs) would exceed HEAD_TILE_BYTES; at least 1."""
+    row_bytes = vocab * torch.empty(0, dtype=_compute_dtype(dtype)).element_size()
+    return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // row_bytes))
+
+
 def linear_token_logps(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     bias: Tensor | None = None,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     logit_scale: float = 1.0,
     softcap: float | None = None,
@@ -476,7 +488,8 @@ def linear_token_logps(
         labels: Shape (N,), target ids; IGNORE_INDEX rows give 0 and no gradient (but still cost
             a row of compute: select them away instead).
         bias: Shape (V,) or None.
-        chunk_size: rows per tile; the fp32 scratch is a few (chunk_size, V) tensors.
+        chunk_size: rows per tile; the fp32 scratch is a few (chunk_size, V) tensors. None:
+            head_tile_rows(V), i.e. tiles of at most HEAD_TILE_BYTES (1024 rows up to V = 32768).
         with_entropy: also return the entropy of each row's distribution (detached, for logging).
         logit_scale, softcap: extra steps some LM heads take after the matmul, applied in this
             order: Cohere multiplies by `config.logit_scale`; Gemma-2/3 apply
@@ -490,6 +503,8 @@ def linear_token_logps(
         logps Shape (N,), fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden, weight and
         bias; with `with_entropy`, the pair (logps, entropy), entropy Shape (N,) and detached.
     """
+    if chunk_size is None:
+        chunk_size = head_tile_rows(weight.shape[0], weight.dtype)
     _check_linear_inputs(hidden, weight, labels, bias, chunk_size, softcap)
     logps, entropy = _LinearLabelLogProbs.apply(
         hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy

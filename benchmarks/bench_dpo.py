@@ -368,7 +368,7 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
            "debug=true", "n_epochs=null", f"n_examples={n}", "warmup_steps=0", "minimum_log_interval_secs=0",
            "tiled_lm_head=true", f"padding_free={str(spec['padding_free']).lower()}",
            f"precompute_ref_log_probs={str(spec['precompute']).lower()}", f"seed={SEED}",
-           f"local_dirs=[{rdir / 'cache'}]", f"run_dir={rdir / 'run'}", f"exp_name={name}"]
+           f"local_dirs=[{rdir / 'cache'}]", f"run_dir={rdir / 'run'}", f"exp_name={name}", *args.set]
     child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
     res = child.run()
     res.update(name=name, side="ours", round=round_idx, cmd=" ".join(cmd), log=str(rdir / "output.log"),
@@ -685,6 +685,9 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     add(f"steps (warmup+timed): ours_best {args.warmup}+{args.steps}, TRL {args.trl_warmup}+{args.trl_steps}, "
         f"ours_padded/online {args.aux_warmup}+{args.aux_steps}; {args.rounds} round(s), order {' > '.join(args.order)}; "
         f"s/step = median of the pooled timed steps (mean in brackets)")
+    add(f"our trainer: {args.trainer}" + (f" ({args.fsdp_strategy}, 2 ranks)" if args.trainer == "FSDPTrainer" else " (one process)")
+        + (f"; overrides {' '.join(args.set)}" if args.set else "")
+        + "".join(f"; {k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith(("MALLOC_", "OMP_", "GLIBC_TUNABLES"))))
     add("-" * 110)
     add(f"{'variant':<12} {'pairs/s':>8} {'s/step':>15} {'min-max':>12} {'tok/s':>7} {'peakRSS GiB':>11} {'MFU':>6} {'MFU exec':>8} "
         f"{'precomp pairs/s':>15} {'bg cores':>12}  per-run s/step")
@@ -781,6 +784,8 @@ def main() -> int:
     ap.add_argument("--trainer", choices=("BasicTrainer", "FSDPTrainer"), default="BasicTrainer",
                     help="our trainer: FSDPTrainer starts 2 ranks on CPU (n_workers), the same global batch of 8 pairs")
     ap.add_argument("--fsdp-strategy", choices=("fsdp", "fsdp2"), default="fsdp2", help="with --trainer FSDPTrainer")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train.py override added to every run of ours (e.g. fsdp.reshard_after_forward=false)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset/extension of ours_best,ours_padded,ours_online,trl_best,trl_online "
                          "(default: all but trl_online, filtered by --which)")

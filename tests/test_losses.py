@@ -893,6 +893,36 @@ def test_linear_token_logps_saves_nothing_of_rows_by_vocab():
     assert (10, 50257) in saved_shapes(functools.partial(plain_head, dtype=torch.float32))
 
 
+def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
+    """At Llama-3's vocab 128256 the default tile is head_tile_rows = 128 MiB / (128256 x 4 B) = 261
+    rows, not 1024: with 600 scored rows a 1024-row tile would be one (600, 128256) fp32 tensor of
+    294 MiB. Every tensor an op creates in forward and backward stays within HEAD_TILE_BYTES, and
+    log-probs and gradients equal one 600-row tile's (the same sums, in tiles of 261 + 261 + 78)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel() * t.element_size())
+            return out
+
+    vocab = 128256
+    params, labels, upstream = head_inputs(vocab, rows=600, hidden_size=8)
+    with LargestOutput():
+        logps, _, grads = run_head(linear_token_logps, params, labels, upstream)
+    assert LargestOutput.largest <= 128 * 2**20, f"{LargestOutput.largest / 2**20:.0f} MiB"
+    assert losses.HEAD_TILE_BYTES == 128 * 2**20
+    assert losses.head_tile_rows(vocab) == 261 and losses.head_tile_rows(32000) == losses.DEFAULT_CHUNK_SIZE
+    one_tile, _, one_tile_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=600)
+    torch.testing.assert_close(logps, one_tile, rtol=0, atol=0)  # rows are independent: bit-identical
+    for name, got, expected in zip(HEAD_PARAMS, grads, one_tile_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def test_linear_token_logps_ignores_autocast():
     """Under autocast the forward and the backward's recomputation must see the same logits, so
     autocast is switched off inside: fp32 inputs give the fp32 result, gradients included."""

@@ -1,0 +1,173 @@
+"""Where one FSDP step's time goes, per rank: compute vs gloo collectives vs copies, on bench_dpo.py's workload.
+
+Starts 2 gloo ranks (torch.multiprocessing.spawn) that build the FSDPTrainer exactly as train.py's workers do
+(same config as bench_dpo.py's ours_best: tiled LM head, padding-free, precomputed reference, AdamW, fp32),
+run --warmup steps, time --steps steps by phase (wall clock: forward, backward, clip, optimizer), then
+profile one more with torch.profiler. Per rank it prints:
+  - the phases' wall seconds, the rank's tokens (its share of the global batch of 8 pairs);
+  - seconds inside FSDP's collective ranges (all-gather, reduce-scatter) and the c10d/gloo waits in them,
+    the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
+  - the top ops by self CPU time.
+`--set key=value` passes train.py overrides (e.g. fsdp.reshard_after_forward=false); `--threads N` sets each
+rank's torch threads (default: torch's, as train.py's workers). glibc's MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ in the environment reach the ranks (to measure the kernel's page-zeroing share).
+
+    python -u benchmarks/bench_dpo.py --which ours --variants ours_best --rounds 1 --steps 1   # builds /tmp/bench_dpo
+    python -u benchmarks/fsdp_profile.py [--workdir /tmp/bench_dpo] [--set fsdp.reshard_after_forward=false]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def rank_main(rank: int, world_size: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    import bench_dpo
+    import trainers
+    import utils
+    from config import load_config
+    from train import load_models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    utils.init_distributed(300, cuda=False)
+    meta = json.loads((Path(args.workdir) / "workload.json").read_text())
+    n_steps = args.warmup + args.steps + 1
+    key = max((k for k in meta["data"] if int(k) >= n_steps), key=int, default=None)
+    if key is None:
+        raise SystemExit(f"{args.workdir}: no data file with >= {n_steps} steps; run bench_dpo.py with --steps {n_steps}")
+    tmp = Path(tempfile.mkdtemp(prefix="fsdp_profile_"))
+    argv = ["loss=dpo", f"datasets=[{meta['data'][key]}]", f"model.name_or_path={meta['model_dir']}",
+            "model.reference_dtype=float32", "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "optimizer=AdamW",
+            f"batch_size={bench_dpo.BATCH}", f"eval_batch_size={bench_dpo.BATCH}", f"max_length={bench_dpo.MAX_LENGTH}",
+            f"max_prompt_length={bench_dpo.MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
+            "n_eval_examples=8", "wandb.enabled=false", "fsdp.use_torch_compile=false", "debug=true", "n_epochs=null",
+            f"n_examples={int(key) * bench_dpo.BATCH}", "warmup_steps=0", "tiled_lm_head=true", "padding_free=true",
+            "precompute_ref_log_probs=true", f"seed={bench_dpo.SEED}", f"local_dirs=[{tmp}]", f"run_dir={tmp / 'run'}",
+            *args.set]
+    cfg, _ = load_config(argv, world_size=world_size)
+    utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
+    tokenizer, policy, reference = load_models(cfg, None, on_meta=rank != 0)
+    utils.wait_for_rank0()
+    trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference, rank=rank,
+                                   world_size=world_size, tokenizer=tokenizer)
+    trainer.build_optimizer()
+    trainer.precompute_reference()
+    batches = trainer.train_batches()
+
+    def step(batch):
+        trainer.policy.train()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        t = [time.perf_counter()]
+        with record_function("phase.forward"):
+            loss, _ = trainer.get_batch_metrics(batch, "train")
+        t.append(time.perf_counter())
+        with record_function("phase.backward"):
+            loss.backward()
+        t.append(time.perf_counter())
+        with record_function("phase.clip"):
+            trainer.clip_gradient()
+        t.append(time.perf_counter())
+        with record_function("phase.optimizer"):
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+        t.append(time.perf_counter())
+        # every rank ends the step here, so that the next step's phases are not charged with the other's lag
+        torch.distributed.barrier()
+        t.append(time.perf_counter())
+        names = ("forward", "backward", "clip", "optimizer", "wait_for_other_rank")
+        out = {n: b - a for n, a, b in zip(names, t, t[1:])}
+        out["total"] = t[-1] - t[0]
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # CPU seconds of this process (all its threads) and page faults: fresh large buffers are zeroed page by page
+        out.update(user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
+                   minor_faults=after.ru_minflt - usage.ru_minflt)
+        out["tokens"] = int(sum(batch[f"{s}_attention_mask"].sum() for s in ("chosen", "rejected")))
+        return out
+
+    for _ in range(args.warmup):
+        step(next(batches))
+    walls = [step(next(batches)) for _ in range(args.steps)]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        prof_wall = step(next(batches))
+    events = prof.key_averages()
+
+    def inclusive(pred):
+        return sum(e.cpu_time_total for e in events if pred(e.key)) / 1e6
+
+    fsdp_ranges = sorted({e.key for e in events if e.key.startswith("FSDP::")})
+    comm = sorted({e.key for e in events if e.key.startswith(("c10d::", "gloo:", "record_param_comms"))})
+    # bytes moved: all-gather outputs and reduce-scatter inputs, from the recorded input shapes
+    moved = defaultdict(int)
+    for e in prof.events():
+        if e.name in ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_", "c10d::_reduce_scatter_base_",
+                      "c10d::reduce_scatter_tensor_coalesced_", "c10d::allreduce_", "c10d::broadcast_") and e.input_shapes:
+            shape = e.input_shapes[0]
+            numel = 1
+            for d in (shape if shape and isinstance(shape[0], int) else (shape[0] if shape else [])):
+                numel *= d
+            moved[e.name] += numel * 4
+    result = dict(rank=rank, threads=torch.get_num_threads(), overrides=args.set,
+                  wall={k: statistics.mean(w[k] for w in walls) for k in walls[0]},
+                  wall_steps=[round(w["total"], 3) for w in walls], prof_wall=prof_wall,
+                  fsdp={k: inclusive(lambda x, k=k: x == k) for k in fsdp_ranges},
+                  comm={k: inclusive(lambda x, k=k: x == k) for k in comm}, bytes_per_step=dict(moved),
+                  top_self=[(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
+                            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:18]])
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    utils.destroy_distributed()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", default="/tmp/bench_dpo", help="bench_dpo.py's workdir (model, data)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default, as train.py)")
+    ap.add_argument("--set", action="append", default=[], help="a train.py override, e.g. fsdp.reshard_after_forward=false")
+    ap.add_argument("--out", default="/tmp/fsdp_profile")
+    args = ap.parse_args()
+    for k, v in {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(k, v)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    import torch.multiprocessing as mp
+    from utils import get_open_port
+    mp.spawn(rank_main, args=(2, get_open_port(), args), nprocs=2, join=True)
+    for rank in range(2):
+        r = json.loads(Path(args.out, f"rank{rank}.json").read_text())
+        w = r["wall"]
+        print(f"rank {rank} ({r['threads']} threads, MALLOC_* {[k for k in os.environ if k.startswith('MALLOC_')]}, overrides {r['overrides']}): tokens {w['tokens']:.0f}, step "
+              f"{w['total']:.2f} s = " + ", ".join(f"{k} {w[k]:.2f}" for k in ("forward", "backward", "clip", "optimizer",
+                                                                               "wait_for_other_rank")) + f"; steps {r['wall_steps']}")
+        f = r["fsdp"]
+        gather = sum(v for k, v in f.items() if k.startswith("FSDP::all_gather") and "copy" not in k)
+        reduce = sum(v for k, v in f.items() if k.startswith("FSDP::post_backward_reduce"))
+        print(f"  profiled step {r['prof_wall']['total']:.2f} s: FSDP all-gathers {gather:.2f} s, reduce-scatters "
+              f"{reduce:.2f} s (inclusive: waits, copy-in/out, gloo); CPU user {w['user_s']:.2f} s, sys {w['sys_s']:.2f} s, "
+              f"minor page faults {w['minor_faults']:.0f} per timed step")
+        print("  FSDP ranges over 0.05 s (inclusive s, profiled step): "
+              + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r["fsdp"].items() if v > 0.05))
+        print("  c10d/gloo (inclusive s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["comm"].items()))
+        print("  bytes per step: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["bytes_per_step"].items()))
+        print("  top self CPU s: " + "; ".join(f"{k} {s} (x{c})" for k, s, c in r["top_self"][:12]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
