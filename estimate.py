@@ -30,6 +30,7 @@ import config
 
 GiB = 2 ** 30
 CHUNK_ROWS = 1024  # losses.DEFAULT_CHUNK_SIZE: rows of one LM-head / entropy tile
+HEAD_TILE_BYTES = 128 * 2**20  # losses.HEAD_TILE_BYTES: the tiled head's fp32 tiles shrink to this at large vocabularies
 
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
 DEVICES = {
@@ -152,7 +153,7 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     chunk_rows = min(tokens, CHUNK_ROWS)
     tiled = cfg.tiled_lm_head and not cfg.loss.entropy_coeff  # under FSDP too (forward_logps is the root's forward)
     if tiled:  # the logged entropy and the log-probs: a few (chunk, V) fp32 tiles at a time, never (tokens, V)
-        out["logits"] = 4 * chunk_rows * g.vocab * 4
+        out["logits"] = 4 * min(chunk_rows, max(1, HEAD_TILE_BYTES // (4 * g.vocab))) * g.vocab * 4
     else:  # the logits kept for backward, and beside them the fp32 softmax work of the logged entropy
         entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens
         out["logits"] = tokens * g.vocab * c + 3 * entropy_rows * g.vocab * 4

@@ -58,6 +58,15 @@ def test_memory_follows_the_geometry():
     assert split["activations"] == pytest.approx(whole["activations"] / 2)
 
 
+def test_tile_constants_agree_with_losses():
+    """estimate.py cannot import losses (torch): its copies of the tile sizes must be the same numbers."""
+    assert (estimate.CHUNK_ROWS, estimate.HEAD_TILE_BYTES) == (losses.DEFAULT_CHUNK_SIZE, losses.HEAD_TILE_BYTES)
+    model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
+    big = dict(model, vocab_size=128256)
+    est = estimate.estimate(config.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1)
+    assert est["logits"] == 4 * losses.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
+
+
 def test_estimate_reads_only_config_json_imports_no_torch_and_takes_under_3_seconds(tmp_path):
     """A model directory with config.json and the tokenizer but no weights: a run could not load, the estimate runs."""
     model = tmp_path / "model"
