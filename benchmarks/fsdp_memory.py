@@ -36,25 +36,43 @@ import trainers  # noqa: E402
 from utils import get_open_port  # noqa: E402
 
 
-def rank_step(rank: int, port: int, args, tiled: bool, out: str) -> None:
+def join_two_ranks(rank: int, port: int) -> None:
+    """This process as rank `rank` of 2 gloo ranks sharing the two cores (also used by ulysses_memory.py)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))
     torch.set_num_threads(1)  # two ranks share the two cores
+
+
+def random_llama(vocab: int, hidden: int, layers: int, length: int, heads: int = 8, install=None):
+    """The same random fp32 Llama on every rank (untied head, sdpa), `install(model)` applied before sharding,
+    then each block and the root fully_shard-ed over the ranks, as trainers.FSDP2 does."""
     import transformers
     from torch.distributed.fsdp import fully_shard
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                      num_attention_heads=8, num_key_value_heads=8, intermediate_size=4 * args.hidden,
-                                      max_position_embeddings=args.length, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
+                                      max_position_embeddings=length, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if install is not None:
+        install(model)
     for block in model.model.layers:
         fully_shard(block)
     fully_shard(model)
-    g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(4, args.vocab, (args.rows, args.length), generator=g)
+    return model
+
+
+def pair_rows(seed: int, rows: int, length: int, vocab: int, prompt: int) -> dict[str, torch.Tensor]:
+    """`rows` random full-length sequences, the first `prompt` tokens of each unscored."""
+    ids = torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
     labels = ids.clone()
-    labels[:, :args.prompt] = -100
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    labels[:, :prompt] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def rank_step(rank: int, port: int, args, tiled: bool, out: str) -> None:
+    join_two_ranks(rank, port)
+    model = random_llama(args.vocab, args.hidden, args.layers, args.length)
+    inputs = pair_rows(rank, args.rows, args.length, args.vocab, args.prompt)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = status_kib("VmRSS")
     start = time.time()

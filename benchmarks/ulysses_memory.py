@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp_memory import join_two_ranks, pair_rows, random_llama  # noqa: E402
 from logps_memory import GIB, status_kib  # noqa: E402  (it also puts the repo on sys.path)
 import trainers  # noqa: E402
 import ulysses  # noqa: E402
@@ -37,30 +37,12 @@ from utils import get_open_port  # noqa: E402
 
 
 def rank_step(rank: int, port: int, args, sp_size: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))
-    torch.set_num_threads(1)  # two ranks share the two cores
-    import transformers
-    from torch.distributed.fsdp import fully_shard
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                      num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                                      intermediate_size=4 * args.hidden, max_position_embeddings=args.length,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    sp = None
-    if sp_size > 1:
-        sp = ulysses.make_group(torch.device("cpu"), 2, sp_size)
-        ulysses.install(model, sp)
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    join_two_ranks(rank, port)
+    sp = ulysses.make_group(torch.device("cpu"), 2, sp_size) if sp_size > 1 else None
+    model = random_llama(args.vocab, args.hidden, args.layers, args.length, heads=args.heads,
+                         install=(lambda m: ulysses.install(m, sp)) if sp else None)
     # SP=1: each rank its own pair; SP=2: the group's one pair (the ranks of a group read the same pairs)
-    g = torch.Generator().manual_seed(rank // sp_size)
-    ids = torch.randint(4, args.vocab, (2, args.length), generator=g)
-    labels = ids.clone()
-    labels[:, :args.prompt] = -100
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    inputs = pair_rows(rank // sp_size, 2, args.length, args.vocab, args.prompt)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = status_kib("VmRSS")
     start = time.time()
