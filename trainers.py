@@ -692,8 +692,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         """One process trains `policy` against the frozen `reference_model` (None for reference-free losses)."""
         self.config, self.seed, self.rank, self.world_size = config, seed, rank, world_size
         # Ranks that read different pairs: under Ulysses the `sp` ranks of a group read the same ones.
-        sp = self.sequence_parallel.size if self.sequence_parallel else 1
-        self.dp_rank, self.dp_size = rank // sp, world_size // sp
+        self.sp_size = self.sequence_parallel.size if self.sequence_parallel else 1
+        self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir = Path(run_dir)
         self.policy, self.reference_model, self.tokenizer = policy, reference_model, tokenizer
         self.lora = config.lora.r is not None
@@ -788,8 +788,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
     def print_geometry(self) -> None:
         c = self.config
         per_rank = c.batch_size // self.dp_size
-        sp = self.sequence_parallel.size if self.sequence_parallel else 1
-        ranks = f"data-parallel {self.dp_size} (world size {self.world_size} = dp {self.dp_size} x sequence-parallel {sp})" if sp > 1 else f"world size {self.world_size}"
+        ranks = (f"data-parallel {self.dp_size} (world size {self.world_size} = dp {self.dp_size} x sequence-parallel"
+                 f" {self.sp_size})" if self.sp_size > 1 else f"world size {self.world_size}")
         rank0_print(f"batch geometry: {c.batch_size} pairs per step = {ranks}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
                     f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
@@ -1483,8 +1483,7 @@ class FSDPTrainer(BasicTrainer):
         """Every data-parallel rank's items (the ranks of a Ulysses group hold the same ones: the first's are kept)."""
         out = [None] * self.world_size
         dist.all_gather_object(out, items)
-        sp = self.sequence_parallel.size if self.sequence_parallel else 1
-        return [x for part in out[::sp] for x in part]
+        return [x for part in out[::self.sp_size] for x in part]
 
     def barrier(self) -> None:
         """Wait for rank 0's lone checkpoint work (writes, fsyncs, hashes): a barrier that slow disks do not

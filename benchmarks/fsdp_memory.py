@@ -69,18 +69,25 @@ def pair_rows(seed: int, rows: int, length: int, vocab: int, prompt: int) -> dic
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+def measured_step(model, inputs: dict, **options) -> tuple[torch.Tensor, dict]:
+    """One forward + backward of the mean log-probs through trainers.forward_logps; returns them and the step's
+    memory: VmHWM reset through /proc/self/clear_refs first, peak = VmHWM - VmRSS before (GiB), and its seconds."""
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = status_kib("VmRSS")
+    start = time.time()
+    sums, counts, _ = trainers.forward_logps(model, inputs, **options)
+    (sums / counts).sum().backward()
+    seconds = time.time() - start
+    peak = status_kib("VmHWM") - base
+    return (sums / counts).detach(), {"peak_gib": peak * 1024 / GIB, "base_gib": base * 1024 / GIB, "seconds": seconds}
+
+
 def rank_step(rank: int, port: int, args, tiled: bool, out: str) -> None:
     join_two_ranks(rank, port)
     model = random_llama(args.vocab, args.hidden, args.layers, args.length)
     inputs = pair_rows(rank, args.rows, args.length, args.vocab, args.prompt)
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    base = status_kib("VmRSS")
-    start = time.time()
-    sums, counts, _ = trainers.forward_logps(model, inputs, tiled=tiled)
-    (sums / counts).sum().backward()
-    seconds = time.time() - start
-    peak = status_kib("VmHWM") - base
-    result = {"rank": rank, "tiled": tiled, "peak_gib": peak * 1024 / GIB, "base_gib": base * 1024 / GIB, "seconds": seconds}
+    _, step = measured_step(model, inputs, tiled=tiled)
+    result = {"rank": rank, "tiled": tiled, **step}
     Path(out, f"{'tiled' if tiled else 'full'}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,9 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_memory import join_two_ranks, pair_rows, random_llama  # noqa: E402
-from logps_memory import GIB, status_kib  # noqa: E402  (it also puts the repo on sys.path)
-import trainers  # noqa: E402
+from fsdp_memory import join_two_ranks, measured_step, pair_rows, random_llama  # noqa: E402
 import ulysses  # noqa: E402
 from utils import get_open_port  # noqa: E402
 
@@ -43,15 +40,8 @@ def rank_step(rank: int, port: int, args, sp_size: int, out: str) -> None:
                          install=(lambda m: ulysses.install(m, sp)) if sp else None)
     # SP=1: each rank its own pair; SP=2: the group's one pair (the ranks of a group read the same pairs)
     inputs = pair_rows(rank // sp_size, 2, args.length, args.vocab, args.prompt)
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    base = status_kib("VmRSS")
-    start = time.time()
-    sums, counts, _ = trainers.forward_logps(model, inputs, tiled=True, sequence_parallel=sp)
-    (sums / counts).sum().backward()
-    seconds = time.time() - start
-    peak = status_kib("VmHWM") - base
-    result = {"rank": rank, "sp": sp_size, "peak_gib": peak * 1024 / GIB, "base_gib": base * 1024 / GIB,
-              "seconds": seconds, "mean_logp": (sums / counts).tolist()}
+    mean_logps, step = measured_step(model, inputs, tiled=True, sequence_parallel=sp)
+    result = {"rank": rank, "sp": sp_size, **step, "mean_logp": mean_logps.tolist()}
     Path(out, f"sp{sp_size}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
