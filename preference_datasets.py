@@ -83,7 +83,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -1148,34 +1148,59 @@ def num_steps(n_items: int, *, batch_size: int, n_epochs: Optional[int] = None,
 
 def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, seed: int = 0,
                        n_epochs: Optional[int] = None, n_examples: Optional[int] = None, rank: int = 0,
-                       world_size: int = 1, start_example: int = 0) -> Iterator[list[int]]:
+                       world_size: int = 1, start_example: int = 0, sizes: Optional[Sequence[int]] = None,
+                       min_share: int = 1) -> Iterator[list[int]]:
     """Indices of this rank's items for each global batch, in order.
 
     Global step s covers items perm_e[j*B:(j+1)*B] with e = s // S, j = s % S, B = batch_size,
     S = n_items // B steps per epoch (the incomplete last batch of each epoch is dropped) and
     perm_e = a permutation seeded by (seed, e) (the identity when shuffle is False). Rank r takes positions
-    [r*k, (r+1)*k) of each global batch, k = B // world_size. The run lasts n_epochs * S steps or
+    [r*k, (r+1)*k) of each global batch, k = B // world_size; or, when `sizes` (tokens per item) is given, the
+    share balance_shares deals it (at least min_share items). The run lasts n_epochs * S steps or
     ceil(n_examples / B) steps, whichever is fewer (at least one must be set), and starts at step
     start_example // B, so a resumed iterator yields exactly what an uninterrupted one would.
     """
     _check_batch_args(batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples, rank=rank,
                       world_size=world_size, start_example=start_example, seed=seed)
+    if sizes is not None and not 1 <= min_share <= batch_size // world_size:
+        raise ValueError(f"min_share={min_share}: expected 1 <= min_share <= batch_size // world_size")
     total = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples)
-    per_rank = batch_size // world_size
-    return _batch_indices(n_items, batch_size, per_rank, rank, shuffle, seed, n_items // batch_size,
-                          start_example // batch_size, total)
-
-
-def _batch_indices(n_items, batch_size, per_rank, rank, shuffle, seed, steps_per_epoch, step, total):
+    steps_per_epoch, step, per_rank = n_items // batch_size, start_example // batch_size, batch_size // world_size
     epoch, order = None, None
     while step < total:
         if step // steps_per_epoch != epoch:
             epoch = step // steps_per_epoch
             # a fresh permutation per epoch, a pure function of (seed, epoch): resuming needs no saved state
             order = np.random.default_rng((seed, epoch)).permutation(n_items) if shuffle else np.arange(n_items)
-        first = (step % steps_per_epoch) * batch_size + rank * per_rank
-        yield order[first:first + per_rank].tolist()
+        items = order[(step % steps_per_epoch) * batch_size:][:batch_size].tolist()
+        yield (balance_shares(items, [sizes[i] for i in items], world_size, min_share)[rank] if sizes is not None
+               else items[rank * per_rank:(rank + 1) * per_rank])
         step += 1
+
+
+def example_tokens(e: TokenizedExample) -> int:
+    """Tokens of the rows an example becomes: prompt + response, once per side."""
+    return sum(len(e.prompt_ids) + len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None)
+
+
+def balance_shares(items: list[int], sizes: list[int], n_shares: int, min_share: int = 1) -> list[list[int]]:
+    """Deal `items` (`sizes` tokens each) into n_shares shares of near-equal tokens, each >= min_share items.
+
+    Under FSDP every rank waits for the slowest in each collective, so a step costs what its largest share
+    costs: with one long pair among short ones, equal-count shares differ by 1.2-2x in tokens. Largest first,
+    each item goes to the lightest share (ties: the lower share), except that the last items go to the shares
+    still short of min_share. Each share keeps the batch's order. Shares may differ in count; the trainer
+    weights every pair by 1 / (pairs per step), so the step's gradient is the same however the batch is dealt.
+    """
+    shares, loads = [[] for _ in range(n_shares)], [0] * n_shares
+    by_size = sorted(range(len(items)), key=lambda p: -sizes[p])  # sorted() is stable: ties keep batch order
+    for placed, pos in enumerate(by_size):
+        short = [s for s in range(n_shares) if len(shares[s]) < min_share]
+        must_fill = sum(min_share - len(shares[s]) for s in short) >= len(items) - placed
+        target = min(short if must_fill else range(n_shares), key=lambda s: loads[s])
+        shares[target].append(pos)
+        loads[target] += sizes[pos]
+    return [[items[p] for p in sorted(share)] for share in shares]
 
 
 def _pad(rows: list[np.ndarray], value: int, left: bool = False) -> torch.Tensor:
@@ -1239,10 +1264,12 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
                        n_epochs: Optional[int] = None, n_examples: Optional[int] = None, seed: int = 0,
                        rank: int = 0, world_size: int = 1, start_example: int = 0, cache_dir: Optional[str] = None,
                        truncation_mode: Optional[str] = None, silent: bool = False, unpaired: bool = False,
-                       pairs_to_unpaired: bool = False, kl_rows: bool = False) -> Iterator[dict[str, Any]]:
+                       pairs_to_unpaired: bool = False, kl_rows: bool = False,
+                       min_share: Optional[int] = None) -> Iterator[dict[str, Any]]:
     """Batches of this rank's share of each global batch (see iter_batch_indices for the order, collate for keys).
 
-    batch_size is GLOBAL pairs per step; each rank gets batch_size // world_size of them and collates only those.
+    batch_size is GLOBAL pairs per step. Each rank collates only its share: batch_size // world_size consecutive
+    pairs, or with min_share set, a share of near-equal tokens of at least min_share pairs (balance_shares).
     sft_mode iterates over prompts' SFT targets and yields chosen_* keys only. Loading (and every error about the
     data or the arguments) happens when this is called, not at the first next(). Padding uses
     tokenizer.pad_token_id, or EOS when there is none (padded positions are masked, so the value is never seen).
@@ -1258,7 +1285,8 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
                                  unpaired=unpaired, pairs_to_unpaired=pairs_to_unpaired)
     indices = iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,
                                  n_epochs=n_epochs, n_examples=n_examples, rank=rank, world_size=world_size,
-                                 start_example=start_example)
+                                 start_example=start_example, min_share=min_share or 1,
+                                 sizes=None if min_share is None else [example_tokens(e) for e in examples])
     if len(examples) < batch_size:
         raise DataError(f"datasets={names} split {split!r}: {len(examples)} examples after filtering, fewer than "
                         f"one global batch of {batch_size}; lower batch_size or add data")

@@ -652,9 +652,9 @@ class MicroBatchLoss:
         rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
         average = losses.average_log_prob(losses.LOSSES[self.loss_names[0]], self.config.loss)
-        size = -(-len(rows["input_ids"]) // self.config.gradient_accumulation_steps)
-        for start in range(0, len(rows["input_ids"]), size):
-            chunk = {k: v[start:start + size].to(self.device) for k, v in rows.items()}
+        # exactly gradient_accumulation_steps chunks on every rank, whatever its share: each is a collective under FSDP
+        for part in even_slices(len(rows["input_ids"]), self.config.gradient_accumulation_steps):
+            chunk = {k: v[part].to(self.device) for k, v in rows.items()}
             with self.autocast():
                 sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
             if self.reference_model is not None and not self.config.loss.reference_free:
@@ -703,6 +703,10 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
         self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
+        # Each data-parallel rank's share of a training step holds pairs of near-equal tokens (data.balance_shares):
+        # at least one pair per micro-batch (under FSDP each is a collective), two for KTO's mismatched KL rows.
+        self.min_share = max(1 if config.max_tokens_per_microbatch else config.gradient_accumulation_steps,
+                             2 if self.unpaired else 1)
         self.device = self.input_device(policy)
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
         # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
@@ -806,13 +810,15 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         # Under FSDP every forward and backward is a collective: all ranks run the same number of micro-batches.
         # A rank with fewer token-budget micro-batches repeats its last one with weight 0 (no gradient, no metrics).
         micro_batches += [micro_batches[-1]] * (self.agreed_micro_batches(real) - real)
-        n = len(batch["chosen_input_ids"])
+        # Each pair weighs 1 / (pairs per data-parallel rank on average): the summed gradient is that of this
+        # rank's pairs' mean loss scaled by their share, and the average FSDP takes over ranks is the gradient of
+        # the global batch's mean loss, however the batch was dealt (shares of near-equal tokens differ in count).
+        per_rank = self.config.batch_size / self.dp_size
         step_metrics = defaultdict(list)
         for i, micro in enumerate(micro_batches):
             with self.no_sync(last_micro_batch=i == len(micro_batches) - 1):
                 loss, metrics = self.get_batch_metrics(micro, "train")
-                # weighted by its share of the batch: the summed gradient is that of the batch's mean loss
-                weight = len(micro["chosen_input_ids"]) / n if i < real else 0.0
+                weight = len(micro["chosen_input_ids"]) / per_rank if i < real else 0.0
                 (loss * weight).backward()
             if i < real:
                 for name, v in metrics.items():
@@ -837,8 +843,10 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
             rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
         self.optimizer.zero_grad(set_to_none=True)
-        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
-        mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in step_metrics.items()}
+        # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones);
+        # so are the NaN that pad each rank's per-pair values to one length for the gather (shares differ in count)
+        mean = {name: all_gather_if_needed(nan_padded(torch.cat(v).float(), 2 * self.config.batch_size), self.rank,
+                                           self.world_size).nanmean().item() for name, v in step_metrics.items()}
         for name in ("tokens", "scored_tokens", "attention_pairs"):
             mean[name] *= self.dp_size  # of the whole step, over all data-parallel ranks (real tokens, no padding)
         mean.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], nonfinite_steps=float(self.nonfinite_total))
@@ -875,7 +883,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
             n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.dp_rank,
             world_size=self.dp_size, start_example=self.example_counter, seed=self.seed, silent=True,
-            kl_rows=self.unpaired, **self.data_kwargs)
+            kl_rows=self.unpaired, min_share=self.min_share, **self.data_kwargs)
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
@@ -1040,11 +1048,19 @@ def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
     return micro_batches
 
 
+def even_slices(n: int, k: int) -> list[slice]:
+    """k consecutive slices of range(n) whose sizes differ by at most one (empty ones when n < k)."""
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
 def split_batch(batch: dict, k: int) -> list[dict]:
-    """k equal micro-batches of a batch (tensors and lists sliced along the first dimension)."""
-    n = len(batch["chosen_input_ids"])
-    size = n // k
-    return [{key: v[i * size:(i + 1) * size] for key, v in batch.items()} for i in range(k)]
+    """k micro-batches of near-equal size (tensors and lists sliced along the first dimension)."""
+    return [{key: v[part] for key, v in batch.items()} for part in even_slices(len(batch["chosen_input_ids"]), k)]
+
+
+def nan_padded(values: torch.Tensor, length: int) -> torch.Tensor:
+    """1-D float `values` followed by NaN up to `length` (gathers need one shape on every rank; nanmean skips NaN)."""
+    return torch.cat([values, values.new_full((length - len(values),), float("nan"))])
 
 
 def write_manifest(ckpt: Path) -> None:

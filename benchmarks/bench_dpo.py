@@ -7,6 +7,7 @@ variant in a fresh subprocess, alternating ours and TRL, and prints one table:
     python -u benchmarks/bench_dpo.py --which ours --rounds 1
     python -u benchmarks/bench_dpo.py --profile-only        # the one-step profile of ours, nothing else
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
+    python -u benchmarks/bench_dpo.py --variants ours_best,ours_fsdp --rounds 3   # one process vs 2 ranks, alternating
 
 Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
 ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
@@ -31,6 +32,8 @@ Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e
   ours_best    train.py padding_free=true precompute_ref_log_probs=true tiled_lm_head=true (defaults otherwise)
   ours_padded  the same with padding_free=false                                  (P4: padding-free speedup)
   ours_online  the same with precompute_ref_log_probs=false (reference forward every step)  (P5)
+  ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch  (P6: its
+               pairs/s over ours_best's; the per-round ratios pair the runs of one round, which ran back to back)
   trl_best     DPOTrainer, precompute_ref_log_probs=True, padding_free=True (TRL 1.16 warns and falls back
                to padding: recorded), its always-on fused LM head, optim=adamw_torch_fused (its default),
                gradient_checkpointing=False (TRL's default True recomputes the forward: slower), fp32
@@ -89,6 +92,9 @@ OURS_VARIANTS = {
     "ours_best": dict(padding_free=True, precompute=True),
     "ours_padded": dict(padding_free=False, precompute=True),
     "ours_online": dict(padding_free=True, precompute=False),
+    # ours_best under FSDPTrainer (--fsdp-strategy, 2 ranks): with ours_best in --variants the two alternate, and
+    # the report prints their ratio round by round (the sharding overhead on the same cores and global batch)
+    "ours_fsdp": dict(padding_free=True, precompute=True, trainer="FSDPTrainer"),
 }
 TRL_VARIANTS = {
     "trl_best": dict(precompute=True),
@@ -156,7 +162,7 @@ def our_order(n: int) -> list[list[int]]:
     try:
         from preference_datasets import iter_batch_indices
         return list(iter_batch_indices(n, batch_size=BATCH, shuffle=True, seed=SEED, n_examples=n))
-    except Exception as e:  # the same permutation, replicated (preference_datasets._batch_indices)
+    except Exception as e:  # the same permutation, replicated (preference_datasets.iter_batch_indices)
         print(f"[bench] preference_datasets.iter_batch_indices unavailable ({type(e).__name__}: {e}); replicating it")
         import numpy as np
         order = np.random.default_rng((SEED, 0)).permutation(n)
@@ -359,9 +365,10 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
     shutil.rmtree(rdir, ignore_errors=True)
     rdir.mkdir(parents=True)
     n = n_steps * BATCH
+    trainer = spec.get("trainer", args.trainer)
     cmd = [sys.executable, "-u", "train.py", "loss=dpo", f"datasets=[{meta['data'][str(n_steps)]}]",
-           f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", f"trainer={args.trainer}",
-           *([f"fsdp.strategy={args.fsdp_strategy}"] if args.trainer == "FSDPTrainer" else []),
+           f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", f"trainer={trainer}",
+           *([f"fsdp.strategy={args.fsdp_strategy}"] if trainer == "FSDPTrainer" else []),
            "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}", f"max_length={MAX_LENGTH}",
            f"max_prompt_length={MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
            "n_eval_examples=8", f"eval_every={BATCH * 100000}", "wandb.enabled=false", "fsdp.use_torch_compile=false",
@@ -715,6 +722,10 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     if g("ours_best") and g("ours_online"):
         r = g("ours_best")["pairs_s"] / g("ours_online")["pairs_s"]
         rows.append(("P5 precomputed / online reference (ours)", r, ">= 1.25x", r >= 1.25))
+    if g("ours_best") and g("ours_fsdp"):
+        r = g("ours_best")["s_step_median"] / g("ours_fsdp")["s_step_median"]
+        rounds = [f"{a / b:.2f}x" for a, b in zip(g("ours_best")["per_round"], g("ours_fsdp")["per_round"])]
+        rows.append((f"P6 ours_fsdp / ours_best pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
     if g("trl_best") and g("trl_online"):
         r = g("trl_best")["pairs_s"] / g("trl_online")["pairs_s"]
         rows.append(("(TRL precomputed / online)", r, "info", None))
@@ -787,7 +798,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override added to every run of ours (e.g. fsdp.reshard_after_forward=false)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,trl_best,trl_online "
+                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,trl_best,trl_online "
                          "(default: all but trl_online, filtered by --which)")
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="model, tokenizer, data and every run's logs")
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
@@ -845,7 +856,7 @@ def main() -> int:
     for r, name in order:
         t = time.perf_counter()
         waited, bg_before = wait_for_quiet(args.idle_wait)
-        if name == "ours_best":
+        if name in ("ours_best", "ours_fsdp"):
             res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.warmup + args.steps)
             res["warmup"] = args.warmup
         elif name in OURS_VARIANTS:

@@ -25,7 +25,7 @@ import trainers
 from config import load_config
 from utils import get_open_port, seed_everything
 
-from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+from conftest import LOCAL_DIRS, TEST_LOCAL_DIR  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=16",
@@ -38,6 +38,20 @@ KTO = ["loss=kto", "pairs_to_unpaired=true"]
 TR_DPO = ["ref_update.tau=1", "ref_update.alpha=0.6"]  # a soft update after every step
 SGD_TWO = ["optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=8"]  # step 2's gradient reads the updated reference
 LORA = ["lora.r=4", "lora.alpha=8"]
+
+
+def write_skewed_pairs(path: Path) -> str:
+    """16 pairs, every 4th one long (78 tokens against 32): ranks get shares of near-equal tokens and unequal counts."""
+    long = lambda i: {"prompt": f"\n\nHuman: Question {i}. Describe rain and snow.\n\nAssistant:",
+                      "chosen": " rain falls and the snow is white and very cold.",
+                      "rejected": " RAIN FALLS AND THE SNOW IS WHITE AND VERY COLD."}
+    short = lambda i: {"prompt": f"\n\nHuman: Cats {i}?\n\nAssistant:", "chosen": " cats.", "rejected": " CATS."}
+    path.write_text("".join(json.dumps(long(i) if i % 4 == 1 else short(i)) + "\n" for i in range(16)))
+    return str(path)
+
+
+# written at import, so each spawned worker (which imports this module anew) has the same file
+SKEWED = [f"datasets=[{write_skewed_pairs(Path(TEST_LOCAL_DIR) / 'skewed_pairs.jsonl')}]", *SGD_ONE_STEP]
 
 SCENARIOS = {
     # name: (arguments, strategy-independent baseline name)
@@ -55,6 +69,10 @@ SCENARIOS = {
     "fsdp_replicate": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.fsdp_size=1"], "adamw"),
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
     "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
+    # the step's pairs dealt 3 + 5 (near-equal tokens): one step, with and without micro-batches, equals one process
+    "fsdp_skewed": (["fsdp.strategy=fsdp", *SKEWED], "skewed_sgd"),
+    "fsdp2_skewed_accumulation": (["fsdp.strategy=fsdp2", *SKEWED, "gradient_accumulation_steps=2"], "skewed_sgd"),
+    "fsdp2_skewed_budget": (["fsdp.strategy=fsdp2", *SKEWED, "max_tokens_per_microbatch=100"], "skewed_sgd"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
     "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
@@ -130,6 +148,12 @@ def run_scenario(name, args, rank, world_size, out_dir):
         moves.append("parameter's device" if device is None else str(device))
         move(optimizer, device)
     trainers.move_optimizer_state = recording_move
+    shares, train_step = [], trainer.train_step  # the pairs this rank trained on at each step
+
+    def recording_step(batch):
+        shares.append(batch["chosen"])
+        return train_step(batch)
+    trainer.train_step = recording_step
     try:
         trainer.train()
     except Preempted:
@@ -137,6 +161,8 @@ def run_scenario(name, args, rank, world_size, out_dir):
     finally:
         trainers.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
+    info["shares"] = [None] * world_size  # [rank][step]: the chosen texts of the pairs it trained on
+    dist.all_gather_object(info["shares"], shares)
     if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
         rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
         info["kl"] = trainer.kl_reference_point(rows).item()
@@ -180,7 +206,7 @@ def fsdp_results(tmp_path_factory):
 def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
-    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3), ("kto_sgd", [*SGD_ONE_STEP, *KTO]),
+    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3), ("kto_sgd", [*SGD_ONE_STEP, *KTO]), ("skewed_sgd", SKEWED),
                        ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA])):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
@@ -213,6 +239,21 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
     grads_single = {k: before[k] - v for k, v in single.items()}
     assert max(g.abs().max().item() for g in grads_single.values()) > 1e-3  # a real step happened
     assert_close_states(grads_sharded, grads_single, atol=1e-6)
+
+
+@pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget"])
+def test_shares_of_unequal_counts_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
+    """Length-skewed pairs are dealt to the ranks by tokens (3 and 5 pairs here), each pair weighted by 1/8 of the
+    step whichever rank holds it: one SGD step (lr 1) equals one process on the whole batch, alone, in 2 micro-batches
+    per rank or under a token budget; loss/train (a mean gathered over shares of unequal length) too."""
+    out, results = fsdp_results
+    (rank0, ), (rank1, ) = results[scenario]["shares"]  # one step
+    assert sorted([len(rank0), len(rank1)]) == [3, 5] and not set(rank0) & set(rank1)
+    before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    sharded, single = final_state(out / scenario), final_state(baselines / "skewed_sgd")
+    assert max((before[k] - single[k]).abs().max().item() for k in single) > 1e-3  # a real step happened
+    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, atol=1e-6)
+    assert loss_trace(out / scenario) == pytest.approx(loss_trace(baselines / "skewed_sgd"), abs=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])

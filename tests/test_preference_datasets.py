@@ -432,6 +432,48 @@ def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_to
     assert sorted(sum(whole, [])) == sorted(f"{r['prompt']}{r['chosen']}" for r in numbered_rows(24))
 
 
+def test_balanced_shares_cover_the_batch_and_even_out_the_tokens(tmp_path, gpt2_tok):
+    # one long pair per global batch of 8 among short ones, as in benchmarks/bench_dpo.py: consecutive shares put
+    # the long pair and 3 short ones on one rank; balanced shares give it fewer pairs
+    rows = [{"prompt": f"question {i}" + " more" * (60 if i % 8 == 3 else i % 5), "chosen": f" yes {i}" + " so" * (i % 7),
+             "rejected": f" no {i}"} for i in range(32)]
+    path = write_jsonl(tmp_path / "skew.jsonl", rows)
+    kw = dict(split="train", batch_size=8, n_epochs=2, seed=5, silent=True)
+    whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    tokens = lambda b: int(b["chosen_attention_mask"].sum() + b["rejected_attention_mask"].sum())
+    worst = {}  # min_share -> per step: the larger share's tokens / half the batch's
+    for min_share in (None, 1, 3):
+        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, min_share=min_share, **kw))
+                  for r in (0, 1)]
+        worst[min_share] = []
+        for step, batch in enumerate(whole):
+            r0, r1 = shares[0][step], shares[1][step]
+            assert not set(r0["chosen"]) & set(r1["chosen"]) and sorted(r0["chosen"] + r1["chosen"]) == sorted(batch["chosen"])
+            assert min(len(r0["chosen"]), len(r1["chosen"])) >= (min_share or 4)
+            for r in (r0, r1):  # each share keeps the global batch's order
+                positions = [batch["chosen"].index(c) for c in r["chosen"]]
+                assert positions == sorted(positions)
+            assert tokens(r0) + tokens(r1) == tokens(batch)
+            worst[min_share].append(max(tokens(r0), tokens(r1)) / (tokens(batch) / 2))
+    assert max(worst[None]) > 1.4, worst  # the data is skewed enough for the checks below to mean something
+    assert max(worst[1]) < 1.1, worst
+    assert all(b <= a for a, b in zip(worst[None], worst[3])) and sum(worst[3]) < sum(worst[None]) - 0.5, worst
+    # a resumed balanced iterator deals exactly what the uninterrupted one did
+    full = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, min_share=1, **kw))
+    resumed = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, min_share=1, start_example=3 * 8, **kw))
+    assert [b["chosen"] for b in full[3:]] == [b["chosen"] for b in resumed]
+
+
+def test_balance_shares_deals_largest_first_to_the_lightest_share_then_fills_short_shares():
+    assert pd.balance_shares([10, 11, 12, 13], [5, 1, 1, 1], 2) == [[10], [11, 12, 13]]
+    assert pd.balance_shares([10, 11, 12, 13], [5, 1, 1, 1], 2, min_share=2) == [[10, 13], [11, 12]]
+    assert pd.balance_shares([7, 8, 9, 4, 5, 6], [9, 8, 7, 3, 2, 1], 3) == [[7, 6], [8, 5], [9, 4]]
+    assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2) == [[0, 2], [1, 3]]  # ties: batch order, lower share
+    assert pd.balance_shares([0, 1, 2], [4, 4, 4], 1) == [[0, 1, 2]]  # one rank: the batch as it is
+    with pytest.raises(ValueError, match="min_share"):
+        next(pd.iter_batch_indices(16, batch_size=8, n_epochs=1, world_size=2, sizes=[1] * 16, min_share=5))
+
+
 def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(20))  # 20 // 6 = 3 steps per epoch, 2 pairs dropped
     kw = dict(split="train", batch_size=6, n_epochs=3, seed=1, silent=True)
