@@ -703,10 +703,11 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
         self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
-        # Each data-parallel rank's share of a training step holds pairs of near-equal tokens (data.balance_shares):
-        # at least one pair per micro-batch (under FSDP each is a collective), two for KTO's mismatched KL rows.
+        # balance_batch: each data-parallel rank's share of a training step holds pairs of near-equal tokens
+        # (data.balance_shares), at least one per micro-batch (under FSDP each is a collective) and two for KTO's
+        # mismatched KL rows; None = consecutive equal shares.
         self.min_share = max(1 if config.max_tokens_per_microbatch else config.gradient_accumulation_steps,
-                             2 if self.unpaired else 1)
+                             2 if self.unpaired else 1) if config.balance_batch else None
         self.device = self.input_device(policy)
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
         # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
@@ -795,7 +796,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         ranks = (f"data-parallel {self.dp_size} (world size {self.world_size} = dp {self.dp_size} x sequence-parallel"
                  f" {self.sp_size})" if self.sp_size > 1 else f"world size {self.world_size}")
         rank0_print(f"batch geometry: {c.batch_size} pairs per step = {ranks}"
-                    f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps};"
+                    f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps}"
+                    + (" on average (ranks get shares of near-equal tokens, not pairs);" if self.dp_size > 1 and c.balance_batch else ";") +
                     f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
                     f" in batches of {self.eval_batch_size}")
 

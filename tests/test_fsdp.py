@@ -73,6 +73,7 @@ SCENARIOS = {
     "fsdp_skewed": (["fsdp.strategy=fsdp", *SKEWED], "skewed_sgd"),
     "fsdp2_skewed_accumulation": (["fsdp.strategy=fsdp2", *SKEWED, "gradient_accumulation_steps=2"], "skewed_sgd"),
     "fsdp2_skewed_budget": (["fsdp.strategy=fsdp2", *SKEWED, "max_tokens_per_microbatch=100"], "skewed_sgd"),
+    "fsdp2_skewed_consecutive": (["fsdp.strategy=fsdp2", *SKEWED, "balance_batch=false"], "skewed_sgd"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
     "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
@@ -241,14 +242,17 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
     assert_close_states(grads_sharded, grads_single, atol=1e-6)
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget"])
+@pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget",
+                                      "fsdp2_skewed_consecutive"])
 def test_shares_of_unequal_counts_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
     """Length-skewed pairs are dealt to the ranks by tokens (3 and 5 pairs here), each pair weighted by 1/8 of the
     step whichever rank holds it: one SGD step (lr 1) equals one process on the whole batch, alone, in 2 micro-batches
-    per rank or under a token budget; loss/train (a mean gathered over shares of unequal length) too."""
+    per rank or under a token budget; loss/train (a mean gathered over shares of unequal length) too. With
+    balance_batch=false the ranks take consecutive halves (4 and 4), as the original code."""
     out, results = fsdp_results
     (rank0, ), (rank1, ) = results[scenario]["shares"]  # one step
-    assert sorted([len(rank0), len(rank1)]) == [3, 5] and not set(rank0) & set(rank1)
+    counts = [4, 4] if scenario.endswith("consecutive") else [3, 5]
+    assert sorted([len(rank0), len(rank1)]) == counts and not set(rank0) & set(rank1)
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / scenario), final_state(baselines / "skewed_sgd")
     assert max((before[k] - single[k]).abs().max().item() for k in single) > 1e-3  # a real step happened
