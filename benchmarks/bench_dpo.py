@@ -520,7 +520,6 @@ def profile_child(spec: dict) -> None:
     import tempfile
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     import losses
     import trainers
