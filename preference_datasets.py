@@ -1165,7 +1165,13 @@ def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, s
     if sizes is not None and not 1 <= min_share <= batch_size // world_size:
         raise ValueError(f"min_share={min_share}: expected 1 <= min_share <= batch_size // world_size")
     total = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples)
-    steps_per_epoch, step, per_rank = n_items // batch_size, start_example // batch_size, batch_size // world_size
+    # the checks above run at the call; the batches come from a generator, one step at a time
+    return _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, start_example // batch_size, total,
+                          sizes, min_share)
+
+
+def _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, step, total, sizes, min_share):
+    steps_per_epoch, per_rank = n_items // batch_size, batch_size // world_size
     epoch, order = None, None
     while step < total:
         if step // steps_per_epoch != epoch:

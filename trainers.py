@@ -703,11 +703,6 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.loss_names = config.loss_names
         self.sft_mode = losses.is_sft_only(self.loss_names)
         self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
-        # balance_batch: each data-parallel rank's share of a training step holds pairs of near-equal tokens
-        # (data.balance_shares), at least one per micro-batch (under FSDP each is a collective) and two for KTO's
-        # mismatched KL rows; None = consecutive equal shares.
-        self.min_share = max(1 if config.max_tokens_per_microbatch else config.gradient_accumulation_steps,
-                             2 if self.unpaired else 1) if config.balance_batch else None
         self.device = self.input_device(policy)
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
         # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
@@ -881,11 +876,17 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
             self.optimizer, lr_lambda(self.config.warmup_steps, self.total_steps, self.config.scheduler))
 
     def train_batches(self) -> Iterator[dict]:
+        # balance_batch: each data-parallel rank's share of a step holds pairs of near-equal tokens
+        # (data.balance_shares), at least one per micro-batch (under FSDP each is a collective) and two for KTO's
+        # mismatched KL rows; None = consecutive equal shares.
+        c = self.config
+        min_share = max(1 if c.max_tokens_per_microbatch else c.gradient_accumulation_steps,
+                        2 if self.unpaired else 1) if c.balance_batch else None
         return data.get_batch_iterator(
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
             n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.dp_rank,
             world_size=self.dp_size, start_example=self.example_counter, seed=self.seed, silent=True,
-            kl_rows=self.unpaired, min_share=self.min_share, **self.data_kwargs)
+            kl_rows=self.unpaired, min_share=min_share, **self.data_kwargs)
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
