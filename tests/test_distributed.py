@@ -157,3 +157,50 @@ def test_one_rank_nan_skips_the_step_on_every_rank(distributed_results):
     assert final.keys() == initial.keys()
     changed = [k for k in initial if not torch.equal(initial[k], final[k])]
     assert not changed, f"parameters changed by a step that one rank skipped: {changed[:4]}"
+
+
+def pairwise_collectives(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """FSDP2's CPU all-gather and reduce-scatter (trainers.PairwiseAllGather / PairwiseReduceScatter) against
+    gloo's own collectives on the same inputs: synchronous and asynchronous, input inside or outside the output,
+    SUM and AVG, and twice in a row with the same tags (the transfers must pair in posting order)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        group, n = dist.group.WORLD, 5  # 5 elements per rank: not a multiple of anything convenient
+        gen = torch.Generator().manual_seed(rank)
+        gather, scatter = trainers.PairwiseAllGather(), trainers.PairwiseReduceScatter()
+        results = {}
+        shard = torch.randn(n, generator=gen)
+        expected = torch.empty(world_size * n)
+        dist.all_gather_into_tensor(expected, shard)
+        out = gather.allocate((world_size * n,), dtype=torch.float32, device=torch.device("cpu"))
+        out.fill_(float("nan"))
+        assert gather(out, shard, group) is None  # input outside the output: copied into its slot
+        results["gather_outside"] = torch.equal(out, expected)
+        inside = torch.full((world_size * n,), float("nan"))
+        inside.view(world_size, n)[rank].copy_(shard)  # as FSDP2 lays it out: the input is its own slot
+        work = gather(inside, inside.view(world_size, n)[rank], group, async_op=True)
+        results["gather_async_is_work"] = isinstance(work, dist.Work)
+        work.wait()
+        results["gather_inside_async"] = torch.equal(inside, expected)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            for repeat in range(2):
+                full = torch.randn(world_size * n, generator=gen)
+                want, got = torch.empty(n), torch.full((n,), float("nan"))
+                dist.reduce_scatter_tensor(want, full.clone(), op=dist.ReduceOp.SUM)
+                if op == dist.ReduceOp.AVG:
+                    want /= world_size
+                scatter(got, full, group, op=op)
+                results[f"scatter_{op}_{repeat}"] = (want - got).abs().max().item()
+        torch.save(results, Path(out_dir) / f"pairwise{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pairwise_all_gather_and_reduce_scatter_equal_gloos_own(tmp_path):
+    world_size = 3  # every rank has more than one peer
+    mp.spawn(pairwise_collectives, args=(world_size, utils.get_open_port(), str(tmp_path)), nprocs=world_size, join=True)
+    for rank in range(world_size):
+        r = torch.load(tmp_path / f"pairwise{rank}.pt")
+        assert r.pop("gather_outside") and r.pop("gather_inside_async") and r.pop("gather_async_is_work"), rank
+        assert len(r) == 4 and all(err < 1e-6 for err in r.values()), (rank, r)
