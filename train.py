@@ -130,6 +130,26 @@ def world_size_of(cfg) -> int:
     return cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
 
 
+# What the ranks `launch` spawns on a machine without GPUs find in their environment (a value the user set wins).
+# They share the CPU cores and host memory, and OpenMP and glibc read these once, when each rank starts.
+SHARED_CPU_ENVIRONMENT = {
+    # Each rank runs torch's threads on all cores. By default an OpenMP thread that finished its part spins
+    # 300000 times before sleeping, on a core the other rank computes on: 20% of the CPU samples of a 2-rank step
+    # here (perf). libgomp throttles this itself only when ONE process has more threads than cores.
+    "GOMP_SPINCOUNT": "3000",
+    # FSDP frees and re-allocates the same large buffers every step (all-gather outputs, gathered parameters,
+    # gradients). A GPU's caching allocator keeps them; glibc maps blocks over 32 MiB anew and the kernel
+    # zero-fills every page again (~400k page faults per rank and step here). Keep freed memory in the heap.
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
+
+
+def shared_cpu_environment() -> dict[str, str]:
+    """SHARED_CPU_ENVIRONMENT's entries the user has not set (benchmarks/bench_dpo.py measures their effect)."""
+    return {k: v for k, v in SHARED_CPU_ENVIRONMENT.items() if k not in os.environ}
+
+
 def check_inputs(cfg, world_size: int) -> None:
     """Every check of the user's input that needs no model, run by `--cfg` and before any model loads:
     the config against the world size, dataset names and files, model.archive, the checkpoint a resume reads,
@@ -322,8 +342,17 @@ def launch(cfg) -> None:
         else:
             world_size = world_size_of(cfg)
             utils.rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
-            torch.multiprocessing.spawn(spawned_worker, nprocs=world_size, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()),
-                     join=True)
+            # read by each spawned rank as it starts (spawn: fresh interpreters); this process's own is restored
+            added = {} if torch.cuda.is_available() else shared_cpu_environment()
+            if added:
+                utils.rank0_print("the ranks share the CPU cores: " + " ".join(f"{k}={v}" for k, v in added.items()))
+            os.environ.update(added)
+            try:
+                torch.multiprocessing.spawn(spawned_worker, nprocs=world_size, join=True,
+                                            args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()))
+            finally:
+                for k in added:
+                    del os.environ[k]
     except BaseException:
         remove_orphan(run_dir, created)
         raise

@@ -35,6 +35,8 @@ Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e
   ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch  (P6: its
                pairs/s over ours_best's; the per-round ratios pair the runs of one round, which ran back to back)
   ours_fsdp_consecutive  the same with balance_batch=false: each rank takes consecutive halves of the batch
+  ours_best_glibc  ours_best with the glibc variables that train.py gives FSDP ranks on CPU (MALLOC_MMAP_THRESHOLD_,
+               MALLOC_TRIM_THRESHOLD_ = 1 GiB): ours_fsdp over it is the sharding overhead, allocator held equal
   trl_best     DPOTrainer, precompute_ref_log_probs=True, padding_free=True (TRL 1.16 warns and falls back
                to padding: recorded), its always-on fused LM head, optim=adamw_torch_fused (its default),
                gradient_checkpointing=False (TRL's default True recomputes the forward: slower), fp32
@@ -76,6 +78,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -89,6 +92,7 @@ MAX_LENGTH, MAX_PROMPT_LENGTH = 512, 256
 SHORT_PER_STEP, LONG_PER_STEP = 7, 1
 SEED = 0
 
+GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}  # = train.py's
 OURS_VARIANTS = {
     "ours_best": dict(padding_free=True, precompute=True),
     "ours_padded": dict(padding_free=False, precompute=True),
@@ -97,6 +101,9 @@ OURS_VARIANTS = {
     # the report prints their ratio round by round (the sharding overhead on the same cores and global batch)
     "ours_fsdp": dict(padding_free=True, precompute=True, trainer="FSDPTrainer"),
     "ours_fsdp_consecutive": dict(padding_free=True, precompute=True, trainer="FSDPTrainer", balance_batch=False),
+    # ours_best with the glibc variables train.py gives the FSDP ranks (train.SHARED_CPU_ENVIRONMENT): one process
+    # gains from them too, so ours_fsdp / ours_best_glibc is the sharding overhead with the allocator held equal
+    "ours_best_glibc": dict(padding_free=True, precompute=True, env=GLIBC_ENV),
 }
 TRL_VARIANTS = {
     "trl_best": dict(precompute=True),
@@ -318,12 +325,12 @@ def matmul_peak(seconds_per_size: float = 3.0) -> dict:
 class ChildRun:
     """Popen + timestamped output (chunks split on \\r and \\n) + wait4 rusage + background CPU."""
 
-    def __init__(self, cmd: list[str], log: Path, timeout: float, cwd: Path):
-        self.cmd, self.log_path, self.timeout, self.cwd = cmd, log, timeout, cwd
+    def __init__(self, cmd: list[str], log: Path, timeout: float, cwd: Path, env: Optional[dict] = None):
+        self.cmd, self.log_path, self.timeout, self.cwd, self.extra_env = cmd, log, timeout, cwd, env or {}
         self.lines: list[tuple[float, str]] = []
 
     def run(self) -> dict:
-        env = dict(os.environ, **OFFLINE_ENV)
+        env = dict(os.environ, **OFFLINE_ENV, **self.extra_env)
         busy0, t0 = busy_seconds(), time.perf_counter()
         p = subprocess.Popen(self.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         timer = threading.Timer(self.timeout, lambda: p.kill())  # only our own child, by its handle
@@ -379,7 +386,7 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
            f"precompute_ref_log_probs={str(spec['precompute']).lower()}", f"seed={SEED}",
            *(["balance_batch=false"] if spec.get("balance_batch") is False else []),
            f"local_dirs=[{rdir / 'cache'}]", f"run_dir={rdir / 'run'}", f"exp_name={name}", *args.set]
-    child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
+    child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO, env=spec.get("env"))
     res = child.run()
     res.update(name=name, side="ours", round=round_idx, cmd=" ".join(cmd), log=str(rdir / "output.log"),
                precompute_pairs=n, n_steps=n_steps)
@@ -724,11 +731,12 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     if g("ours_best") and g("ours_online"):
         r = g("ours_best")["pairs_s"] / g("ours_online")["pairs_s"]
         rows.append(("P5 precomputed / online reference (ours)", r, ">= 1.25x", r >= 1.25))
-    for fsdp in ("ours_fsdp", "ours_fsdp_consecutive"):  # per round: the runs of one round ran back to back
-        if g("ours_best") and g(fsdp):
-            r = g("ours_best")["s_step_median"] / g(fsdp)["s_step_median"]
-            rounds = [f"{a / b:.2f}x" for a, b in zip(g("ours_best")["per_round"], g(fsdp)["per_round"])]
-            rows.append((f"P6 {fsdp} / ours_best pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
+    # per round: the runs of one round ran back to back
+    for fsdp, one in (("ours_fsdp", "ours_best"), ("ours_fsdp_consecutive", "ours_best"), ("ours_fsdp", "ours_best_glibc")):
+        if g(one) and g(fsdp):
+            r = g(one)["s_step_median"] / g(fsdp)["s_step_median"]
+            rounds = [f"{a / b:.2f}x" for a, b in zip(g(one)["per_round"], g(fsdp)["per_round"])]
+            rows.append((f"P6 {fsdp} / {one} pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
     if g("trl_best") and g("trl_online"):
         r = g("trl_best")["pairs_s"] / g("trl_online")["pairs_s"]
         rows.append(("(TRL precomputed / online)", r, "info", None))
@@ -801,7 +809,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override added to every run of ours (e.g. fsdp.reshard_after_forward=false)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,ours_fsdp_consecutive,trl_best,trl_online "
+                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,ours_fsdp_consecutive,ours_best_glibc,trl_best,trl_online "
                          "(default: all but trl_online, filtered by --which)")
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="model, tokenizer, data and every run's logs")
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
@@ -859,7 +867,7 @@ def main() -> int:
     for r, name in order:
         t = time.perf_counter()
         waited, bg_before = wait_for_quiet(args.idle_wait)
-        if name in ("ours_best", "ours_fsdp", "ours_fsdp_consecutive"):
+        if name in ("ours_best", "ours_fsdp", "ours_fsdp_consecutive", "ours_best_glibc"):
             res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.warmup + args.steps)
             res["warmup"] = args.warmup
         elif name in OURS_VARIANTS:

@@ -9,8 +9,8 @@ profile one more with torch.profiler. Per rank it prints:
     the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
   - the top ops by self CPU time.
 `--set key=value` passes train.py overrides (e.g. fsdp.reshard_after_forward=false); `--threads N` sets each
-rank's torch threads (default: torch's, as train.py's workers). glibc's MALLOC_MMAP_THRESHOLD_ and
-MALLOC_TRIM_THRESHOLD_ in the environment reach the ranks (to measure the kernel's page-zeroing share).
+rank's torch threads (default: torch's, as train.py's workers). The ranks get train.py's SHARED_CPU_ENVIRONMENT
+(GOMP_SPINCOUNT, glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_) unless the environment sets them.
 
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --rounds 1 --steps 1   # builds /tmp/bench_dpo
     python -u benchmarks/fsdp_profile.py [--workdir /tmp/bench_dpo] [--set fsdp.reshard_after_forward=false]
@@ -148,11 +148,13 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
     from utils import get_open_port
+    from train import shared_cpu_environment
+    os.environ.update(shared_cpu_environment())  # what train.py's spawned ranks get (user-set values win)
     mp.spawn(rank_main, args=(2, get_open_port(), args), nprocs=2, join=True)
     for rank in range(2):
         r = json.loads(Path(args.out, f"rank{rank}.json").read_text())
         w = r["wall"]
-        print(f"rank {rank} ({r['threads']} threads, MALLOC_* {[k for k in os.environ if k.startswith('MALLOC_')]}, overrides {r['overrides']}): tokens {w['tokens']:.0f}, step "
+        print(f"rank {rank} ({r['threads']} threads, {' '.join(f'{k}={os.environ[k]}' for k in sorted(os.environ) if k.startswith(('MALLOC_', 'GOMP_')))}, overrides {r['overrides']}): tokens {w['tokens']:.0f}, step "
               f"{w['total']:.2f} s = " + ", ".join(f"{k} {w[k]:.2f}" for k in ("forward", "backward", "clip", "optimizer",
                                                                                "wait_for_other_rank")) + f"; steps {r['wall_steps']}")
         f = r["fsdp"]

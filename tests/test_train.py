@@ -425,3 +425,23 @@ def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeyp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     assert train_py.main([*FAST, "loss=dpo", "lora.r=8", "n_examples=8"]) == 2
     assert "pip install peft" in capsys.readouterr().err
+
+
+def test_ranks_spawned_without_a_gpu_get_the_shared_cpu_environment_and_ours_is_restored(tmp_path, monkeypatch):
+    """The ranks `launch` spawns read OpenMP's spin count and glibc's allocator thresholds when they start: they are in
+    the environment at the spawn (a value the user set wins), and gone from this process's environment after."""
+    if torch.cuda.is_available():
+        pytest.skip("with GPUs the ranks do not share the CPU cores")
+    seen = []
+
+    def spawn(fn, nprocs, join, args):
+        seen.append({k: train_py.os.environ.get(k) for k in train_py.SHARED_CPU_ENVIRONMENT})
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    for k in train_py.SHARED_CPU_ENVIRONMENT:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    result = train(tmp_path / "run", "trainer=FSDPTrainer", "n_examples=8")
+    assert seen == [{"GOMP_SPINCOUNT": "123", "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}]
+    assert "the ranks share the CPU cores: MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824" in result.stdout
+    assert train_py.os.environ.get("GOMP_SPINCOUNT") == "123"
+    assert "MALLOC_MMAP_THRESHOLD_" not in train_py.os.environ and "MALLOC_TRIM_THRESHOLD_" not in train_py.os.environ
