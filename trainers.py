@@ -1444,10 +1444,10 @@ class _Transfers(dist.Work):
 
 
 def _exchange(group: dist.ProcessGroup, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], tag: int) -> list:
-    """Post every send and receive with the group's other ranks at once; the Works to wait on."""
+    """Post every send and receive with the group's other ranks at once; the Works to wait on (none on one rank)."""
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends.items()]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs.items()]
-    return dist.batch_isend_irecv(ops)
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class PairwiseAllGather:
@@ -1496,8 +1496,8 @@ class PairwiseReduceScatter:
         for work in _exchange(group, {p: chunks[p] for p in others}, {p: received[i] for i, p in enumerate(others)}, self.TAG):
             work.wait()
         out = output_tensor.view(-1)
-        torch.add(chunks[me], received[0], out=out)
-        for more in received[1:]:
+        out.copy_(chunks[me])
+        for more in received:
             out.add_(more)
         if op == dist.ReduceOp.AVG:
             out.div_(world)

@@ -162,7 +162,7 @@ def test_one_rank_nan_skips_the_step_on_every_rank(distributed_results):
 def pairwise_collectives(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """FSDP2's CPU all-gather and reduce-scatter (trainers.PairwiseAllGather / PairwiseReduceScatter) against
     gloo's own collectives on the same inputs: synchronous and asynchronous, input inside or outside the output,
-    SUM and AVG, and twice in a row with the same tags (the transfers must pair in posting order)."""
+    SUM and AVG, twice in a row with the same tags (the transfers must pair in posting order), and a group of one."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -192,6 +192,11 @@ def pairwise_collectives(rank: int, world_size: int, port: int, out_dir: str) ->
                     want /= world_size
                 scatter(got, full, group, op=op)
                 results[f"scatter_{op}_{repeat}"] = (want - got).abs().max().item()
+        alone = [dist.new_group([r]) for r in range(world_size)][rank]  # a shard group of one rank (fsdp_size=1)
+        one, summed = torch.empty(n), torch.empty(n)
+        gather(one, shard, alone)
+        scatter(summed, shard, alone, op=dist.ReduceOp.AVG)
+        results["one_rank_group"] = torch.equal(one, shard) and torch.equal(summed, shard)
         torch.save(results, Path(out_dir) / f"pairwise{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -203,4 +208,5 @@ def test_pairwise_all_gather_and_reduce_scatter_equal_gloos_own(tmp_path):
     for rank in range(world_size):
         r = torch.load(tmp_path / f"pairwise{rank}.pt")
         assert r.pop("gather_outside") and r.pop("gather_inside_async") and r.pop("gather_async_is_work"), rank
+        assert r.pop("one_rank_group"), rank
         assert len(r) == 4 and all(err < 1e-6 for err in r.values()), (rank, r)
