@@ -81,6 +81,8 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from train import SHARED_CPU_ENVIRONMENT  # noqa: E402  (train.py defers torch: a light import)
 GIB = 1024 ** 3
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -92,7 +94,7 @@ MAX_LENGTH, MAX_PROMPT_LENGTH = 512, 256
 SHORT_PER_STEP, LONG_PER_STEP = 7, 1
 SEED = 0
 
-GLIBC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}  # = train.py's
+GLIBC_ENV = {k: v for k, v in SHARED_CPU_ENVIRONMENT.items() if k.startswith("MALLOC_")}  # what train.py's ranks get
 OURS_VARIANTS = {
     "ours_best": dict(padding_free=True, precompute=True),
     "ours_padded": dict(padding_free=False, precompute=True),
