@@ -3,7 +3,10 @@
 Starts 2 gloo ranks (torch.multiprocessing.spawn) that build the FSDPTrainer exactly as train.py's workers do
 (same config as bench_dpo.py's ours_best: tiled LM head, padding-free, precomputed reference, AdamW, fp32),
 run --warmup steps, time --steps steps by phase (wall clock: forward, backward, clip, optimizer), then
-profile one more with torch.profiler. Per rank it prints:
+profile one more with torch.profiler. `--world-size 1` runs the same steps in one process with BasicTrainer
+(bench_dpo.py's ours_best), the baseline that 2-rank FSDP's pairs/s is compared with. Per rank it prints:
+  - each timed step: wall seconds, CPU seconds (user, system) and minor page faults. glibc's heap settles after
+    about 3 steps here (fewer faults each step until none), so take --warmup 3 for the steady state;
   - the phases' wall seconds, the rank's tokens (its share of the global batch of 8 pairs);
   - seconds inside FSDP's collective ranges (all-gather, reduce-scatter) and the c10d/gloo waits in them,
     the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
@@ -14,6 +17,7 @@ rank's torch threads (default: torch's, as train.py's workers). The ranks get tr
 
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --rounds 1 --steps 1   # builds /tmp/bench_dpo
     python -u benchmarks/fsdp_profile.py [--workdir /tmp/bench_dpo] [--set fsdp.reshard_after_forward=false]
+    python -u benchmarks/fsdp_profile.py --world-size 1   # the same steps in one process (BasicTrainer)
 """
 from __future__ import annotations
 
@@ -46,7 +50,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    utils.init_distributed(300, cuda=False)
+    sharded = world_size > 1
+    if sharded:
+        utils.init_distributed(300, cuda=False)
     meta = json.loads((Path(args.workdir) / "workload.json").read_text())
     n_steps = args.warmup + args.steps + 1
     key = max((k for k in meta["data"] if int(k) >= n_steps), key=int, default=None)
@@ -54,7 +60,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         raise SystemExit(f"{args.workdir}: no data file with >= {n_steps} steps; run bench_dpo.py with --steps {n_steps}")
     tmp = Path(tempfile.mkdtemp(prefix="fsdp_profile_"))
     argv = ["loss=dpo", f"datasets=[{meta['data'][key]}]", f"model.name_or_path={meta['model_dir']}",
-            "model.reference_dtype=float32", "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "optimizer=AdamW",
+            "model.reference_dtype=float32", "optimizer=AdamW",
+            *(["trainer=FSDPTrainer", "fsdp.strategy=fsdp2"] if sharded else ["trainer=BasicTrainer"]),
             f"batch_size={bench_dpo.BATCH}", f"eval_batch_size={bench_dpo.BATCH}", f"max_length={bench_dpo.MAX_LENGTH}",
             f"max_prompt_length={bench_dpo.MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
             "n_eval_examples=8", "wandb.enabled=false", "fsdp.use_torch_compile=false", "debug=true", "n_epochs=null",
@@ -64,8 +71,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     cfg, _ = load_config(argv, world_size=world_size)
     utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     tokenizer, policy, reference = load_models(cfg, None, on_meta=rank != 0)
-    utils.wait_for_rank0()
-    trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference, rank=rank,
+    if sharded:
+        utils.wait_for_rank0()
+    trainer = getattr(trainers, cfg.trainer)(policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference, rank=rank,
                                    world_size=world_size, tokenizer=tokenizer)
     trainer.build_optimizer()
     trainer.precompute_reference()
@@ -88,8 +96,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
         t.append(time.perf_counter())
-        # every rank ends the step here, so that the next step's phases are not charged with the other's lag
-        torch.distributed.barrier()
+        if sharded:  # every rank ends the step here, so that the next step's phases are not charged with the other's lag
+            torch.distributed.barrier()
         t.append(time.perf_counter())
         names = ("forward", "backward", "clip", "optimizer", "wait_for_other_rank")
         out = {n: b - a for n, a, b in zip(names, t, t[1:])}
@@ -125,13 +133,14 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             moved[e.name] += numel * 4
     result = dict(rank=rank, threads=torch.get_num_threads(), overrides=args.set,
                   wall={k: statistics.mean(w[k] for w in walls) for k in walls[0]},
-                  wall_steps=[round(w["total"], 3) for w in walls], prof_wall=prof_wall,
+                  wall_steps=[round(w["total"], 3) for w in walls], steps=walls, prof_wall=prof_wall,
                   fsdp={k: inclusive(lambda x, k=k: x == k) for k in fsdp_ranges},
                   comm={k: inclusive(lambda x, k=k: x == k) for k in comm}, bytes_per_step=dict(moved),
                   top_self=[(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
                             for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:18]])
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    utils.destroy_distributed()
+    if sharded:
+        utils.destroy_distributed()
 
 
 def main() -> int:
@@ -139,6 +148,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="bench_dpo.py's workdir (model, data)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--world-size", type=int, default=2, help="ranks (FSDPTrainer); 1 = one process, BasicTrainer")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default, as train.py)")
     ap.add_argument("--set", action="append", default=[], help="a train.py override, e.g. fsdp.reshard_after_forward=false")
     ap.add_argument("--out", default="/tmp/fsdp_profile")
@@ -149,11 +159,15 @@ def main() -> int:
     import torch.multiprocessing as mp
     from utils import get_open_port
     from train import shared_cpu_environment
+    # with --world-size 1 the one process gets the same variables: the allocator is held equal (bench_dpo.py's ours_best_glibc)
     os.environ.update(shared_cpu_environment())  # what train.py's spawned ranks get (user-set values win)
-    mp.spawn(rank_main, args=(2, get_open_port(), args), nprocs=2, join=True)
-    for rank in range(2):
+    mp.spawn(rank_main, args=(args.world_size, get_open_port(), args), nprocs=args.world_size, join=True)
+    for rank in range(args.world_size):
         r = json.loads(Path(args.out, f"rank{rank}.json").read_text())
         w = r["wall"]
+        for i, step in enumerate(r["steps"]):
+            print(f"rank {rank} timed step {i}: {step['total']:.2f} s, CPU user {step['user_s']:.2f} s, sys "
+                  f"{step['sys_s']:.2f} s, minor page faults {step['minor_faults']}, tokens {step['tokens']}")
         print(f"rank {rank} ({r['threads']} threads, {' '.join(f'{k}={os.environ[k]}' for k in sorted(os.environ) if k.startswith(('MALLOC_', 'GOMP_')))}, overrides {r['overrides']}): tokens {w['tokens']:.0f}, step "
               f"{w['total']:.2f} s = " + ", ".join(f"{k} {w[k]:.2f}" for k in ("forward", "backward", "clip", "optimizer",
                                                                                "wait_for_other_rank")) + f"; steps {r['wall_steps']}")
