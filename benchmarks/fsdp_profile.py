@@ -133,7 +133,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             moved[e.name] += numel * 4
     result = dict(rank=rank, threads=torch.get_num_threads(), overrides=args.set,
                   wall={k: statistics.mean(w[k] for w in walls) for k in walls[0]},
-                  wall_steps=[round(w["total"], 3) for w in walls], steps=walls, prof_wall=prof_wall,
+                  steps=walls, prof_wall=prof_wall,
                   fsdp={k: inclusive(lambda x, k=k: x == k) for k in fsdp_ranges},
                   comm={k: inclusive(lambda x, k=k: x == k) for k in comm}, bytes_per_step=dict(moved),
                   top_self=[(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
@@ -170,7 +170,7 @@ def main() -> int:
                   f"{step['sys_s']:.2f} s, minor page faults {step['minor_faults']}, tokens {step['tokens']}")
         print(f"rank {rank} ({r['threads']} threads, {' '.join(f'{k}={os.environ[k]}' for k in sorted(os.environ) if k.startswith(('MALLOC_', 'GOMP_')))}, overrides {r['overrides']}): tokens {w['tokens']:.0f}, step "
               f"{w['total']:.2f} s = " + ", ".join(f"{k} {w[k]:.2f}" for k in ("forward", "backward", "clip", "optimizer",
-                                                                               "wait_for_other_rank")) + f"; steps {r['wall_steps']}")
+                                                                               "wait_for_other_rank")) + " (means of the timed steps)")
         f = r["fsdp"]
         gather = sum(v for k, v in f.items() if k.startswith("FSDP::all_gather") and "copy" not in k)
         reduce = sum(v for k, v in f.items() if k.startswith("FSDP::post_backward_reduce"))
