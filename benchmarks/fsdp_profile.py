@@ -6,7 +6,7 @@ run --warmup steps, time --steps steps by phase (wall clock: forward, backward, 
 profile one more with torch.profiler. `--world-size 1` runs the same steps in one process with BasicTrainer
 (bench_dpo.py's ours_best), the baseline that 2-rank FSDP's pairs/s is compared with. Per rank it prints:
   - each timed step: wall seconds, CPU seconds (user, system) and minor page faults. glibc's heap settles after
-    about 3 steps here (fewer faults each step until none), so take --warmup 3 for the steady state;
+    about 3 steps here (fewer faults each step, then mostly none), so take --warmup 3 for the steady state;
   - the phases' wall seconds, the rank's tokens (its share of the global batch of 8 pairs);
   - seconds inside FSDP's collective ranges (all-gather, reduce-scatter) and the c10d/gloo waits in them,
     the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
