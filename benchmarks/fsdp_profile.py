@@ -9,7 +9,9 @@ profile one more with torch.profiler. `--world-size 1` runs the same steps in on
     about 3 steps here (fewer faults each step, then mostly none), so take --warmup 3 for the steady state;
   - the phases' wall seconds, the rank's tokens (its share of the global batch of 8 pairs);
   - seconds inside FSDP's collective ranges (all-gather, reduce-scatter) and the c10d/gloo waits in them,
-    the copy-in/copy-out around them, and the bytes all-gathered and reduce-scattered per step;
+    the copy-in/copy-out around them;
+  - per timed step, the bytes, calls and wall seconds of the direct-send all-gathers and reduce-scatters
+    (trainers.PairwiseAllGather, PairwiseReduceScatter: what FSDP2 runs on CPU), counted by wrapping them here;
   - the top ops by self CPU time.
 `--set key=value` passes train.py overrides (e.g. fsdp.reshard_after_forward=false); `--threads N` sets each
 rank's torch threads (default: torch's, as train.py's workers). The ranks get train.py's SHARED_CPU_ENVIRONMENT
@@ -53,6 +55,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     sharded = world_size > 1
     if sharded:
         utils.init_distributed(300, cuda=False)
+    direct_sends = meter_direct_sends(trainers)
     meta = json.loads((Path(args.workdir) / "workload.json").read_text())
     n_steps = args.warmup + args.steps + 1
     key = max((k for k in meta["data"] if int(k) >= n_steps), key=int, default=None)
@@ -111,36 +114,51 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
 
     for _ in range(args.warmup):
         step(next(batches))
+    direct_sends.clear()
     walls = [step(next(batches)) for _ in range(args.steps)]
+    direct_sends_per_step = {k: v / args.steps for k, v in direct_sends.items()}
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         prof_wall = step(next(batches))
-    events = prof.key_averages()
-
-    def inclusive(pred):
-        return sum(e.cpu_time_total for e in events if pred(e.key)) / 1e6
-
-    fsdp_ranges = sorted({e.key for e in events if e.key.startswith("FSDP::")})
-    comm = sorted({e.key for e in events if e.key.startswith(("c10d::", "gloo:", "record_param_comms"))})
-    # bytes moved: all-gather outputs and reduce-scatter inputs, from the recorded input shapes
-    moved = defaultdict(int)
-    for e in prof.events():
-        if e.name in ("c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_", "c10d::_reduce_scatter_base_",
-                      "c10d::reduce_scatter_tensor_coalesced_", "c10d::allreduce_", "c10d::broadcast_") and e.input_shapes:
-            shape = e.input_shapes[0]
-            numel = 1
-            for d in (shape if shape and isinstance(shape[0], int) else (shape[0] if shape else [])):
-                numel *= d
-            moved[e.name] += numel * 4
     result = dict(rank=rank, threads=torch.get_num_threads(), overrides=args.set,
-                  wall={k: statistics.mean(w[k] for w in walls) for k in walls[0]},
-                  steps=walls, prof_wall=prof_wall,
-                  fsdp={k: inclusive(lambda x, k=k: x == k) for k in fsdp_ranges},
-                  comm={k: inclusive(lambda x, k=k: x == k) for k in comm}, bytes_per_step=dict(moved),
-                  top_self=[(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
-                            for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:18]])
+                  wall={k: statistics.mean(w[k] for w in walls) for k in walls[0]}, steps=walls, prof_wall=prof_wall,
+                  direct_sends=direct_sends_per_step,
+                  **summarize_profile(prof))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     if sharded:
         utils.destroy_distributed()
+
+
+def meter_direct_sends(trainers) -> dict:
+    """Wrap the direct-send collectives' __call__ in this process: running totals of their bytes (all-gather
+    output, reduce-scatter input), calls and wall seconds (an asynchronous all-gather's wait is not included)."""
+    totals = defaultdict(float)
+    for name, cls in (("all_gather", trainers.PairwiseAllGather), ("reduce_scatter", trainers.PairwiseReduceScatter)):
+        def metered(self, output_tensor, input_tensor, *args, _call=cls.__call__, _name=name, **kwargs):
+            start = time.perf_counter()
+            result = _call(self, output_tensor, input_tensor, *args, **kwargs)
+            moved = output_tensor if _name == "all_gather" else input_tensor
+            totals[f"{_name}_s"] += time.perf_counter() - start
+            totals[f"{_name}_bytes"] += moved.numel() * moved.element_size()
+            totals[f"{_name}_calls"] += 1
+            return result
+        cls.__call__ = metered
+    return totals
+
+
+def summarize_profile(prof) -> dict:
+    """One profiled step: inclusive seconds of FSDP's ranges and of the c10d/gloo ops, and the top ops by self CPU
+    time. (Bytes are not read from the recorded shapes: c10d's ops take tensor lists, which the profiler records
+    without shapes.)"""
+    events = prof.key_averages()
+
+    def inclusive(key):
+        return sum(e.cpu_time_total for e in events if e.key == key) / 1e6
+
+    comm = sorted({e.key for e in events if e.key.startswith(("c10d::", "gloo:", "record_param_comms"))})
+    return dict(fsdp={k: inclusive(k) for k in sorted({e.key for e in events if e.key.startswith("FSDP::")})},
+                comm={k: inclusive(k) for k in comm},
+                top_self=[(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
+                          for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:18]])
 
 
 def main() -> int:
@@ -180,7 +198,11 @@ def main() -> int:
         print("  FSDP ranges over 0.05 s (inclusive s, profiled step): "
               + ", ".join(f"{k[6:]} {v:.2f}" for k, v in r["fsdp"].items() if v > 0.05))
         print("  c10d/gloo (inclusive s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["comm"].items()))
-        print("  bytes per step: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["bytes_per_step"].items()))
+        d = r["direct_sends"]
+        if d:
+            print("  direct sends per timed step: " + ", ".join(
+                f"{n.replace('_', '-')}s {d[n + '_bytes'] / 2**20:.0f} MiB in {d[n + '_calls']:.0f} calls, {d[n + '_s']:.2f} s"
+                for n in ("all_gather", "reduce_scatter") if n + "_calls" in d))
         print("  top self CPU s: " + "; ".join(f"{k} {s} (x{c})" for k, s, c in r["top_self"][:12]))
     return 0
 
