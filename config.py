@@ -318,7 +318,7 @@ class Config(BaseConfig):
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (every trainer; under FSDP inside the root unit's forward)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
-    balance_batch: bool = param(True, "deal each training step's pairs to the data-parallel ranks in shares of near-equal tokens (counts may differ); false = consecutive equal shares, as the original code")
+    balance_batch: bool = param(True, "deal each training step's pairs to the data-parallel ranks in shares of near-equal executed FLOPs (counts may differ); false = consecutive equal shares, as the original code")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
     peak_tflops: Optional[float] = param(None, "the device's matmul peak for logged MFU; null = measured at start")
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")

@@ -1149,14 +1149,16 @@ def num_steps(n_items: int, *, batch_size: int, n_epochs: Optional[int] = None,
 def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, seed: int = 0,
                        n_epochs: Optional[int] = None, n_examples: Optional[int] = None, rank: int = 0,
                        world_size: int = 1, start_example: int = 0, sizes: Optional[Sequence[int]] = None,
-                       min_share: int = 1) -> Iterator[list[int]]:
+                       min_share: int = 1, share_cost: Optional[Callable[[list[int]], float]] = None
+                       ) -> Iterator[list[int]]:
     """Indices of this rank's items for each global batch, in order.
 
     Global step s covers items perm_e[j*B:(j+1)*B] with e = s // S, j = s % S, B = batch_size,
     S = n_items // B steps per epoch (the incomplete last batch of each epoch is dropped) and
     perm_e = a permutation seeded by (seed, e) (the identity when shuffle is False). Rank r takes positions
     [r*k, (r+1)*k) of each global batch, k = B // world_size; or, when `sizes` (tokens per item) is given, the
-    share balance_shares deals it (at least min_share items). The run lasts n_epochs * S steps or
+    share balance_shares deals it (at least min_share items; refined by `share_cost` of a share's items when
+    given). The run lasts n_epochs * S steps or
     ceil(n_examples / B) steps, whichever is fewer (at least one must be set), and starts at step
     start_example // B, so a resumed iterator yields exactly what an uninterrupted one would.
     """
@@ -1167,10 +1169,10 @@ def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, s
     total = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples)
     # the checks above run at the call; the batches come from a generator, one step at a time
     return _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, start_example // batch_size, total,
-                          sizes, min_share)
+                          sizes, min_share, share_cost)
 
 
-def _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, step, total, sizes, min_share):
+def _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, step, total, sizes, min_share, share_cost):
     steps_per_epoch, per_rank = n_items // batch_size, batch_size // world_size
     epoch, order = None, None
     while step < total:
@@ -1179,7 +1181,8 @@ def _batch_indices(n_items, batch_size, rank, world_size, shuffle, seed, step, t
             # a fresh permutation per epoch, a pure function of (seed, epoch): resuming needs no saved state
             order = np.random.default_rng((seed, epoch)).permutation(n_items) if shuffle else np.arange(n_items)
         items = order[(step % steps_per_epoch) * batch_size:][:batch_size].tolist()
-        yield (balance_shares(items, [sizes[i] for i in items], world_size, min_share)[rank] if sizes is not None
+        yield (balance_shares(items, [sizes[i] for i in items], world_size, min_share, share_cost)[rank]
+               if sizes is not None
                else items[rank * per_rank:(rank + 1) * per_rank])
         step += 1
 
@@ -1189,14 +1192,20 @@ def example_tokens(e: TokenizedExample) -> int:
     return sum(len(e.prompt_ids) + len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None)
 
 
-def balance_shares(items: list[int], sizes: list[int], n_shares: int, min_share: int = 1) -> list[list[int]]:
-    """Deal `items` (`sizes` tokens each) into n_shares shares of near-equal tokens, each >= min_share items.
+def balance_shares(items: list[int], sizes: list[int], n_shares: int, min_share: int = 1,
+                   share_cost: Optional[Callable[[list[int]], float]] = None) -> list[list[int]]:
+    """Deal `items` (`sizes` tokens each) into n_shares shares of near-equal cost, each >= min_share items.
 
-    Under FSDP every rank waits for the slowest in each collective, so a step costs what its largest share
+    Under FSDP every rank waits for the slowest in each collective, so a step costs what its costliest share
     costs: with one long pair among short ones, equal-count shares differ by 1.2-2x in tokens. Largest first,
-    each item goes to the lightest share (ties: the lower share), except that the last items go to the shares
-    still short of min_share. Each share keeps the batch's order. Shares may differ in count; the trainer
-    weights every pair by 1 / (pairs per step), so the step's gradient is the same however the batch is dealt.
+    each item goes to the lightest share in tokens (ties: the lower share), except that the last items go to the
+    shares still short of min_share. Tokens are not what a share costs, though: packed rows are as wide as
+    their longest sequence, the LM head may score only responses, attention grows with the square of the
+    width. So with `share_cost` (items -> cost, e.g. the trainer's executed FLOPs) the costliest share then
+    gives an item to, or swaps one with, the cheapest share while that lowers the larger of their two costs
+    (the best such change each time; at most REFINE_EVALUATIONS costs per batch, so a large batch stays cheap).
+    Each share keeps the batch's order. Shares may differ in count; the trainer weights every pair by
+    1 / (pairs per step), so the step's gradient is the same however the batch is dealt.
     """
     shares, loads = [[] for _ in range(n_shares)], [0] * n_shares
     by_size = sorted(range(len(items)), key=lambda p: -sizes[p])  # sorted() is stable: ties keep batch order
@@ -1206,7 +1215,44 @@ def balance_shares(items: list[int], sizes: list[int], n_shares: int, min_share:
         target = min(short if must_fill else range(n_shares), key=lambda s: loads[s])
         shares[target].append(pos)
         loads[target] += sizes[pos]
-    return [[items[p] for p in sorted(share)] for share in shares]
+    shares = [sorted(share) for share in shares]
+    if share_cost is not None and n_shares > 1:
+        shares = _refined(shares, lambda share: share_cost([items[p] for p in share]), min_share)
+    return [[items[p] for p in share] for share in shares]
+
+
+REFINE_EVALUATIONS = 512  # share costs one batch's refinement may evaluate (each packs a share's rows)
+
+
+def _refined(shares: list[list[int]], cost: Callable[[list[int]], float], min_share: int) -> list[list[int]]:
+    """balance_shares's local search: moves and swaps between the costliest and the cheapest share."""
+    memo: dict[tuple[int, ...], float] = {}
+
+    def cost_of(share: list[int]) -> float:
+        key = tuple(share)
+        if key not in memo:
+            memo[key] = cost(share)
+        return memo[key]
+
+    while len(memo) < REFINE_EVALUATIONS:
+        costs = [cost_of(share) for share in shares]
+        top, low = max(range(len(shares)), key=costs.__getitem__), min(range(len(shares)), key=costs.__getitem__)
+        if costs[top] == costs[low]:
+            break
+        best = None
+        gives = [(i, None) for i in shares[top]] if len(shares[top]) > min_share else []
+        for i, j in gives + [(i, j) for i in shares[top] for j in shares[low]]:
+            a = sorted([x for x in shares[top] if x != i] + ([] if j is None else [j]))
+            b = sorted([x for x in shares[low] if x != j] + [i])
+            worse = max(cost_of(a), cost_of(b))
+            if worse < costs[top] and (best is None or worse < best[0]):
+                best = (worse, a, b)
+            if len(memo) >= REFINE_EVALUATIONS:
+                break
+        if best is None:
+            break
+        shares[top], shares[low] = best[1], best[2]
+    return shares
 
 
 def _pad(rows: list[np.ndarray], value: int, left: bool = False) -> torch.Tensor:
@@ -1270,12 +1316,14 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
                        n_epochs: Optional[int] = None, n_examples: Optional[int] = None, seed: int = 0,
                        rank: int = 0, world_size: int = 1, start_example: int = 0, cache_dir: Optional[str] = None,
                        truncation_mode: Optional[str] = None, silent: bool = False, unpaired: bool = False,
-                       pairs_to_unpaired: bool = False, kl_rows: bool = False,
-                       min_share: Optional[int] = None) -> Iterator[dict[str, Any]]:
+                       pairs_to_unpaired: bool = False, kl_rows: bool = False, min_share: Optional[int] = None,
+                       share_cost: Optional[Callable[[list[TokenizedExample]], float]] = None
+                       ) -> Iterator[dict[str, Any]]:
     """Batches of this rank's share of each global batch (see iter_batch_indices for the order, collate for keys).
 
     batch_size is GLOBAL pairs per step. Each rank collates only its share: batch_size // world_size consecutive
-    pairs, or with min_share set, a share of near-equal tokens of at least min_share pairs (balance_shares).
+    pairs, or with min_share set, a share of near-equal tokens of at least min_share pairs (balance_shares), then
+    of near-equal `share_cost` (its examples -> a cost, e.g. the trainer's FLOPs) when that is given too.
     sft_mode iterates over prompts' SFT targets and yields chosen_* keys only. Loading (and every error about the
     data or the arguments) happens when this is called, not at the first next(). Padding uses
     tokenizer.pad_token_id, or EOS when there is none (padded positions are masked, so the value is never seen).
@@ -1292,7 +1340,8 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
     indices = iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,
                                  n_epochs=n_epochs, n_examples=n_examples, rank=rank, world_size=world_size,
                                  start_example=start_example, min_share=min_share or 1,
-                                 sizes=None if min_share is None else [example_tokens(e) for e in examples])
+                                 sizes=None if min_share is None else [example_tokens(e) for e in examples],
+                                 share_cost=None if share_cost is None else lambda idx: share_cost([examples[i] for i in idx]))
     if len(examples) < batch_size:
         raise DataError(f"datasets={names} split {split!r}: {len(examples)} examples after filtering, fewer than "
                         f"one global batch of {batch_size}; lower batch_size or add data")

@@ -20,6 +20,7 @@ the mean loss over the whole batch; then clip, guard against non-finite values, 
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
@@ -104,22 +105,67 @@ def padded_inputs(inputs: dict[str, torch.Tensor], multiple: int = 1) -> tuple[d
     return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}, inputs["labels"], owner
 
 
-def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int, multiple: int = 1) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """The same sequences without padding: packed first-fit-decreasing into rows of at most `capacity` tokens
-    (or the longest sequence), position_ids restarting at 0 for each, attention confined to each sequence by a
-    block-diagonal causal mask. Returns what `padded_inputs` returns. Sequences never share a row with padding
-    in between, and only the row ends are padded (up to a multiple of `multiple`)."""
-    lengths = inputs["attention_mask"].sum(1).tolist()
-    capacity = max(capacity, max(lengths))
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in rows of at most `capacity` (>= the longest): longest first, each into the row it
+    fills best (the least room left that still fits it), else a new row. O(n log n): rows are kept by room."""
     rows: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        slot = next((r for r, load in enumerate(loads) if load + lengths[i] <= capacity), None)
-        if slot is None:
-            rows.append([]), loads.append(0)
-            slot = len(rows) - 1
-        rows[slot].append(i)
-        loads[slot] += lengths[i]
+    rooms: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        k = bisect.bisect_left(rooms, (lengths[i], -1))
+        if k == len(rooms):
+            rows.append([])
+            room, row = capacity, len(rows) - 1
+        else:
+            room, row = rooms.pop(k)
+        rows[row].append(i)
+        bisect.insort(rooms, (room - lengths[i], row))
+    return rows
+
+
+def row_layout(lengths: list[int], capacity: int, attention_cost: float = 0.0, multiple: int = 1) -> list[list[int]]:
+    """Sequences (indices of `lengths`) per packed row, the rows' width chosen for the fewest FLOPs.
+
+    Every row is as wide as the widest, padding included: a batch of R rows of width W runs the backbone at R W
+    positions and attention at R W^2 query-key pairs (the block-diagonal mask skips none), so its cost is
+    R W (1 + attention_cost W), attention_cost = attention FLOPs per query-key pair over the backbone's FLOPs per
+    position (trainers.attention_cost). Rows of `capacity` tokens leave up to a third of a small batch as
+    padding: three rows of ~500 for 1200 tokens when the longest sequence is ~500. So row capacities from the
+    longest sequence up (5% apart, and the total over 2-8 rows) are packed best-fit decreasing and the cheapest
+    layout kept, among those whose attention matrices (R W^2: a boolean mask, eager attention's scores) are no
+    larger than with rows of `capacity`. Widths round up to a multiple of `multiple` (sequence parallelism).
+    Sharing a batch between FSDP ranks halves it, so this matters most there (benchmarks/fsdp_profile.py)."""
+    longest, total = max(lengths), sum(lengths)
+
+    def cost(rows: list[list[int]]) -> tuple[float, int]:
+        width = -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple
+        return len(rows) * width * (1 + attention_cost * width), len(rows) * width ** 2
+
+    best = best_fit_decreasing(lengths, max(capacity, longest))
+    best_cost, budget = cost(best)
+    widest = min(total, math.isqrt(budget))  # one row wider than this alone outgrows the budget
+    capacities = {-(-total // k) for k in range(2, 9)}
+    capacity = longest
+    while capacity <= widest:
+        capacities.add(capacity)
+        capacity = max(capacity + 1, math.ceil(capacity * 1.05))
+    for capacity in sorted(c for c in capacities if longest <= c <= widest):
+        rows = best_fit_decreasing(lengths, capacity)
+        flops, attention_matrices = cost(rows)
+        if attention_matrices <= budget and flops < best_cost:
+            best, best_cost = rows, flops
+    return best
+
+
+def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int, multiple: int = 1,
+                  attention_cost: float = 0.0) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The same sequences without padding: packed into rows (row_layout: the width with the fewest FLOPs whose
+    attention matrices are no larger than with rows of `capacity` tokens), position_ids
+    restarting at 0 for each, attention confined to each sequence by a block-diagonal causal mask. Returns what
+    `padded_inputs` returns. Sequences never share a row with padding in between, and only the row ends are
+    padded (up to the widest row, a multiple of `multiple`)."""
+    lengths = inputs["attention_mask"].sum(1).tolist()
+    rows = row_layout(lengths, capacity, attention_cost, multiple)
+    loads = [sum(lengths[i] for i in row) for row in rows]
     width, device = -(-max(loads) // multiple) * multiple, inputs["input_ids"].device
     shape = (len(rows), width)
     ids = torch.zeros(shape, dtype=torch.long, device=device)
@@ -169,12 +215,12 @@ def lm_head_extras(config) -> dict:
 
 
 def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
-                  tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
+                  attention_cost: float = 0.0, tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
                   sequence_parallel: Optional[ulysses.SequenceParallel] = None):
     """Per sequence: the summed log-probs of its labelled tokens (N,), their count (N,) and, with `entropy`
     (losses.entropy_from_logits kwargs), the policy's mean entropy over them (N,), else None.
 
-    `packed_capacity` packs the sequences padding-free (packed_inputs). `tiled` runs only the backbone and
+    `packed_capacity` packs the sequences padding-free (packed_inputs; `attention_cost` sizes its rows). `tiled` runs only the backbone and
     projects the scored positions through the LM head in tiles (losses.linear_token_logps): no (rows, seq,
     vocab) logits ever exist. `sequence_parallel` (Ulysses, see ulysses.py): every rank of the group passes the
     same `inputs`, runs the model on its slice of the positions, and gets the whole sequences' results. None of
@@ -185,7 +231,7 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     tiled path may call the backbone and read the head's weight directly, and its post-forward hooks the
     backward on the returned sums. In one process the model is called as is.
     """
-    options = dict(packed_capacity=packed_capacity, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad,
+    options = dict(packed_capacity=packed_capacity, attention_cost=attention_cost, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad,
                    sequence_parallel=sequence_parallel)
     inner = model.module if isinstance(model, FSDP) else model
     if not isinstance(model, FSDP) and not is_fsdp2_root(model):
@@ -212,14 +258,15 @@ def as_root_forward(inner: nn.Module, compute):
 
 
 def sequence_logps(model: nn.Module, call, inputs: dict[str, torch.Tensor], *, packed_capacity: Optional[int] = None,
-                   tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
-                   sequence_parallel: Optional[ulysses.SequenceParallel] = None):
+                   attention_cost: float = 0.0, tiled: bool = False, entropy: Optional[dict] = None,
+                   entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None):
     """forward_logps's computation on the causal LM `model`; `call(**kwargs)` runs its full forward (the model
     itself, or its class forward when already inside the root unit's forward)."""
     n = inputs["input_ids"].size(0)
     sp = sequence_parallel
     multiple = sp.size if sp else 1
-    kwargs, labels, owner = packed_inputs(inputs, packed_capacity, multiple) if packed_capacity else padded_inputs(inputs, multiple)
+    kwargs, labels, owner = (packed_inputs(inputs, packed_capacity, multiple, attention_cost) if packed_capacity
+                             else padded_inputs(inputs, multiple))
     # Output t predicts token t+1: position t's target is labels[t+1], owned by that token's sequence. Aligned this
     # way, a row can be cut into slices of positions (sequence parallelism) and each slice scored on its own.
     targets = F.pad(labels[:, 1:], (0, 1), value=losses.IGNORE_INDEX)
@@ -634,8 +681,9 @@ class MicroBatchLoss:
 
     def forward_options(self, entropy_grad: bool = False) -> dict:
         """How log-probs are computed (never what they are): packed rows, the tiled LM head, sequence parallelism."""
+        tiled = self.config.tiled_lm_head and not entropy_grad  # a differentiable entropy needs full logits
         return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and not entropy_grad,  # a differentiable entropy needs full logits
+                "attention_cost": attention_cost(self.model_shape, tiled), "tiled": tiled,
                 "sequence_parallel": self.sequence_parallel}
 
     # --- KTO's KL reference point ---------------------------------------------------------------------------
@@ -712,6 +760,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
                                    use_compile=self.device.type == "cuda" if use_compile is None else use_compile)
         if not hasattr(self, "flops_params"):  # FSDPTrainer counts before sharding
             self.flops_params = flops_params(policy)
+        self.model_shape = flops_shape(policy, self.flops_params)  # what executed_flops and row layouts need
         if config.activation_checkpointing and self.checkpoints_when_built:
             checkpoint_blocks(policy, tuple(block_classes(policy, config.fsdp.wrap_policy)))
         self.example_counter = 0  # training pairs seen, over all ranks: the x-axis of every plot
@@ -792,7 +841,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
                  f" {self.sp_size})" if self.sp_size > 1 else f"world size {self.world_size}")
         rank0_print(f"batch geometry: {c.batch_size} pairs per step = {ranks}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps}"
-                    + (" on average (ranks get shares of near-equal tokens, not pairs);" if self.dp_size > 1 and c.balance_batch else ";") +
+                    + (" on average (ranks get shares of near-equal FLOPs, not pairs);" if self.dp_size > 1 and c.balance_batch else ";") +
                     f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
                     f" in batches of {self.eval_batch_size}")
 
@@ -809,7 +858,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         micro_batches += [micro_batches[-1]] * (self.agreed_micro_batches(real) - real)
         # Each pair weighs 1 / (pairs per data-parallel rank on average): the summed gradient is that of this
         # rank's pairs' mean loss scaled by their share, and the average FSDP takes over ranks is the gradient of
-        # the global batch's mean loss, however the batch was dealt (shares of near-equal tokens differ in count).
+        # the global batch's mean loss, however the batch was dealt (shares of near-equal FLOPs differ in count).
         per_rank = self.config.batch_size / self.dp_size
         step_metrics = defaultdict(list)
         for i, micro in enumerate(micro_batches):
@@ -876,8 +925,8 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
             self.optimizer, lr_lambda(self.config.warmup_steps, self.total_steps, self.config.scheduler))
 
     def train_batches(self) -> Iterator[dict]:
-        # balance_batch: each data-parallel rank's share of a step holds pairs of near-equal tokens
-        # (data.balance_shares), at least one per micro-batch (under FSDP each is a collective) and two for KTO's
+        # balance_batch: each data-parallel rank's share of a step holds pairs of near-equal executed FLOPs
+        # (data.balance_shares, share_flops), at least one per micro-batch (under FSDP each is a collective) and two for KTO's
         # mismatched KL rows; None = consecutive equal shares.
         c = self.config
         min_share = max(1 if c.max_tokens_per_microbatch else c.gradient_accumulation_steps,
@@ -886,7 +935,31 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
             self.config.datasets, self.tokenizer, split="train", batch_size=self.config.batch_size, shuffle=True,
             n_epochs=self.config.n_epochs, n_examples=self.config.n_examples, rank=self.dp_rank,
             world_size=self.dp_size, start_example=self.example_counter, seed=self.seed, silent=True,
-            kl_rows=self.unpaired, min_share=min_share, **self.data_kwargs)
+            kl_rows=self.unpaired, min_share=min_share, share_cost=self.share_flops if min_share else None,
+            **self.data_kwargs)
+
+    def share_flops(self, examples: list) -> float:
+        """FLOPs of one policy forward over a rank's share of a step as train_step runs it (executed_flops): in
+        micro-batches (the token budget, else gradient_accumulation_steps slices), each in the rows forward_logps
+        lays out (packed: row_layout; padded: a row per sequence, as wide as the share's longest, or the micro-
+        batch's under the token budget). What balance_batch evens out between the ranks (data.balance_shares)."""
+        c, options = self.config, self.forward_options()
+        lengths = [[len(e.prompt_ids) + len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None] for e in examples]
+        scored = [sum(len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None) for e in examples]
+        groups = (token_groups([sum(n) for n in lengths], c.max_tokens_per_microbatch) if c.max_tokens_per_microbatch
+                  else [list(range(len(examples)))[part] for part in even_slices(len(examples), c.gradient_accumulation_steps)])
+        share_width = max(n for sides in lengths for n in sides)
+        flops = 0.0
+        for group in filter(None, groups):
+            sequences = [n for i in group for n in lengths[i]]
+            if options["packed_capacity"]:
+                rows = row_layout(sequences, options["packed_capacity"], options["attention_cost"], self.sp_size)
+                n_rows, width = len(rows), max(sum(sequences[i] for i in row) for row in rows)
+            else:
+                n_rows, width = len(sequences), max(sequences) if c.max_tokens_per_microbatch else share_width
+            head = sum(scored[i] for i in group) if options["tiled"] else n_rows * width
+            flops += executed_flops(self.model_shape, n_rows * width, head, n_rows * width ** 2, passes=1)
+        return flops
 
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
@@ -956,7 +1029,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         reference = self.reference_model is not None
         per_token = 6 * self.flops_params + (2 * self.flops_params if reference else 0)
         head_positions = scored_tokens if self.forward_options()["tiled"] else tokens
-        executed = executed_flops(flops_shape(self.policy, self.flops_params), tokens, head_positions, attention_pairs,
+        executed = executed_flops(self.model_shape, tokens, head_positions, attention_pairs,
                                   passes=3 + (1 if reference else 0))
         return {"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
                 "throughput/mfu": per_token * tokens / seconds / self.peak_flops,
@@ -999,6 +1072,13 @@ def executed_flops(shape: dict[str, int], tokens: float, head_positions: float, 
     return passes * forward
 
 
+def attention_cost(shape: dict[str, int], tiled: bool) -> float:
+    """executed_flops per query-key pair of attention over its FLOPs per position the row layout pays for (the
+    backbone, and the LM head when it projects every position): what row_layout weighs wider rows with."""
+    per_position = 2 * shape["body"] + (0 if tiled else 2 * shape["head"])
+    return 4 * shape["layers"] * shape["width"] / per_position
+
+
 def measure_peak_flops(config, device: torch.device) -> tuple[float, str]:
     """The matmul FLOP/s MFU divides by: `peak_tflops` if set, else measured here with square matmuls in the
     run's compute dtype (one second of work; an estimate of what this device reaches, not its datasheet)."""
@@ -1033,15 +1113,8 @@ def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
     every short pair to its length."""
     sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
     sizes = sum(batch[f"{s}_attention_mask"].sum(1) for s in sides).tolist()
-    groups, load = [[]], 0
-    for i, size in enumerate(sizes):
-        if groups[-1] and load + size > max_tokens:
-            groups.append([])
-            load = 0
-        groups[-1].append(i)
-        load += size
     micro_batches = []
-    for group in groups:
+    for group in token_groups(sizes, max_tokens):
         micro = {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()}
         for s in sides:
             width = int(micro[f"{s}_attention_mask"].sum(1).max())
@@ -1049,6 +1122,18 @@ def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
                 micro[f"{s}_{key}"] = micro[f"{s}_{key}"][:, :width]
         micro_batches.append(micro)
     return micro_batches
+
+
+def token_groups(sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive indices of `sizes` in groups of at most `max_tokens` (a larger item goes alone)."""
+    groups, load = [[]], 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and load + size > max_tokens:
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += size
+    return groups
 
 
 def even_slices(n: int, k: int) -> list[slice]:

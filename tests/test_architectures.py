@@ -45,7 +45,7 @@ FAST = [LOCAL_DIRS, "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_ba
 ONE_STEP, TWO_STEPS = ["n_examples=8"], ["n_examples=16"]
 BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
 PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
-BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 120  # rank 0: 3 micro-batches, rank 1: 4
+BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 120  # rank 0: 4 micro-batches, rank 1: 3
 SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the same 8 pairs, each half of every row
 SP_ARCHS = ["llama", "qwen2"]
 ARCHS = list(architectures.ARCHITECTURES)
@@ -86,7 +86,9 @@ def scenarios() -> dict[str, list[str]]:
     out["qwen2-fsdp2-sp_budget"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
                                     "precompute_ref_log_probs=true"]
     for arch, strategy in BUDGET:  # token-budget micro-batches: the ranks' counts differ, FSDP needs them equal
-        out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}"]
+        # (consecutive halves: shares balanced by FLOPs happen to split into 4 micro-batches each on this batch)
+        out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
+                                            "balance_batch=false"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
         out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
         out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
@@ -160,6 +162,16 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         info.setdefault("micro_batches", []).append(len(out))
         return out
     trainers.split_by_tokens = counted
+    layouts = {f: getattr(trainers, f) for f in ("padded_inputs", "packed_inputs")}  # the whole rows, before any split
+
+    def recorded(layout):
+        def rows(*args, **kwargs):
+            out = layouts[layout](*args, **kwargs)
+            info.setdefault("row_widths", set()).add(out[0]["input_ids"].shape[-1])
+            return out
+        return rows
+    for layout in layouts:
+        setattr(trainers, layout, recorded(layout))
     if name.endswith("interrupted"):
         save = trainer.save_checkpoint
 
@@ -173,6 +185,8 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         pass
     hook.remove(), seen.remove()
     trainers.split_by_tokens = split_by_tokens
+    for layout, function in layouts.items():
+        setattr(trainers, layout, function)
     info["tie_after_training"] = tie_state(trainer.policy)
     return info
 
@@ -355,11 +369,10 @@ def test_ulysses_step_equals_one_process(sharded, single, arch, strategy):
     out, results = sharded
     expected = train_records(single / f"{arch}-fp32")[0]
     assert "= data-parallel 1 (world size 2 = dp 1 x sequence-parallel 2) x accumulation 1 x micro-batch 8" in ok(results, f"{arch}-{strategy}-sp")[0]["printed"]
-    for path, unsplit in (("sp", "fp32"), ("sp_packed", "packed")):
-        widest = max(max(i["positions_seen"]) for i in ok(results, f"{arch}-{strategy}-{path}"))
-        # the same rows unsplit: each rank of that run held half of the 8 pairs, whole; the widest over both
-        whole = max(max(i["positions_seen"]) for i in ok(results, f"{arch}-{strategy}-{unsplit}"))
-        assert widest == -(-whole // 2), (path, widest, whole)  # each rank: half of every row, never a whole one
+    for path in ("sp", "sp_packed"):
+        for info in ok(results, f"{arch}-{strategy}-{path}"):  # each rank: half of every row, never a whole one
+            assert {w // 2 for w in info["row_widths"]} == info["positions_seen"], (path, info["row_widths"], info["positions_seen"])
+            assert all(w % 2 == 0 for w in info["row_widths"]), path  # rows padded to a multiple of the group's size
         record = train_records(out / f"{arch}-{strategy}-{path}")[0]
         for key in ("logps_train/chosen", "logps_train/rejected", "loss/train"):
             assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (path, key)

@@ -41,7 +41,7 @@ LORA = ["lora.r=4", "lora.alpha=8"]
 
 
 def write_skewed_pairs(path: Path) -> str:
-    """16 pairs, every 4th one long (78 tokens against 32): ranks get shares of near-equal tokens and unequal counts."""
+    """16 pairs, every 4th one long (78 tokens against 32): ranks get shares of near-equal FLOPs and unequal counts."""
     long = lambda i: {"prompt": f"\n\nHuman: Question {i}. Describe rain and snow.\n\nAssistant:",
                       "chosen": " rain falls and the snow is white and very cold.",
                       "rejected": " RAIN FALLS AND THE SNOW IS WHITE AND VERY COLD."}
@@ -69,7 +69,8 @@ SCENARIOS = {
     "fsdp_replicate": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.fsdp_size=1"], "adamw"),
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
     "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
-    # the step's pairs dealt 3 + 5 (near-equal tokens): one step, with and without micro-batches, equals one process
+    # the step's pairs dealt in shares of unequal counts (near-equal FLOPs): one step, with and without micro-batches,
+    # equals one process
     "fsdp_skewed": (["fsdp.strategy=fsdp", *SKEWED], "skewed_sgd"),
     "fsdp2_skewed_accumulation": (["fsdp.strategy=fsdp2", *SKEWED, "gradient_accumulation_steps=2"], "skewed_sgd"),
     "fsdp2_skewed_budget": (["fsdp.strategy=fsdp2", *SKEWED, "max_tokens_per_microbatch=100"], "skewed_sgd"),
@@ -245,14 +246,15 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
 @pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget",
                                       "fsdp2_skewed_consecutive"])
 def test_shares_of_unequal_counts_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
-    """Length-skewed pairs are dealt to the ranks by tokens (3 and 5 pairs here), each pair weighted by 1/8 of the
+    """Length-skewed pairs are dealt to the ranks by executed FLOPs (2 long and 6 short pairs here), each weighted by 1/8 of the
     step whichever rank holds it: one SGD step (lr 1) equals one process on the whole batch, alone, in 2 micro-batches
     per rank or under a token budget; loss/train (a mean gathered over shares of unequal length) too. With
     balance_batch=false the ranks take consecutive halves (4 and 4), as the original code."""
     out, results = fsdp_results
     (rank0, ), (rank1, ) = results[scenario]["shares"]  # one step
-    counts = [4, 4] if scenario.endswith("consecutive") else [3, 5]
-    assert sorted([len(rank0), len(rank1)]) == counts and not set(rank0) & set(rank1)
+    counts = sorted([len(rank0), len(rank1)])
+    assert counts == [4, 4] if scenario.endswith("consecutive") else (counts[0] < counts[1] and sum(counts) == 8)
+    assert not set(rank0) & set(rank1)
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / scenario), final_state(baselines / "skewed_sgd")
     assert max((before[k] - single[k]).abs().max().item() for k in single) > 1e-3  # a real step happened

@@ -474,6 +474,21 @@ def test_balance_shares_deals_largest_first_to_the_lightest_share_then_fills_sho
         next(pd.iter_batch_indices(16, batch_size=8, n_epochs=1, world_size=2, sizes=[1] * 16, min_share=5))
 
 
+def test_balance_shares_refines_by_share_cost():
+    """Tokens deal [10] | [11, 12, 13, 14] (8 against 8), but each item also costs 5 of its own (a share's cost is
+    not its tokens: 13 against 28): the refinement moves one item over (20 against 21, the best split)."""
+    sizes = {10: 8, 11: 2, 12: 2, 13: 2, 14: 2}
+    cost = lambda share: sum(sizes[i] + 5 for i in share)
+    items = list(sizes)
+    assert pd.balance_shares(items, list(sizes.values()), 2) == [[10], [11, 12, 13, 14]]
+    shares = pd.balance_shares(items, list(sizes.values()), 2, share_cost=cost)
+    assert sorted(sum(shares, [])) == items and all(s == sorted(s) for s in shares)  # each keeps the batch's order
+    assert sorted(map(cost, shares)) == [20, 21]
+    assert pd.balance_shares(items, list(sizes.values()), 2, share_cost=cost) == shares  # the same on every rank
+    assert min(map(len, pd.balance_shares(items, list(sizes.values()), 2, min_share=2, share_cost=cost))) >= 2
+    assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2, share_cost=len) == [[0, 2], [1, 3]]  # nothing to refine
+
+
 def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(20))  # 20 // 6 = 3 steps per epoch, 2 pairs dropped
     kw = dict(split="train", batch_size=6, n_epochs=3, seed=1, silent=True)

@@ -1,6 +1,7 @@
 """trainers.py pieces: packed (padding-free) and tiled-LM-head log-probs equal the plain padded ones, and
 every speed option leaves a training step unchanged."""
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -219,6 +220,60 @@ def test_executed_flops_count_the_head_where_it_runs_and_attention():
     assert trainers.executed_flops(shape, 10, 4, 52, passes=3) == 3 * forward
     tied = tiny_models()["gpt2"]  # GPT-2 ties its head to the input embedding: flops_params has no head in it
     assert trainers.flops_shape(tied, trainers.flops_params(tied))["body"] == trainers.flops_params(tied)
+
+
+def test_row_layout_takes_the_cheapest_width_within_the_attention_memory_of_fixed_rows():
+    """A share of bench_dpo.py's workload: two ~500-token sequences and two short ones. Rows of 512 need three
+    (3 x 502 positions for 1152 tokens); two rows of 583 cost fewer FLOPs (attention_cost of its 4-layer width-512
+    Llama) and need smaller attention matrices (2 x 583^2 < 3 x 502^2)."""
+    lengths, cost = [502, 486, 97, 67], 2.44e-4
+    shape = lambda rows: (len(rows), max(sum(lengths[i] for i in row) for row in rows))
+    assert shape(trainers.best_fit_decreasing(lengths, 512)) == (3, 502)
+    assert shape(trainers.row_layout(lengths, 512, cost)) == (2, 583)
+    # attention that costs more per key pair picks narrower rows: for six sequences of 80-150 tokens, rows of 150 take
+    # 6 x 150; four rows of 180 are the fewest positions (720), five rows of 160 the fewest query-key pairs
+    lengths = [150, 120, 100, 80, 80, 80]
+    assert shape(trainers.best_fit_decreasing(lengths, 150)) == (6, 150)
+    assert shape(trainers.row_layout(lengths, 150, 0.0)) == (4, 180)
+    assert shape(trainers.row_layout(lengths, 150, 1.0)) == (5, 160)
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=generator))
+        lengths = torch.randint(1, 300, (n,), generator=generator).tolist()
+        capacity, multiple = int(torch.randint(1, 600, (1,), generator=generator)), 1 + trial % 3
+        cost = [0.0, 1e-4, 1e-2][trial % 3]
+        rows = trainers.row_layout(lengths, capacity, cost, multiple)
+        assert sorted(i for row in rows for i in row) == list(range(n))  # every sequence once
+        flops = lambda rows: (len(rows), -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple)
+        (r, w), (r0, w0) = flops(rows), flops(trainers.best_fit_decreasing(lengths, max(capacity, max(lengths))))
+        assert r * w * (1 + cost * w) <= r0 * w0 * (1 + cost * w0) and r * w * w <= r0 * w0 * w0, (lengths, capacity)
+
+
+def test_share_flops_count_the_rows_forward_logps_runs(tiny_trainer_cpu):
+    """The cost balance_batch evens out is executed_flops of the layout the forward really gets: packed rows
+    (row_layout on the micro-batch's sequences), the LM head at the scored positions under tiled_lm_head, else at
+    every position; padded rows as wide as the share's longest sequence."""
+    trainer = tiny_trainer_cpu[0]
+    examples, _ = data.load_tokenized(["toy"], trainer.tokenizer, "test", silent=True, **trainer.data_kwargs)
+    examples = examples[:6]
+    batch = data.collate(examples, trainer.tokenizer.eos_token_id)
+    inputs = trainers.concatenated_inputs(batch)
+    scored = int((inputs["labels"][:, 1:] != -100).sum())
+    shape = trainer.model_shape
+    original = trainer.config
+    try:
+        for padding_free, tiled in ((True, True), (True, False), (False, True), (False, False)):
+            trainer.config = dataclasses.replace(original, padding_free=padding_free, tiled_lm_head=tiled)
+            options = trainer.forward_options()
+            if padding_free:
+                ids = trainers.packed_inputs(inputs, options["packed_capacity"], 1, options["attention_cost"])[0]["input_ids"]
+            else:
+                ids = inputs["input_ids"]
+            rows, width = ids.shape
+            expected = trainers.executed_flops(shape, rows * width, scored if tiled else rows * width, rows * width ** 2, 1)
+            assert trainer.share_flops(examples) == expected, (padding_free, tiled)
+    finally:
+        trainer.config = original
 
 
 def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
