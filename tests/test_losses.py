@@ -919,8 +919,10 @@ def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
     assert losses.head_tile_rows(vocab) == 261 and losses.head_tile_rows(32000) == losses.DEFAULT_CHUNK_SIZE
     one_tile, _, one_tile_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=600)
     torch.testing.assert_close(logps, one_tile, rtol=0, atol=0)  # rows are independent: bit-identical
+    # the gradients' sums run over 128256 vocabulary entries in matmuls blocked by the tile's row count (the BLAS
+    # picks kernels by shape): equal to fp32 rounding, seen 1.8e-7 apart on an entry of 7.5e-3
     for name, got, expected in zip(HEAD_PARAMS, grads, one_tile_grads):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_linear_token_logps_ignores_autocast():
