@@ -58,7 +58,7 @@ import preference_datasets as data
 import ulysses
 from utils import (all_gather_if_needed, all_ranks_true, atomic_write_text, dtype_of, find_block_class_names,
                    first_usable_dir, formatted_dict, fsync_dir, get_block_class_from_model, get_rng_state, rank0_print,
-                   set_rng_state, wait_for_rank0)
+                   set_rng_state, use_shape_free_attention, wait_for_rank0)
 
 
 def _wandb():
@@ -236,8 +236,10 @@ def forward_logps(model: nn.Module, inputs: dict[str, torch.Tensor], *, packed_c
     inner = model.module if isinstance(model, FSDP) else model
     if not isinstance(model, FSDP) and not is_fsdp2_root(model):
         return sequence_logps(model, model, inputs, **options)
-    with as_root_forward(inner, lambda: sequence_logps(inner, functools.partial(type(inner).forward, inner), inputs, **options)):
-        return model()
+    # The inputs go through the root's call: FSDP2's root pre-forward on CUDA moves its arguments to the device
+    # and fails on a call with none (torch 2.11: IndexError in _root_pre_forward); CPU skips that move.
+    with as_root_forward(inner, lambda inputs: sequence_logps(inner, functools.partial(type(inner).forward, inner), inputs, **options)):
+        return model(inputs)
 
 
 def is_fsdp2_root(model: nn.Module) -> bool:
@@ -247,10 +249,11 @@ def is_fsdp2_root(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def as_root_forward(inner: nn.Module, compute):
-    """While inside, `inner`'s forward is `compute()`: calling the FSDP root (the FSDP1 wrapper of `inner`, or
-    `inner` itself under FSDP2) runs the root unit's pre-forward, then `compute`, then its post-forward. Nothing
-    is wrapped or renamed, so state dicts, checkpoints and the HF export keep the model's own keys."""
-    inner.forward = lambda *args, **kwargs: compute()
+    """While inside, `inner`'s forward is `compute(inputs)`: calling the FSDP root with `inputs` (the FSDP1 wrapper
+    of `inner`, or `inner` itself under FSDP2) runs the root unit's pre-forward, then `compute`, then its
+    post-forward. Nothing is wrapped or renamed, so state dicts, checkpoints and the HF export keep the model's
+    own keys."""
+    inner.forward = compute
     try:
         yield
     finally:
@@ -752,6 +755,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.sft_mode = losses.is_sft_only(self.loss_names)
         self.unpaired = losses.is_unpaired(self.loss_names)  # KTO: labelled completions and a KL reference point
         self.device = self.input_device(policy)
+        use_shape_free_attention(self.device)
         # The entropy is logged; it takes part in the gradient only with loss.entropy_coeff != 0. Compiling its
         # kernel pays on CUDA; on CPU the compile costs ~20 s per run for a logged figure, so null = CUDA only.
         use_compile = config.fsdp.use_torch_compile

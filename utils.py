@@ -88,6 +88,15 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def use_shape_free_attention(device: torch.device) -> None:
+    """On CUDA, turn off cuDNN's SDPA backend for this process; flash and memory-efficient attention remain.
+    cuDNN builds a graph for each new input shape, and nearly every batch here has a new width: on an H200 (torch
+    2.11, the small Llama of benchmarks/gpu_check.sh, bf16) each attention call spent 7-10 ms of CPU on it against
+    ~0.03 ms of GPU work, and bf16 steps ran 4-5x slower than fp32 ones, which never pick cuDNN."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def get_rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -10,7 +10,7 @@
 #
 # Environment: ARCHS ("gpt2 llama qwen2"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS (the GPU's bf16
 # matmul peak for MFU, e.g. 989 for an H100 SXM; unset = measured by each run), WORK (a temporary directory),
-# RUN_TIMEOUT (seconds per run, 900).
+# RUN_TIMEOUT (seconds per run, 900), ONLY (a regular expression: run only the settings whose name matches it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,6 +82,7 @@ while IFS=$'\t' read -r arch path; do
   [[ " $ARCHS " == *" $arch "* ]] || continue
   for setting in "${SETTINGS[@]}"; do
     IFS='|' read -r name gpus args <<< "$setting"
+    [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || continue
     run_dir="$WORK/runs/$arch-$name"
     IFS=';' read -ra argv <<< "$args"
     cmd=(python -u train.py "${COMMON[@]}" "model.name_or_path=$path" "run_dir=$run_dir" "${argv[@]}")

@@ -66,6 +66,19 @@ def test_local_run_dir_is_unique_and_under_first_usable_dir(tmp_path):
     assert a != b and a.parent == b.parent == tmp_path / "runs_root" / "runs" and a.name.startswith("exp_")
 
 
+def test_cudnn_attention_is_turned_off_on_cuda_only():
+    """cuDNN's SDPA builds a graph per shape (7-10 ms of CPU per call on an H200): trainers on CUDA turn it off."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        utils.use_shape_free_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        utils.use_shape_free_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_rng_state_round_trip():
     utils.seed_everything(3)
     state = utils.get_rng_state()

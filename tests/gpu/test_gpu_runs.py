@@ -1,6 +1,7 @@
 """Checks that need CUDA (skipped without it): what CPU + gloo cannot show about NCCL, device_map, bf16 and
-offloading. Each runs train.py as a user does; none is the only test of its feature (the CPU tests stand-in
-devices and gloo ranks: tests/test_distributed.py, tests/test_trainers.py). benchmarks/gpu_check.sh runs the
+offloading, CUDA's attention kernels. Most run train.py as a user does (FSDP on one GPU too: a world of 1 over
+NCCL); none is the only test of its feature (the CPU tests stand-in devices and gloo ranks:
+tests/test_distributed.py, tests/test_trainers.py, tests/test_architectures.py). benchmarks/gpu_check.sh runs the
 throughput matrix on a GPU node.
 
     python -m pytest tests/gpu -q
@@ -18,7 +19,11 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+import architectures  # noqa: E402
+import trainers  # noqa: E402
 import utils  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(N_GPUS == 0, reason="needs CUDA")]
@@ -60,6 +65,49 @@ def test_one_gpu_bf16_autocast(tmp_path):
     train(tmp_path, "bf16", "model=tiny", "fsdp.mixed_precision={param_dtype: bf16}", gpus=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", list(architectures.ARCHITECTURES))
+def test_log_prob_paths_and_their_gradients_on_cuda(tmp_path, arch, dtype):
+    """tests/test_architectures.py's check on CUDA, gradients included: the tiled head, packed rows and both give
+    the log-probs gathered from the model's own forward().logits, and the same gradient of their mean. CUDA's
+    attention kernels (SDPA with a block-diagonal mask for packed rows, Gemma2's sliding window and softcapping)
+    and bf16 matmuls are what the CPU run cannot show. fp32 without TF32: 1e-5 on log-probs, 1e-4 relative on
+    gradients; bf16: 2e-2 on mean log-probs per token (~6.2 nats here) and 5e-2 relative on gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(architectures.build(arch, tmp_path), dtype=dtype).cuda().eval()
+    ids = torch.randint(2, architectures.VOCAB, (3, 40), generator=torch.Generator().manual_seed(2)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = mask[2, 20:] = 0
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, :5] = -100
+    inputs = {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+    def mean_logps_and_grads(compute):
+        model.zero_grad(set_to_none=True)
+        means = compute()
+        means.sum().backward()
+        return means.detach().float(), [p.grad.float().clone() for p in model.parameters()]
+
+    def own_logits():
+        logits = model(input_ids=ids * mask, attention_mask=mask).logits.float()
+        scored = labels[:, 1:] != -100  # output t predicts token t+1
+        token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        return (token * scored).sum(1) / scored.sum(1)
+
+    expected, expected_grads = mean_logps_and_grads(own_logits)
+    value_tol, grad_tol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    for path, options in {"plain": {}, "tiled": {"tiled": True}, "packed": {"packed_capacity": 64},
+                          "packed+tiled": {"packed_capacity": 64, "tiled": True}}.items():
+        def ours():
+            sums, counts, _ = trainers.forward_logps(model, inputs, **options)
+            assert counts.tolist() == (labels[:, 1:] != -100).sum(1).tolist(), path
+            return sums.float() / counts
+        means, grads = mean_logps_and_grads(ours)
+        assert (means - expected).abs().max().item() < value_tol, (path, means, expected)
+        for g, e in zip(grads, expected_grads):
+            assert (g - e).norm().item() <= grad_tol * e.norm().item() + 1e-6, path
+
+
 @needs_2
 def test_device_map_with_the_tiled_lm_head(tmp_path):
     """trainer=BasicTrainer on several GPUs: inputs on the first, the LM head on the last (issue 11, item 2)."""
@@ -67,21 +115,18 @@ def test_device_map_with_the_tiled_lm_head(tmp_path):
     train(tmp_path, "device_map", "model=tiny", "trainer=BasicTrainer", "tiled_lm_head=true")
 
 
-@needs_2
 @pytest.mark.parametrize("offload", ["fsdp.strategy=fsdp;fsdp.param_offload=true", "fsdp.strategy=fsdp2;fsdp.offload_policy=true"])
 def test_parameter_offload_with_optimizer_offload(tmp_path, offload):
     """Parameters on CPU, optimizer state offloaded: the second step used to meet state on the GPU (item 4)."""
     train(tmp_path, "offload", "model=tiny", "trainer=FSDPTrainer", *offload.split(";"), "fsdp.optimizer_offload=true")
 
 
-@needs_2
 def test_precomputed_reference_tables_go_through_nccl_runs(tmp_path):
     """The reference tables are gathered as CPU tensors (item 3: cpu:gloo,cuda:nccl)."""
     train(tmp_path, "precomputed", "model=tiny", "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "precompute_ref_log_probs=true",
           f"local_dirs=[{tmp_path / 'cache'}]")
 
 
-@needs_2
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
 def test_architectures_train_under_fsdp_in_bf16(tmp_path, models, arch, strategy):
