@@ -10,8 +10,9 @@ profile one more with torch.profiler. `--world-size 1` runs the same steps in on
   - the phases' wall seconds, the rank's tokens (its share of the global batch of 8 pairs);
   - seconds inside FSDP's collective ranges (all-gather, reduce-scatter) and the c10d/gloo waits in them,
     the copy-in/copy-out around them;
-  - per timed step, the bytes, calls and wall seconds of the direct-send all-gathers and reduce-scatters
-    (trainers.PairwiseAllGather, PairwiseReduceScatter: what FSDP2 runs on CPU), counted by wrapping them here;
+  - per timed step, the bytes, calls and wall seconds of FSDP2's CPU all-gathers and reduce-scatters
+    (trainers.PairwiseAllGather, PairwiseReduceScatter: shared-memory mailboxes, else direct sends), counted by
+    wrapping them here;
   - the top ops by self CPU time.
 `--set key=value` passes train.py overrides (e.g. fsdp.reshard_after_forward=false); `--threads N` sets each
 rank's torch threads (default: torch's, as train.py's workers). The ranks get train.py's SHARED_CPU_ENVIRONMENT
@@ -129,8 +130,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
 
 
 def meter_direct_sends(trainers) -> dict:
-    """Wrap the direct-send collectives' __call__ in this process: running totals of their bytes (all-gather
-    output, reduce-scatter input), calls and wall seconds (an asynchronous all-gather's wait is not included)."""
+    """Wrap the CPU collectives' __call__ (mailboxes or direct sends) in this process: running totals of their bytes
+    (all-gather output, reduce-scatter input), calls and wall seconds (an asynchronous all-gather's wait is not
+    included)."""
     totals = defaultdict(float)
     for name, cls in (("all_gather", trainers.PairwiseAllGather), ("reduce_scatter", trainers.PairwiseReduceScatter)):
         def metered(self, output_tensor, input_tensor, *args, _call=cls.__call__, _name=name, **kwargs):
@@ -200,7 +202,7 @@ def main() -> int:
         print("  c10d/gloo (inclusive s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["comm"].items()))
         d = r["direct_sends"]
         if d:
-            print("  direct sends per timed step: " + ", ".join(
+            print("  CPU collectives per timed step: " + ", ".join(
                 f"{n.replace('_', '-')}s {d[n + '_bytes'] / 2**20:.0f} MiB in {d[n + '_calls']:.0f} calls, {d[n + '_s']:.2f} s"
                 for n in ("all_gather", "reduce_scatter") if n + "_calls" in d))
         print("  top self CPU s: " + "; ".join(f"{k} {s} (x{c})" for k, s, c in r["top_self"][:12]))

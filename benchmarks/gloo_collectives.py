@@ -1,7 +1,9 @@
 """gloo's own all-gather and reduce-scatter against FSDP2's CPU collectives (trainers.PairwiseAllGather and
-PairwiseReduceScatter: direct sends between the ranks), on 2 ranks of this machine, at the size of bench_dpo.py's
-root unit (33M fp32 parameters: embeddings and LM head). Prints the wall and CPU milliseconds per call (rank 0,
-mean of --reps calls after one warm-up call).
+PairwiseReduceScatter: direct sends between the ranks, or shared-memory mailboxes, what train.py uses when the
+ranks share a machine), on 2 ranks of this machine, at the size of bench_dpo.py's root unit (33M fp32
+parameters: embeddings and LM head). Prints the wall and CPU milliseconds per call (rank 0, mean of --reps calls
+after one warm-up call). Run it with the glibc variables train.py gives its ranks, as the rows of the README:
+GOMP_SPINCOUNT=3000 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824.
 
     python benchmarks/gloo_collectives.py [--numel 33000000] [--reps 6]
 """
@@ -27,11 +29,15 @@ def rank_main(rank: int, world_size: int, port: int, numel: int, reps: int) -> N
     group, n = dist.group.WORLD, numel // world_size
     full, shard, gathered = torch.randn(n * world_size), torch.randn(n), torch.empty(n * world_size)
     gather, scatter = trainers.PairwiseAllGather(), trainers.PairwiseReduceScatter()
+    mailboxes = trainers.SharedMailboxes()
+    shared_gather, shared_scatter = trainers.PairwiseAllGather(mailboxes), trainers.PairwiseReduceScatter(mailboxes)
     calls = {
         "all-gather: gloo (all_gather_into_tensor)": lambda: dist.all_gather_into_tensor(gathered, shard),
-        "all-gather: PairwiseAllGather": lambda: gather(gathered, shard, group),
+        "all-gather: direct sends": lambda: gather(gathered, shard, group),
+        "all-gather: shared-memory mailboxes": lambda: shared_gather(gathered, shard, group),
         "reduce-scatter: gloo (reduce_scatter_tensor)": lambda: dist.reduce_scatter_tensor(shard, full),
-        "reduce-scatter: PairwiseReduceScatter": lambda: scatter(shard, full, group),
+        "reduce-scatter: direct sends": lambda: scatter(shard, full, group),
+        "reduce-scatter: shared-memory mailboxes": lambda: shared_scatter(shard, full, group),
     }
     for name, call in calls.items():
         call()

@@ -160,43 +160,50 @@ def test_one_rank_nan_skips_the_step_on_every_rank(distributed_results):
 
 
 def pairwise_collectives(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """FSDP2's CPU all-gather and reduce-scatter (trainers.PairwiseAllGather / PairwiseReduceScatter) against
-    gloo's own collectives on the same inputs: synchronous and asynchronous, input inside or outside the output,
-    SUM and AVG, twice in a row with the same tags (the transfers must pair in posting order), and a group of one."""
+    """FSDP2's CPU all-gather and reduce-scatter (trainers.PairwiseAllGather / PairwiseReduceScatter), as direct
+    sends and through shared-memory mailboxes, against gloo's own collectives on the same inputs: synchronous and
+    asynchronous, input inside or outside the output, SUM and AVG, several calls in a row (the transfers must pair
+    in posting order; a mailbox is refilled and grows), and a group of one."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        group, n = dist.group.WORLD, 5  # 5 elements per rank: not a multiple of anything convenient
-        gen = torch.Generator().manual_seed(rank)
-        gather, scatter = trainers.PairwiseAllGather(), trainers.PairwiseReduceScatter()
         results = {}
-        shard = torch.randn(n, generator=gen)
-        expected = torch.empty(world_size * n)
-        dist.all_gather_into_tensor(expected, shard)
-        out = gather.allocate((world_size * n,), dtype=torch.float32, device=torch.device("cpu"))
-        out.fill_(float("nan"))
-        assert gather(out, shard, group) is None  # input outside the output: copied into its slot
-        results["gather_outside"] = torch.equal(out, expected)
-        inside = torch.full((world_size * n,), float("nan"))
-        inside.view(world_size, n)[rank].copy_(shard)  # as FSDP2 lays it out: the input is its own slot
-        work = gather(inside, inside.view(world_size, n)[rank], group, async_op=True)
-        results["gather_async_is_work"] = isinstance(work, dist.Work)
-        work.wait()
-        results["gather_inside_async"] = torch.equal(inside, expected)
-        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            for repeat in range(2):
-                full = torch.randn(world_size * n, generator=gen)
-                want, got = torch.empty(n), torch.full((n,), float("nan"))
-                dist.reduce_scatter_tensor(want, full.clone(), op=dist.ReduceOp.SUM)
-                if op == dist.ReduceOp.AVG:
-                    want /= world_size
-                scatter(got, full, group, op=op)
-                results[f"scatter_{op}_{repeat}"] = (want - got).abs().max().item()
-        alone = [dist.new_group([r]) for r in range(world_size)][rank]  # a shard group of one rank (fsdp_size=1)
-        one, summed = torch.empty(n), torch.empty(n)
-        gather(one, shard, alone)
-        scatter(summed, shard, alone, op=dist.ReduceOp.AVG)
-        results["one_rank_group"] = torch.equal(one, shard) and torch.equal(summed, shard)
+        for variant, mailboxes in (("direct", None), ("shared", trainers.SharedMailboxes())):
+            group, gen = dist.group.WORLD, torch.Generator().manual_seed(rank)
+            gather, scatter = trainers.PairwiseAllGather(mailboxes), trainers.PairwiseReduceScatter(mailboxes)
+            for n in (5, 3, 700):  # elements per rank: not a multiple of anything convenient; shrinking, then growing
+                shard = torch.randn(n, generator=gen)
+                expected = torch.empty(world_size * n)
+                dist.all_gather_into_tensor(expected, shard)
+                out = gather.allocate((world_size * n,), dtype=torch.float32, device=torch.device("cpu"))
+                out.fill_(float("nan"))
+                assert gather(out, shard, group) is None  # input outside the output: copied into its slot
+                results[f"{variant}_gather_outside_{n}"] = torch.equal(out, expected)
+                inside = torch.full((world_size * n,), float("nan"))
+                inside.view(world_size, n)[rank].copy_(shard)  # as FSDP2 lays it out: the input is its own slot
+                work = gather(inside, inside.view(world_size, n)[rank], group, async_op=True)
+                results[f"{variant}_gather_async_is_work_{n}"] = isinstance(work, dist.Work)
+                work.wait()
+                results[f"{variant}_gather_inside_async_{n}"] = torch.equal(inside, expected)
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                    for repeat in range(2):
+                        full = torch.randn(world_size * n, generator=gen)
+                        want, got = torch.empty(n), torch.full((n,), float("nan"))
+                        dist.reduce_scatter_tensor(want, full.clone(), op=dist.ReduceOp.SUM)
+                        if op == dist.ReduceOp.AVG:
+                            want /= world_size
+                        scatter(got, full, group, op=op)
+                        results[f"{variant}_scatter_{op}_{repeat}_{n}"] = (want - got).abs().max().item() < 1e-6
+            alone = [dist.new_group([r]) for r in range(world_size)][rank]  # a shard group of one rank (fsdp_size=1)
+            one, summed = torch.empty(n), torch.empty(n)
+            gather(one, shard, alone)
+            scatter(summed, shard, alone, op=dist.ReduceOp.AVG)
+            results[f"{variant}_one_rank_group"] = torch.equal(one, shard) and torch.equal(summed, shard)
+            if mailboxes is not None:
+                state = mailboxes.groups[id(group)]
+                results["shared_used"] = not state["off"] and state["capacity"] >= 2 * 700 * 4
+                dist.barrier()
+                results["shared_files_left"] = [f for f in os.listdir(mailboxes.DIR) if f.startswith(tuple(state["prefixes"]))]
         torch.save(results, Path(out_dir) / f"pairwise{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -207,6 +214,5 @@ def test_pairwise_all_gather_and_reduce_scatter_equal_gloos_own(tmp_path):
     mp.spawn(pairwise_collectives, args=(world_size, utils.get_open_port(), str(tmp_path)), nprocs=world_size, join=True)
     for rank in range(world_size):
         r = torch.load(tmp_path / f"pairwise{rank}.pt")
-        assert r.pop("gather_outside") and r.pop("gather_inside_async") and r.pop("gather_async_is_work"), rank
-        assert r.pop("one_rank_group"), rank
-        assert len(r) == 4 and all(err < 1e-6 for err in r.values()), (rank, r)
+        assert r.pop("shared_used") and r.pop("shared_files_left") == [], rank  # mapped, then unlinked
+        assert len(r) == 2 * (3 * 7 + 1) and all(r.values()), (rank, [k for k, v in r.items() if not v])

@@ -163,6 +163,8 @@ def run_scenario(name, args, rank, world_size, out_dir):
     finally:
         trainers.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
+    mailboxes = getattr(trainer.sharding, "mailboxes", None)  # FSDP2 on CPU: its collectives' shared memory
+    info["mailbox_bytes"] = [state["capacity"] for state in mailboxes.groups.values() if not state["off"]] if mailboxes else []
     info["shares"] = [None] * world_size  # [rank][step]: the chosen texts of the pairs it trained on
     dist.all_gather_object(info["shares"], shares)
     if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
@@ -241,6 +243,8 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
     grads_single = {k: before[k] - v for k, v in single.items()}
     assert max(g.abs().max().item() for g in grads_single.values()) > 1e-3  # a real step happened
     assert_close_states(grads_sharded, grads_single, atol=1e-6)
+    if strategy == "fsdp2":  # its all-gathers and reduce-scatters went through shared memory (one machine)
+        assert fsdp_results[1][f"{strategy}_sgd"]["mailbox_bytes"][0] >= 2**20
 
 
 @pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget",
