@@ -1552,15 +1552,14 @@ class SharedMailboxes:
     """Shared memory for FSDP2's CPU collectives when a group's ranks run on one machine: each rank writes what
     the others need into its own mailbox (a file in /dev/shm that every rank of the group maps), one barrier, and
     each reads from the others' mailboxes. A transfer is then one memory copy each way instead of a socket's
-    (132 MB over 2 ranks with glibc's variables set: all-gather 40 against 69 ms, reduce-scatter 30 against 78 ms;
-    benchmarks/gloo_collectives.py).
+    (132 MB over 2 ranks with glibc's variables set, 2026-12-04: all-gather 38 against 66 ms, reduce-scatter 27
+    against 62 ms; benchmarks/gloo_collectives.py).
 
     A second barrier after the reads keeps a rank from refilling its mailbox before the others have read it (two
     mailboxes used in turn would save it, ~0.1 ms, at twice the memory). FSDP2 runs the same collectives in the
     same order with the same sizes on every rank of a group, so the ranks agree without talking on when to map
-    larger mailboxes,
-    and on falling back to direct sends (ranks on several machines, or too little room in /dev/shm: tmpfs past its
-    size faults on first touch, so the room is checked before). Each file is unlinked as soon as every rank has
+    larger mailboxes, and on falling back to direct sends (ranks on several machines, or too little room in
+    /dev/shm: tmpfs past its size faults on first touch, so the room is checked before). Each file is unlinked as soon as every rank has
     mapped it. Mailboxes hold the largest message: a shard for the all-gather, the chunks for the other ranks for
     the reduce-scatter (66 MB for bench_dpo.py's root unit on 2 ranks: 66 MB of shared memory per rank; RSS counts
     the mapped mailboxes of the other ranks too, once read)."""
@@ -1620,8 +1619,8 @@ class PairwiseAllGather(_DirectSends):
     """FSDP2's all-gather on CPU (gloo): through `mailboxes` (shared memory) where they apply, else as direct sends
     of each rank's shard to every other rank.
 
-    Why: gloo's all_gather moves the same bytes about 2x slower with 3x the CPU on one machine (132 MB over 2 ranks:
-    203 against 100 ms, 158 against 53 ms of CPU; benchmarks/gloo_collectives.py). The ranks post their transfers
+    Why: gloo's all_gather moves the same bytes 2-3x slower with 3x the CPU on one machine (132 MB over 2 ranks,
+    2026-12-04: 218 against 66 ms, 157 against 48 ms of CPU; benchmarks/gloo_collectives.py). The ranks post their transfers
     in the same order (FSDP2 runs its collectives in program order), so the receives match the sends."""
     TAG = 0x5A1
 
@@ -1652,9 +1651,9 @@ class PairwiseAllGather(_DirectSends):
 
 
 class PairwiseReduceScatter(_DirectSends):
-    """FSDP2's reduce-scatter on CPU (gloo): each rank sends every other rank that rank's chunk of its gradients,
-    then sums what it received into its own chunk: half the bytes of gloo's reduce_scatter, which runs as an
-    all_reduce (132 MB over 2 ranks: 170 against 260 ms, 91 against 215 ms of CPU)."""
+    """FSDP2's reduce-scatter on CPU (gloo): each rank gives every other rank that rank's chunk of its gradients
+    (through `mailboxes` where they apply, else by direct sends), then sums what it received into its own chunk:
+    half the bytes of gloo's reduce_scatter, which runs as an all_reduce (132 MB over 2 ranks, 2026-12-04: 62 against 251 ms, 52 against 143 ms of CPU)."""
     TAG = 0x5A2
 
     def __init__(self, mailboxes: Optional[SharedMailboxes] = None):
