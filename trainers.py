@@ -1559,10 +1559,10 @@ class SharedMailboxes:
     mailboxes used in turn would save it, ~0.1 ms, at twice the memory). FSDP2 runs the same collectives in the
     same order with the same sizes on every rank of a group, so the ranks agree without talking on when to map
     larger mailboxes, and on falling back to direct sends (ranks on several machines, or too little room in
-    /dev/shm: tmpfs past its size faults on first touch, so the room is checked before). Each file is unlinked as soon as every rank has
-    mapped it. Mailboxes hold the largest message: a shard for the all-gather, the chunks for the other ranks for
-    the reduce-scatter (66 MB for bench_dpo.py's root unit on 2 ranks: 66 MB of shared memory per rank; RSS counts
-    the mapped mailboxes of the other ranks too, once read)."""
+    /dev/shm: tmpfs past its size faults on first touch, so the room is checked before). Each file is unlinked as
+    soon as every rank has mapped it. Mailboxes hold the largest message: a shard for the all-gather, the chunks
+    for the other ranks for the reduce-scatter (66 MB per rank for bench_dpo.py's root unit on 2 ranks; RSS also
+    counts the other ranks' mailboxes once read)."""
     DIR = "/dev/shm"
 
     def __init__(self):
