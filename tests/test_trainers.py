@@ -173,12 +173,13 @@ def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkey
     label left on the input device raises). Meta cannot run data-dependent masking, so nonzero is told to
     assume every element is selected: shapes, not values, are what this checks."""
     import torch.fx.experimental._config as fx_config
-    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
     monkeypatch.setattr(torch, "autocast", lambda *a, **k: contextlib.nullcontext())  # no autocast on meta
     model = tiny_models()["llama"].eval()
     head = model.get_output_embeddings().to("meta")
     head.register_forward_pre_hook(lambda module, args: tuple(a.to("meta") for a in args))
-    with torch.no_grad():
+    # torch's config modules serve their attributes through a module __getattr__: patch them with their own
+    # `patch`, which restores the value, not with monkeypatch, whose undo deletes the attribute (pytest >= 9.2)
+    with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         sums, counts, _ = trainers.forward_logps(model, skewed_inputs, tiled=tiled)
     n = skewed_inputs["input_ids"].size(0)
     assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
