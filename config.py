@@ -16,7 +16,6 @@ Every problem (unknown key, wrong type, value out of range, ...) is collected an
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import functools
@@ -24,6 +23,7 @@ import importlib
 import math
 import os
 import sys
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,13 +50,15 @@ GROUPS = ("model", "loss")  # `model=X` picks config/model/X.yaml, `loss=X` pick
 REQUIRED = "???"  # a YAML value that the user must override (as in Hydra/OmegaConf)
 
 
-def param(default: Any, doc: str, **kwargs) -> Any:
-    """A dataclass field with a one-line doc, shown by `train.py --help`."""
+def param(default: Any, doc: str, allowed: Any = None) -> Any:
+    """A dataclass field with a one-line doc (shown by `train.py --help`) and, optionally, the values it allows:
+    an interval written as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end), or a tuple of choices."""
+    metadata = {"doc": doc, "allowed": allowed}
     if isinstance(default, BaseConfig):
-        return field(default_factory=type(default), metadata={"doc": doc}, **kwargs)
+        return field(default_factory=type(default), metadata=metadata)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kwargs)
-    return field(default=default, metadata={"doc": doc}, **kwargs)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,18 +195,30 @@ class ModelConfig(BaseConfig):
     policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)")
     fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision); null = none")
     reference_dtype: Optional[str] = param(None, "dtype of the frozen reference model; null = the policy's (fsdp.model_dtype): fp16 overflows bf16-native models")
-    reference_mixed_precision: bool = param(False, "compute the reference under fsdp.mixed_precision too (FSDP MixedPrecision / autocast); false = in reference_dtype")
+    reference_mixed_precision: Optional[bool] = param(None, "compute the reference under fsdp.mixed_precision (FSDP MixedPrecision / autocast); null = as the policy does; false = in reference_dtype")
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
 @dataclass
-class LossSelection(BaseConfig):
-    """The loss keys that are not a loss function's hyperparameter; LossConfig adds those (losses.HYPERPARAMETERS)."""
+class LossConfig(BaseConfig):
+    """The loss, and every hyperparameter a loss function reads: a function reads `loss.<key>` by naming it as a
+    keyword-only parameter (losses.py). A new hyperparameter is one new field here."""
     name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`")
     weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0")
     reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
+    beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", "(0, inf)")
+    label_smoothing: float = param(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)")
+    gamma: float = param(1.0, "SimPO target reward margin gamma")
+    rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
+    orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
+    f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence",
+                              ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
+    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]")
+    discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", "(0, inf)")
+    desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", "(0, inf)")
+    undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", "(0, inf)")
 
 
 @dataclass
@@ -227,32 +241,11 @@ class LoraSettings(BaseConfig):
     target_modules: Union[str, list] = param("all-linear", "modules that get adapters: a list of names (q_proj, v_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)")
 
 
-def _losses_py() -> ast.Module:
-    return ast.parse((Path(__file__).resolve().parent / "losses.py").read_text())
-
-
-def _literal_dict(tree: ast.Module, name: str) -> ast.Dict:
-    """The dict literal assigned to `name: ... = {...}` at the top level of a parsed module."""
-    return next(node.value for node in tree.body
-                if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name)
-
-
-@functools.cache
 def loss_hyperparameters() -> dict[str, tuple[Any, str, Any]]:
-    """{key: (default, one-line doc, allowed)} of every loss hyperparameter, as losses.HYPERPARAMETERS declares
-    it. Read as Python syntax without running losses.py (it imports torch: seconds), so `--help` stays fast;
-    tests/test_config.py checks it against the imported table."""
-    table = _literal_dict(_losses_py(), "HYPERPARAMETERS")
-    return {ast.literal_eval(key): tuple(ast.literal_eval(arg) for arg in entry.args)
-            for key, entry in zip(table.keys, table.values)}
-
-
-# LossConfig = LossSelection + one field per losses.HYPERPARAMETERS entry (beta, label_smoothing, gamma, ...),
-# typed by its default: the hyperparameter is declared once, in losses.py, next to the functions that read it.
-LossConfig = dataclasses.make_dataclass(
-    "LossConfig", [(key, type(default), param(default, doc)) for key, (default, doc, _) in loss_hyperparameters().items()],
-    bases=(LossSelection,))
-LossConfig.__module__ = __name__  # make_dataclass would name another module (pickling looks the class up by it)
+    """{key: (default, one-line doc, allowed)} of LossConfig's fields that loss functions may read."""
+    selection = {"name", "weights", "reference_free", "average_log_prob", "entropy_coeff"}
+    return {f.name: (f.default, f.metadata["doc"], f.metadata["allowed"]) for f in dataclasses.fields(LossConfig)
+            if f.name not in selection}
 
 
 def _interval(text: str) -> tuple[float, bool, float, bool]:
@@ -319,6 +312,7 @@ class Config(BaseConfig):
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
     max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)")
     balance_batch: bool = param(True, "deal each training step's pairs to the data-parallel ranks in shares of near-equal executed FLOPs (counts may differ); false = consecutive equal shares, as the original code")
+    no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients only after a step's last micro-batch (less communication; every rank then holds the whole model's unsharded gradients, fp32 under FSDP2, between micro-batches); false = after every micro-batch, as the original")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
     peak_tflops: Optional[float] = param(None, "the device's matmul peak for logged MFU; null = measured at start")
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run")
@@ -451,22 +445,37 @@ def _group_choices(group: str) -> list[str]:
 
 @functools.cache
 def loss_registry() -> dict[str, dict]:
-    """{loss name: {"reads": [loss.* keys its function takes], **its LossSpec flags}} for each registered loss.
+    """{loss name: {"reads": [the loss.* keys its function takes], **its LossSpec flags}} for each loss in
+    losses.LOSSES, imported on first use: losses.py imports torch (seconds), which `--help` does not wait for.
 
-    losses.py declares each loss once: its function's keyword-only parameters are the config keys it reads, and
-    its `LOSSES` entry holds its flags. losses.py imports torch (seconds), so it is read here as Python syntax,
-    without running it: `--help` and config errors stay fast. tests/test_config.py checks this against the
-    imported registry.
+    losses.py is ordinary Python: whatever it cannot provide (it does not import, an entry is not a LossSpec, a
+    function reads a key LossConfig lacks) is a ConfigError naming the loss and the line.
     """
-    tree = _losses_py()
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    table = _literal_dict(tree, "LOSSES")
-    keys = {f.name for f in dataclasses.fields(LossConfig)}
-    out = {}
-    for name, spec in zip(table.keys, table.values):
-        fn = functions[spec.args[0].id]
-        reads = [a.arg for a in fn.args.kwonlyargs if a.arg in keys]  # chosen_nll comes from compute_loss
-        out[ast.literal_eval(name)] = {"reads": reads, **{k.arg: ast.literal_eval(k.value) for k in spec.keywords}}
+    import inspect
+    try:
+        import losses
+    except Exception as e:  # noqa: BLE001 - the researcher's own edit: say where, without a traceback
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("losses.py")]
+        where = f"{e.filename}:{e.lineno}" if isinstance(e, SyntaxError) else (
+            f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "losses.py")
+        raise ConfigError([f"{where}: importing losses.py failed ({type(e).__name__}: {e})"]) from None
+    keys, out, problems = {f.name for f in dataclasses.fields(LossConfig)}, {}, []
+    for name, spec in losses.LOSSES.items():
+        if not isinstance(spec, losses.LossSpec) or not callable(spec.fn):
+            problems.append(f"losses.py: LOSSES[{name!r}] = {spec!r}: expected LossSpec(<loss function>, needs_reference=..., ...)")
+            continue
+        reads = [p.name for p in inspect.signature(spec.fn).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in losses.SUPPLIED]
+        for key in reads:
+            if key not in keys:
+                code = getattr(spec.fn, "__code__", None)
+                where = f"{code.co_filename}:{code.co_firstlineno}" if code else "losses.py"
+                problems.append(f"{where}: loss {name!r} ({getattr(spec.fn, '__name__', spec.fn)}) reads loss.{key}, which is not"
+                                f" a config key: add the field `{key}` to LossConfig in config.py (its default, doc and range)")
+        out[name] = {"reads": reads, "needs_reference": spec.needs_reference, "average_log_prob": spec.average_log_prob,
+                     "batch_statistics": spec.batch_statistics, "unpaired": spec.unpaired}
+    if problems:
+        raise ConfigError(problems)
     return out
 
 
@@ -781,6 +790,14 @@ def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
     if cfg.model.reference_mixed_precision and cfg.fsdp.mixed_precision is None:
         p.append("model.reference_mixed_precision=true: there is no mixed precision to give the reference"
                  " (fsdp.mixed_precision / model.fsdp_policy_mp is null)")
+    mp = cfg.fsdp.mixed_precision or {}
+    for key, value in (("fsdp.model_dtype", cfg.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype",
+                       mp.get("param_dtype", cfg.fsdp.dtype) if mp else None)):
+        if value is not None and DTYPES.get(value) == "float16" and not cfg.fsdp.forward_only:
+            p.append(f"{key}={value}: fp16 training needs a gradient scaler, which is not supported yet; use bf16 "
+                     "(the same memory, fp32's range)")
+    if cfg.no_sync_accumulation and cfg.trainer != "FSDPTrainer":
+        p.append(f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={cfg.trainer})")
     if cfg.fused_optimizer and cfg.optimizer != "AdamW":
         p.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={cfg.optimizer})")
     if not cfg.datasets:

@@ -14,9 +14,8 @@ Read top to bottom:
      into what each loss wants (sum or per-token mean, reference or zeros), sums the weighted
      losses and builds the batch metrics.
 
-To add a loss: write a function like `dpo_loss`, add one line to `LOSSES` (and one to
-`HYPERPARAMETERS` for a new hyperparameter, plus its default line in config/config.yaml, which a test
-holds equal to it), add `config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py.
+To add a loss: write a function like `dpo_loss`, add one line to `LOSSES` (and a field to config.LossConfig
+for a new hyperparameter), add `config/loss/<name>.yaml`, and a hand-worked test in tests/test_losses.py.
 README.md "Adding a loss" walks through an example.
 
 Departures from the papers and from the original DPO code, numbered:
@@ -1098,7 +1097,7 @@ class LossSpec:
     The hyperparameters a loss reads are the keyword-only parameters of its function, each named as
     its `loss.<key>` in the config (chosen_nll excepted: compute_loss supplies it). That signature is
     the one declaration: compute_loss passes exactly those keys, and config.py reads the same
-    signatures (as text, without importing torch) to refuse a key that no selected loss reads.
+    signatures to refuse a key that no selected loss reads.
     """
 
     fn: Callable[..., LossReturn]
@@ -1110,38 +1109,7 @@ class LossSpec:
     unpaired: bool = False
 
 
-@dataclass(frozen=True)
-class Hyperparameter:
-    """A `loss.<key>` config key that loss functions read: its default, a one-line doc (`train.py --help`), and
-    the values allowed: an interval written as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end), or
-    a tuple of the allowed strings. config.LossConfig's field, its --help line and its range check come from it.
-    """
-
-    default: object
-    doc: str
-    allowed: str | tuple
-
-
-# Every hyperparameter a loss function takes (by keyword, under the same name), declared once. A loss reads a key
-# by naming it as a keyword-only parameter; several losses may share one (beta). config.py reads this dict
-# literally (ast, no torch): keep each entry a plain `Hyperparameter(<literal>, "<doc>", <literal>)`.
-HYPERPARAMETERS: dict[str, Hyperparameter] = {
-    "beta": Hyperparameter(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", "(0, inf)"),
-    "label_smoothing": Hyperparameter(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)"),
-    "gamma": Hyperparameter(1.0, "SimPO target reward margin gamma", "[-inf, inf]"),
-    "rpo_alpha": Hyperparameter(1.0, "RPO weight of the chosen NLL term", "[-inf, inf]"),
-    "orpo_lambda": Hyperparameter(0.1, "ORPO weight of the odds-ratio term", "[-inf, inf]"),
-    "f_divergence": Hyperparameter("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence",
-                                   ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")),
-    "f_alpha": Hyperparameter(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]"),
-    "discopop_tau": Hyperparameter(0.05, "DiscoPOP temperature of the log-ratio modulation", "(0, inf)"),
-    "desirable_weight": Hyperparameter(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", "(0, inf)"),
-    "undesirable_weight": Hyperparameter(1.0, "KTO lambda_U, weight of undesirable completions", "(0, inf)"),
-}
-
-
-# The one registry. compute_loss, the configs and the tests all read it. config.py reads this dict
-# literally (ast): keep each entry a plain `LossSpec(<function name>, <keyword>=<literal>, ...)`.
+# The one registry. compute_loss, the configs and the tests all read it.
 LOSSES: dict[str, LossSpec] = {
     "sft": LossSpec(sft_loss, needs_reference=False, average_log_prob=True),
     "dpo": LossSpec(dpo_loss, needs_reference=True, average_log_prob=False),
@@ -1199,17 +1167,6 @@ def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     return not reference_free and any(_spec(name).needs_reference for name in _as_names(names))
 
 
-def hyperparameter_readers() -> dict[str, list[str]]:
-    """{config key under loss.: the registered losses whose function reads it}, e.g.
-    {"label_smoothing": ["cdpo", "dpo", "exo_pair", "robust"], ...}; from the signatures."""
-    readers: dict[str, list[str]] = {}
-    for name in sorted(LOSSES):
-        for param, _ in _hyperparameters(LOSSES[name].fn):
-            if param not in SUPPLIED:  # supplied by compute_loss, not config keys
-                readers.setdefault(param, []).append(name)
-    return readers
-
-
 # Keyword-only parameters that compute_loss supplies from the batch, not from the config.
 SUPPLIED = ("chosen_nll",)
 
@@ -1254,7 +1211,7 @@ def compute_loss(
     Args:
         names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a single str is accepted).
         weights: one per name; None means all 1.0.
-        hparams: mapping with .get (dict or the Config's loss section): the HYPERPARAMETERS keys
+        hparams: mapping with .get (dict or the Config's loss section): the LossConfig keys
             the named losses read, reference_free (bool) and average_log_prob (None = each
             loss's own default).
         policy_*_sum, reference_*_sum: summed token log-probs per sequence, Shape (batch,).
@@ -1397,7 +1354,7 @@ def _unpaired_loss(names, specs, weights, hparams, policy_chosen_sum, policy_cho
         "rewards/rejected": torch.where(desirable, nan, rewards),
         "logps/chosen": torch.where(desirable, logps, nan),
         "logps/rejected": torch.where(desirable, nan, logps),
-        "kl": kl.detach().reshape(1).float(),
+        "kl": kl.detach().clamp(min=0).reshape(1).float().expand(len(total)),  # z0 as the loss uses it, per row
     }
     if paired:
         metrics["rewards/accuracies"] = (rewards[:n] > rewards[n:]).float()

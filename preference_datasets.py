@@ -1348,3 +1348,23 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return (dict(collate([examples[i] for i in idx], pad, kl_rows), example_index=torch.as_tensor(idx, dtype=torch.long))
             for idx in indices)
+
+
+def get_eval_batches(names: list[str], tokenizer: Any, *, batch_size: int, n_examples: int, rank: int = 0,
+                     world_size: int = 1, kl_rows: bool = False, silent: bool = False, **load_kwargs) -> list[dict]:
+    """This rank's shares of the evaluation batches: the first n_examples pairs of the test split (all of them if
+    there are fewer), exactly once each, in global batches of batch_size. The last batch is completed with
+    repeats of its first pair marked `valid` False (B,), so that every rank runs the same forwards (a collective
+    under FSDP) and the evaluation averages exactly the pairs it names, whatever their count."""
+    examples, _ = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)
+    n, per_rank = min(n_examples, len(examples)), batch_size // world_size
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batches = []
+    for start in range(0, n, batch_size):
+        real = list(range(start, min(start + batch_size, n)))
+        idx = (real + [real[0]] * batch_size)[:batch_size][rank * per_rank:(rank + 1) * per_rank]
+        valid = [start + rank * per_rank + i < n for i in range(per_rank)]
+        batches.append(dict(collate([examples[i] for i in idx], pad, kl_rows),
+                            example_index=torch.as_tensor(idx, dtype=torch.long), valid=torch.tensor(valid)))
+    return batches
+

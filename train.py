@@ -175,18 +175,29 @@ def check_sequence_parallel(cfg) -> None:
     name = resolve_local(cfg.model.name_or_path)
     sp = cfg.fsdp.ulysses_sequence_parallel_size
     try:
-        heads = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code).num_attention_heads
+        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+        heads = config.num_attention_heads
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: cannot read the attention heads of model.name_or_path="
                            f"{name!r} ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
     if heads % sp:
         raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
                            f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"])
+    # These RoPE types pick their frequencies from the largest position the call sees: each rank sees only its slice.
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r}: its RoPE type "
+                           f"{rope.get('rope_type', rope.get('type'))!r} scales frequencies by the longest position of a call, "
+                           "and each rank of a group sees only its slice of the positions: not supported yet"])
 
 
 def check_data(cfg, world_size: int) -> None:
     """Tokenize both splits as the trainer will (the result is cached for it) and refuse data that leaves
     fewer training pairs than one step, or fewer eval pairs than ranks, naming each source and its drops."""
+    for name in cfg.datasets:
+        if name not in data.SOURCES and "{split}" not in name:
+            print(f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
+                  " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)")
     tokenizer = load_tokenizer(cfg)
     dp, ranks = data_parallel_size(cfg, world_size)
     kwargs = dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length,

@@ -50,14 +50,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FullyShardedDataParallel as FSDP,
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel as FSDP,
                                     MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 import losses
 import preference_datasets as data
 import ulysses
-from utils import (all_gather_if_needed, all_ranks_true, atomic_write_text, dtype_of, find_block_class_names,
+from utils import (all_gather_if_needed, all_ranks_true, atomic_write_text, broadcast_object, dtype_of, find_block_class_names,
                    first_usable_dir, formatted_dict, fsync_dir, get_block_class_from_model, get_rng_state, rank0_print,
                    set_rng_state, use_shape_free_attention, wait_for_rank0)
 
@@ -182,26 +182,31 @@ def packed_inputs(inputs: dict[str, torch.Tensor], capacity: int, multiple: int 
             positions[r, start:end] = torch.arange(lengths[i], device=device)
             owner[r, start:end] = i
             start = end
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    # Padding (owner -1) attends to earlier padding: no row of the mask is empty (an empty one gives NaN).
-    mask = causal & (owner[:, :, None] == owner[:, None, :])
+    # Causal within each sequence. Padding (owner -1) attends to earlier padding: no row of the mask is empty (an
+    # empty one gives NaN). One (R, T, T) allocation: the comparison, made causal in place.
+    mask = (owner[:, :, None] == owner[:, None, :]).tril_()
     return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, labels, owner
 
 
 def packed_attention_mask(mask: torch.Tensor, config):
-    """The packed block-diagonal boolean mask (R, 1, T, T) as each attention layer of `config` needs it. A model
-    given a 4-D mask uses it as is, so (1) the sliding window (Mistral, Gemma2/3, Qwen2 with use_sliding_window)
-    must be in it already: models with `layer_types` take one mask per layer type, the others slide in every
-    layer; (2) eager attention adds the mask to the scores, so it must be additive (0 or -inf-like), not boolean."""
+    """The 4-D boolean mask (R or 1, 1, T, T) as each attention layer of `config` needs it. A model given a 4-D mask
+    uses it as is, so (1) the sliding window (Mistral, Gemma2/3, Qwen2 with use_sliding_window) must be in it
+    already: models with `layer_types` take one mask per layer type, the others slide in every layer; (2) eager
+    attention adds the mask to the scores, so it must be additive (0 or a large negative), not boolean: bf16,
+    half of fp32's bytes and the same range. A mask marked `causal_only` (ulysses.whole_row_inputs: a stand-in
+    of no memory) stays as it is for full attention: the attention wrapper runs a causal kernel instead."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
+    causal_only = getattr(mask, "causal_only", False)
     masks = {"full_attention": mask}
     if window and (layer_types is None or "sliding_attention" in layer_types):
-        t = torch.arange(mask.size(-1), device=mask.device)
-        masks["sliding_attention"] = mask & ((t[:, None] - t[None, :]) < window)  # query i sees keys i-window+1..i
+        t = mask.size(-1)  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
+        band = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu_(-(window - 1))
+        masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
     if getattr(config, "_attn_implementation", None) == "eager":
-        # float32 min: added to scores of any dtype it still zeroes the softmax (eager softmaxes in fp32)
-        masks = {k: torch.zeros(m.shape, device=m.device).masked_fill(~m, torch.finfo(torch.float32).min) for k, m in masks.items()}
+        low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
+        masks = {k: m if getattr(m, "causal_only", False) else
+                 torch.full(m.shape, low, dtype=torch.bfloat16, device=m.device).masked_fill_(m, 0.0) for k, m in masks.items()}
     if layer_types is not None:
         return masks
     return masks.get("sliding_attention", masks["full_attention"])
@@ -371,11 +376,16 @@ class Reference:
             return table[:, 0] if self.sft_mode else table.T.reshape(-1)  # chosen then rejected, as the forward
         if self.reference_model is None:
             return None
-        # The reference computes in model.reference_dtype unless model.reference_mixed_precision asks for autocast.
-        mixed = self.autocast() if self.config.model.reference_mixed_precision else contextlib.nullcontext()
-        with torch.no_grad(), mixed, self.reference_context():
+        with torch.no_grad(), self.reference_autocast(), self.reference_context():
             ref_inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in inputs.items()}
-            return forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
+            sums = forward_logps(self.reference_model, ref_inputs, **self.forward_options())[0]
+        self.after_reference_forward()
+        return sums
+
+    def reference_autocast(self):
+        """The reference computes as the policy does (fsdp.mixed_precision's param_dtype) unless
+        model.reference_mixed_precision=false: then in model.reference_dtype."""
+        return self.autocast() if reference_mixed_precision(self.config) else contextlib.nullcontext()
 
     # --- TR-DPO: the reference follows the policy ----------------------------------------------------------
     @torch.no_grad()
@@ -387,7 +397,9 @@ class Reference:
         tau = self.config.ref_update.tau
         if tau is None or self.batch_counter % tau:
             return False
-        policy, reference = dict(self.policy.named_parameters()), dict(self.reference_model.named_parameters())
+        # by name without wrapper prefixes: activation checkpointing wraps the policy's blocks, not the reference's
+        policy = {clean_name(k): v for k, v in self.policy.named_parameters()}
+        reference = {clean_name(k): v for k, v in self.reference_model.named_parameters()}
         if policy.keys() != reference.keys():
             raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
         for name, ref in reference.items():
@@ -436,7 +448,12 @@ class Reference:
         for e in examples:
             digest.update(b"".join(bytes(memoryview(a)) for a in (e.prompt_ids, e.chosen_ids, e.rejected_ids) if a is not None))
         path = Path(self.data_kwargs["cache_dir"]).parent / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
-        table = torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), float("nan"))
+        # Rank 0 decides what is cached and every rank takes its table: local_dirs may be node-local (another
+        # node's disk may lack the file), and every rank must run the same forwards (collectives under FSDP).
+        table = None
+        if self.rank == 0:
+            table = torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), float("nan"))
+        table = broadcast_object(table) if self.world_size > 1 else table
         missing = [i for i in wanted if math.isnan(table[i, 0])]
         rank0_print(f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute")
         if missing:
@@ -451,8 +468,7 @@ class Reference:
     def reference_pass(self, examples: list, indices: list[int]) -> torch.Tensor:
         """(len(indices), 2) reference sums; each data-parallel rank takes every dp_size-th example, and all ranks run
         the same number of forwards (under FSDP every forward is a collective)."""
-        mine = indices[self.dp_rank::self.dp_size]
-        mine += mine[-1:] * (-(-len(indices) // self.dp_size) - len(mine))
+        mine = rank_share(indices, self.dp_rank, self.dp_size)
         size = max(1, self.config.eval_batch_size // self.dp_size)
         values = []
         for start in tqdm.trange(0, len(mine), size, desc="reference log-probs", disable=not self.show_bars(), mininterval=10):
@@ -460,6 +476,7 @@ class Reference:
             inputs = {k: v.to(self.input_device(self.reference_model)) for k, v in concatenated_inputs(batch).items()}
             with self.reference_context():
                 sums = forward_logps(self.reference_model, inputs, **self.forward_options())[0].float().cpu()
+            self.after_reference_forward()
             values.append(torch.stack([sums, sums], 1) if self.sft_mode else sums.view(2, -1).T)
         order = all_gather_if_needed(torch.tensor(mine), self.rank, self.world_size)
         gathered = all_gather_if_needed(torch.cat(values), self.rank, self.world_size)
@@ -477,8 +494,9 @@ class EvaluationAndSampling:
         collected = defaultdict(list)
         for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.show_bars(), leave=False):
             _, metrics = self.get_batch_metrics(batch, "eval")
-            for name, v in metrics.items():
-                collected[name].append(v)
+            valid = batch["valid"].to(self.device)
+            for name, v in metrics.items():  # per row (or per completion of a row); the repeats are left out (NaN)
+                collected[name].append(torch.where(valid.repeat(len(v) // len(valid)), v, float("nan")))
         mean = {name: all_gather_if_needed(torch.cat(v), self.rank, self.world_size).float().nanmean().item() for name, v in collected.items()}
         if self.config.sample_during_eval and self.config.n_eval_model_samples > 0:
             mean.update(self.sample_and_log())
@@ -514,6 +532,7 @@ class EvaluationAndSampling:
             if self.reference_model is not None:
                 with self.reference_context():
                     reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
+                self.after_reference_forward()
         prompts = self.gather_objects(prompts[:n_local])
         policy_samples = self.gather_objects(policy_samples[:n_local])
         reference_samples = self.gather_objects(reference_samples[:n_local])
@@ -578,7 +597,7 @@ class Checkpoints:
         model = unwrap(self.policy)
         if self.lora:
             model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
-            state = merged_lora_state(state, self.config.lora.alpha / self.config.lora.r)
+            state = merged_lora_state(state, self.config.lora.alpha / self.config.lora.r, fan_in_fan_out_layers(model))
             model = model.get_base_model()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
@@ -698,21 +717,33 @@ class MicroBatchLoss:
 
         Detached (no_grad) by definition, so it is computed once per step, before the micro-batches, and every
         micro-batch's loss uses the same value: the loss is the same for any split of the step (accumulation,
-        ranks), unlike a per-micro-batch estimate. The rows are scored in gradient_accumulation_steps chunks, so
-        this pass needs no more activation memory than a training micro-batch.
+        ranks), unlike a per-micro-batch estimate. The rows are scored in the chunks a training step would use
+        (max_tokens_per_microbatch, else gradient_accumulation_steps slices), so this pass needs no more activation
+        memory than a training micro-batch.
         """
         rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of log-ratios, rows)
         average = losses.average_log_prob(losses.LOSSES[self.loss_names[0]], self.config.loss)
-        # exactly gradient_accumulation_steps chunks on every rank, whatever its share: each is a collective under FSDP
-        for part in even_slices(len(rows["input_ids"]), self.config.gradient_accumulation_steps):
+        budget, n = self.config.max_tokens_per_microbatch, len(rows["input_ids"])
+        parts = (token_groups(rows["attention_mask"].sum(1).tolist(), budget) if budget
+                 else [list(range(n))[part] for part in even_slices(n, self.config.gradient_accumulation_steps)])
+        real = len(parts)
+        # the same number of forwards on every rank (each a collective under FSDP): repeats of a chunk, not counted
+        parts += parts[:1] * (self.agreed_micro_batches(real) - real)
+        for i, part in enumerate(parts):
             chunk = {k: v[part].to(self.device) for k, v in rows.items()}
+            if part:  # cut to the chunk's longest row
+                width = int(chunk["attention_mask"].sum(1).max())
+                chunk = {k: v[:, :width] for k, v in chunk.items()}
             with self.autocast():
                 sums, counts, _ = forward_logps(self.policy, chunk, **self.forward_options())
             if self.reference_model is not None and not self.config.loss.reference_free:
                 ref = {k: v.to(self.input_device(self.reference_model)) for k, v in chunk.items()}
-                with self.reference_context():
+                with self.reference_autocast(), self.reference_context():
                     sums = sums - forward_logps(self.reference_model, ref, **self.forward_options())[0].to(sums.device)
+                self.after_reference_forward()
+            if i >= real:
+                continue
             logratios = losses.sequence_logps(sums, counts, average)
             total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
         # every rank's (sum, count): two numbers per rank, on self.device (NCCL gathers CUDA tensors only)
@@ -787,18 +818,15 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.n_train_pairs = data.count_examples(config.datasets, tokenizer, split="train", silent=rank != 0, **self.data_kwargs)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=config.batch_size, n_epochs=config.n_epochs,
                                           n_examples=config.n_examples)
-        # A held-out set smaller than eval_batch_size is evaluated whole in one batch (a multiple of the world
-        # size), rather than refused for the size of a batch the user may never have chosen.
+        # Every one of the first n_eval_examples test pairs once (all of them if fewer), the last batch completed
+        # with repeats that evaluation leaves out; a set smaller than eval_batch_size needs no full batch.
         n_test = data.count_examples(config.datasets, tokenizer, split="test", silent=True, **eval_kwargs)
-        self.eval_batch_size = min(config.eval_batch_size, min(n_test, config.n_eval_examples) // self.dp_size * self.dp_size)
-        if self.eval_batch_size < config.eval_batch_size:
-            rank0_print(f"eval_batch_size={config.eval_batch_size} lowered to {self.eval_batch_size}: "
-                        f"{n_test} eval pairs in the data, n_eval_examples={config.n_eval_examples}, data-parallel size {self.dp_size}")
-        self.eval_batches = list(data.get_batch_iterator(
-            config.datasets, tokenizer, split="test", batch_size=self.eval_batch_size, shuffle=False, n_epochs=1,
-            n_examples=config.n_eval_examples, seed=seed, rank=self.dp_rank, world_size=self.dp_size, silent=rank != 0,
-            kl_rows=self.unpaired, **eval_kwargs))
-        self.n_eval_pairs = len(self.eval_batches) * self.eval_batch_size  # whole batches: what evaluation averages
+        self.n_eval_pairs = min(n_test, config.n_eval_examples)
+        per_rank = max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size))  # KTO: >= 2 rows for its KL
+        self.eval_batch_size = min(config.eval_batch_size, per_rank * self.dp_size)
+        self.eval_batches = data.get_eval_batches(
+            config.datasets, tokenizer, batch_size=self.eval_batch_size, n_examples=config.n_eval_examples,
+            rank=self.dp_rank, world_size=self.dp_size, silent=rank != 0, kl_rows=self.unpaired, **eval_kwargs)
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
@@ -809,6 +837,9 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
 
     def no_sync(self, last_micro_batch: bool):
         return contextlib.nullcontext()  # one process: nothing to sync
+
+    def after_reference_forward(self) -> None:
+        pass  # one process: nothing gathered
 
     def params_on_device(self):
         return contextlib.nullcontext()  # one process: the parameters never leave their device
@@ -1045,6 +1076,13 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
 # ------------------------------------------------------------------------------------------------------
 # Small pure helpers
 # ------------------------------------------------------------------------------------------------------
+def reference_mixed_precision(config) -> bool:
+    """Whether the reference computes under fsdp.mixed_precision: model.reference_mixed_precision, and when null
+    whenever the policy does (then both compute alike, and policy = reference gives exactly ln 2 at step 0)."""
+    chosen = config.model.reference_mixed_precision
+    return config.fsdp.mixed_precision is not None if chosen is None else chosen
+
+
 def sampling_seed(seed: int, examples_seen: int, batch_index: int) -> int:
     """The seed of one eval batch's samples: a pure function of the run's seed, the training pairs seen and the
     batch, mixed by numpy's SeedSequence (so nearby inputs give unrelated streams)."""
@@ -1149,6 +1187,13 @@ def even_slices(n: int, k: int) -> list[slice]:
 def split_batch(batch: dict, k: int) -> list[dict]:
     """k micro-batches of near-equal size (tensors and lists sliced along the first dimension)."""
     return [{key: v[part] for key, v in batch.items()} for part in even_slices(len(batch["chosen_input_ids"]), k)]
+
+
+def rank_share(indices: list[int], rank: int, world_size: int) -> list[int]:
+    """Every world_size-th index from `rank`, completed with indices[0] to ceil(len / world_size): every rank gets
+    as many (none empty while there are indices), so all ranks run the same number of forwards."""
+    mine = indices[rank::world_size]
+    return mine + indices[:1] * (-(-len(indices) // world_size) - len(mine))
 
 
 def nan_padded(values: torch.Tensor, length: int) -> torch.Tensor:
@@ -1326,9 +1371,17 @@ class Sharding:
                 f" mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
 
     # --- what differs between FSDP1 and FSDP2 --------------------------------------------------------------
-    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
-        """The sharded model. `mixed_precision=False`: it computes in the dtype it was loaded in (the reference,
-        unless model.reference_mixed_precision)."""
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
+              ) -> nn.Module:
+        """The sharded model. `mixed_precision=False`: it computes in the dtype it was loaded in (the reference with
+        model.reference_mixed_precision=false). The reference is always sharded with `reshard_after_forward`: a
+        forward-only model has no backward to keep gathered parameters for."""
+        raise NotImplementedError
+
+    def reshard(self, model: nn.Module) -> None:
+        """Free every gathered parameter of `model` (after a reference forward, after evaluation): FSDP1 never frees
+        the root unit after a forward, nor any unit under SHARD_GRAD_OP; FSDP2 keeps them under
+        reshard_after_forward=false."""
         raise NotImplementedError
 
     def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
@@ -1342,10 +1395,6 @@ class Sharding:
     def params_on_device(self, model: nn.Module):
         """A context in which the parameters are on the device (they may live on CPU between uses)."""
         return contextlib.nullcontext()
-
-    def after_reference_update(self, model: nn.Module) -> None:
-        """Called after TR-DPO changed a forward-only model's shards in place (FSDP2 reshards every unit after
-        forward: nothing to do)."""
 
     # --- the same for both ---------------------------------------------------------------------------------
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
@@ -1386,7 +1435,8 @@ class Sharding:
 class FSDP1(Sharding):
     """FullyShardedDataParallel: the model is wrapped, each unit a FlatParameter."""
 
-    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
+              ) -> nn.Module:
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         if self.fsdp.offload_policy:
             raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
@@ -1401,9 +1451,9 @@ class FSDP1(Sharding):
         if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
             strategy, hybrid = ShardingStrategy.NO_SHARD, False  # fsdp_size=1: every rank holds everything
         elif hybrid:
-            strategy = ShardingStrategy.HYBRID_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+            strategy = ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
         else:
-            strategy = ShardingStrategy.FULL_SHARD if self.fsdp.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+            strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         on_gpu = self.device.type == "cuda"
         if not on_gpu:
             broadcast_module(model, self.rank)
@@ -1413,11 +1463,16 @@ class FSDP1(Sharding):
                        cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),
                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
                        mixed_precision=MixedPrecision(**dtypes) if dtypes else None, device_id=self.device,
-                       use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=False,
+                       # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU (memory);
+                       # torch advises it off only for CPU-bound runs with low memory pressure, as gloo on CPU
+                       use_orig_params=self.fsdp.use_orig_params, limit_all_gathers=on_gpu,
                        # Only rank 0 loaded weights; on GPU the others' meta tensors are allocated per unit and
                        # filled with rank 0's values by FSDP (on CPU, FSDP1 refuses: broadcast_module did it).
                        sync_module_states=on_gpu, param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
                        device_mesh=self.mesh if hybrid else None)
+        if on_gpu:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid): say it once more
+            for buffer in wrapped.buffers():
+                dist.broadcast(buffer, src=0)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
             checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
         return wrapped
@@ -1428,10 +1483,9 @@ class FSDP1(Sharding):
     def clip(self, model: nn.Module, max_norm: float) -> float:
         return model.clip_grad_norm_(max_norm).item()
 
-    def after_reference_update(self, model: nn.Module) -> None:
-        """FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward, which a
-        forward-only model never runs), and its next forward reuses them without gathering: free them, so that it
-        gathers the updated shards."""
+    def reshard(self, model: nn.Module) -> None:
+        """FSDP1 keeps the ROOT unit's gathered parameters after a forward (meant for the backward), and every unit's
+        under SHARD_GRAD_OP; its next forward reuses them without gathering."""
         for unit in FSDP.fsdp_modules(model):
             if unit._handle is not None and unit._handle.uses_sharded_strategy:
                 unit._handle.reshard(free_unsharded_flat_param=True)
@@ -1440,7 +1494,8 @@ class FSDP1(Sharding):
 class FSDP2(Sharding):
     """fully_shard: the model keeps its class, its parameters become DTensors, each unit's hooks all-gather."""
 
-    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True) -> nn.Module:
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
+              ) -> nn.Module:
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
         # FSDP2 has no buffer dtype: buffers keep the dtype they were loaded in unless buffer_dtype is set explicitly
@@ -1461,7 +1516,7 @@ class FSDP2(Sharding):
             checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
         units = self.unit_modules(model)
         # On a 2-D mesh fully_shard replicates over the first dimension and shards over the second (HSDP).
-        kwargs = dict(mesh=self.mesh, reshard_after_forward=self.fsdp.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
@@ -1500,6 +1555,11 @@ class FSDP2(Sharding):
     def gradient_sync(self, model: nn.Module, last_micro_batch: bool):
         model.set_requires_gradient_sync(last_micro_batch)
         return contextlib.nullcontext()
+
+    def reshard(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def clip(self, model: nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -1723,11 +1783,12 @@ class FSDPTrainer(BasicTrainer):
             rank0_print(f"Ulysses sequence parallelism: groups of {self.sequence_parallel.size} ranks split every sequence")
         self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, self.device, rank, world_size, policy)
         rank0_print(f"sharding policy with {config.fsdp.strategy} ({self.sharding.describe()})")
-        policy = self.sharding.shard(policy, checkpoint=config.activation_checkpointing)
+        policy = self.sharding.shard(policy, checkpoint=config.activation_checkpointing,
+                                     reshard_after_forward=config.fsdp.reshard_after_forward)
         if reference_model is not None:
-            rank0_print("sharding reference model (forward only)")
+            rank0_print("sharding reference model (forward only, resharded after every forward)")
             reference_model = self.sharding.shard(reference_model, checkpoint=False,
-                                                  mixed_precision=config.model.reference_mixed_precision)
+                                                  mixed_precision=reference_mixed_precision(config))
         super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
 
     # --- what several processes change in the loop --------------------------------------------------------
@@ -1736,6 +1797,11 @@ class FSDPTrainer(BasicTrainer):
 
 
     def no_sync(self, last_micro_batch: bool):
+        """Gradients are reduce-scattered after every micro-batch (each rank keeps only its shard), unless
+        no_sync_accumulation: then only after the last (less communication, but every rank holds the whole
+        model's unsharded gradients, fp32 under FSDP2, between micro-batches)."""
+        if not self.config.no_sync_accumulation:
+            return contextlib.nullcontext()
         return self.sharding.gradient_sync(self.policy, last_micro_batch)
 
     def clip_gradient(self) -> float:
@@ -1790,11 +1856,8 @@ class FSDPTrainer(BasicTrainer):
         torch.save(get_rng_state(), tmp_dir / f"rng-{self.rank}.pt")
 
     # --- TR-DPO: the reference is trained state, sharded like the policy ------------------------------------
-    def update_reference(self) -> bool:
-        updated = super().update_reference()  # shard by shard, in place: no communication
-        if updated:
-            self.sharding.after_reference_update(self.reference_model)
-        return updated
+    def after_reference_forward(self) -> None:
+        self.sharding.reshard(self.reference_model)
 
     def write_reference(self, tmp_dir: Path) -> None:
         """The TR-DPO reference, sharded like the policy (each rank writes its shards: no gather)."""
@@ -1811,26 +1874,28 @@ class FSDPTrainer(BasicTrainer):
 
 @contextlib.contextmanager
 def through_root_unit(model: nn.Module):
-    """FSDP1 wraps the model: `wrapped.generate` is the inner model's, whose `self(...)` would skip the root
-    unit's pre-forward (the all-gather of the embeddings, final norm and LM head, the input casts of mixed
-    precision). Inside this block the inner model's forward goes through the root unit; the root then calls the
-    inner model's own forward. Anything else (FSDP2, one process) is left as it is."""
-    if not isinstance(model, FSDP):
+    """`generate` calls the causal LM's own `self(...)`: under FSDP1 that is the module inside the wrapper, under
+    LoRA (peft, either strategy) the base model inside the PeftModel. Either call skips the root unit's pre-forward
+    (the all-gather of the embeddings, final norm and LM head, the input casts of mixed precision). Inside this
+    block that causal LM's forward goes through the root (`model(...)`), which then calls the causal LM's own
+    forward. FSDP2 without LoRA (generate's call is the root's) and one process are left as they are."""
+    inner = unwrap(model)
+    lm = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the causal LM it wraps
+    if lm is model:
         yield
         return
-    inner = model.module
 
     def forward(*args, **kwargs):
-        del inner.forward  # the root unit calls inner(...): its class forward this time
+        del lm.forward  # the root calls down to lm's class forward this time
         try:
             return model(*args, **kwargs)
         finally:
-            inner.forward = forward
-    inner.forward = forward
+            lm.forward = forward
+    lm.forward = forward
     try:
         yield
     finally:
-        del inner.forward
+        del lm.forward
 
 
 def tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -1858,9 +1923,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, adapter: str = "default") -> dict[str, torch.Tensor]:
+def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset = frozenset(),
+                      adapter: str = "default") -> dict[str, torch.Tensor]:
     """A peft LoRA model's full state dict -> the base model's, with each adapter merged: W + scaling * B @ A
-    (scaling = lora.alpha / lora.r), keys without peft's prefixes. Pure: the live model keeps its adapters."""
+    (scaling = lora.alpha / lora.r), keys without peft's prefixes. Layers named in `transposed` store their
+    weight as (in, out) (transformers' Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as
+    peft merges it. Pure: the live model keeps its adapters."""
     prefix, merged = "base_model.model.", {}
     for key, value in state.items():
         if ".lora_" in key:
@@ -1869,9 +1937,21 @@ def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, adapter: s
         if key.endswith(".base_layer.weight"):
             stem = key[: -len(".base_layer.weight")]
             a, b = state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"]
-            value = value + (scaling * (b.double() @ a.double())).to(value.dtype)  # (out, r) @ (r, in)
+            delta = scaling * (b.double() @ a.double())  # (out, r) @ (r, in)
+            value = value + (delta.T if stem in transposed else delta).to(value.dtype)
         merged[name] = value
     return merged
+
+
+def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
+    """State-dict stems of the LoRA layers whose base weight is stored (in, out) (peft sets fan_in_fan_out for
+    transformers' Conv1D); wrapper prefixes (activation checkpointing, FSDP1) removed as state dicts remove them."""
+    return frozenset(clean_name(name) for name, module in model.named_modules() if getattr(module, "fan_in_fan_out", False))
+
+
+def clean_name(name: str) -> str:
+    """A parameter or module name without the wrappers' prefixes (activation checkpointing, FSDP1)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

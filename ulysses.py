@@ -132,8 +132,9 @@ def _wrap(inner_of, takes_is_causal: bool):
     for this rank's heads, the all-to-all back. transformers calls it with q, k, v of Shape (B, heads, T/sp, d)
     and the full (B or 1, 1, T, T) mask (sequence_logps passes a 4-D mask for the whole rows).
 
-    A plain causal mask (whole_row_inputs marks it) is dropped for `is_causal=True` where the inner function takes
-    it (sdpa): its causal kernel needs O(T) memory, a boolean (T, T) mask sends it to the O(T^2) math kernel."""
+    A plain causal mask (whole_row_inputs' stand-in, marked `causal_only`) becomes `is_causal=True` where the inner
+    function takes it (sdpa): its causal kernel needs O(T) memory, a boolean (T, T) mask sends it to the O(T^2)
+    math kernel. Eager attention, which builds (T, T) scores anyway, gets the additive causal mask per call."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = inner_of(module)
         sp = getattr(module, "ulysses_group", None)  # set by install on the modules of a sequence-parallel model
@@ -143,9 +144,14 @@ def _wrap(inner_of, takes_is_causal: bool):
             from transformers.integrations.sdpa_attention import repeat_kv
             key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
             module = _AllKeyValueHeads(module)
-        if takes_is_causal and getattr(attention_mask, "causal_only", False):
+        causal = getattr(attention_mask, "causal_only", False)
+        if causal and takes_is_causal:
             attention_mask, kwargs["is_causal"] = None, True
         query, key, value = (sequence_to_heads(x, sp) for x in (query, key, value))
+        if causal and not takes_is_causal:
+            t = query.size(-2)
+            attention_mask = torch.full((t, t), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16,
+                                        device=query.device).triu_(1)[None, None]
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         return heads_to_sequence(out, sp), None  # no attention weights: they would be per head slice
     return attention
@@ -183,12 +189,14 @@ def paused():
 
 # --- inputs ---------------------------------------------------------------------------------------------------
 def whole_row_inputs(kwargs: dict, length: int) -> dict:
-    """Padded-row model inputs for sequence parallelism: the 2-D padding mask becomes the causal (1, 1, T, T) mask
+    """Padded-row model inputs for sequence parallelism: the 2-D padding mask becomes a causal (1, 1, T, T) mask
     (rows are right-padded, so causal attention never reaches a padding key from a real token) and positions are
-    explicit, because each rank sees only a slice of them."""
+    explicit, because each rank sees only a slice of them. The mask is a stand-in of one element, marked
+    `causal_only`: the attention wrapper runs a causal kernel (sdpa) or builds the mask per call (eager), so no
+    (T, T) tensor lives through the forward (8 GiB... of masks at 32k tokens otherwise, on every rank)."""
     device = kwargs["input_ids"].device
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-    causal.causal_only = True  # the attention wrapper may use a causal kernel instead (sdpa)
+    causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, length, length)
+    causal.causal_only = True
     positions = torch.arange(length, device=device).expand(kwargs["input_ids"].size(0), length)
     return {"input_ids": kwargs["input_ids"], "attention_mask": causal, "position_ids": positions}
 

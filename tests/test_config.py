@@ -102,16 +102,11 @@ def test_mixed_precision_shorthand_is_the_compute_dtype_with_fp32_reductions_and
     assert cfg.model.fsdp_policy_mp == "bfloat16"
 
 
-def test_config_yaml_holds_every_default_of_the_dataclasses():
-    """config/config.yaml and the dataclass defaults are two views of one set of defaults: they must agree."""
+def test_each_default_is_written_once_in_the_dataclasses():
+    """config/config.yaml picks the groups and repeats no default: a key's default lives in its dataclass field."""
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    base.pop("defaults")
-    flat = config._flatten(base)
-    keys = schema()
-    assert set(flat) == set(keys), set(flat) ^ set(keys)
-    for key, (t, default, _) in keys.items():
-        ok, value = config._coerce(flat[key], t)
-        assert ok and value == default, (key, flat[key], default)
+    assert set(base) == {"defaults"}
+    assert load_config([])[0].loss.beta == config.LossConfig().beta == 0.1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,20 +209,18 @@ def test_all_problems_are_reported_at_once():
     assert len(info.value.problems) == 3
 
 
-def test_bad_config_exits_2_fast_without_traceback():
-    start = time.time()
+def test_bad_config_exits_2_without_traceback():
     result = run_train("loss.betaa=1", "--cfg")
-    elapsed = time.time() - start
     assert result.returncode == 2
     assert "loss.beta" in result.stderr and "Traceback" not in result.stderr
-    assert elapsed < 3.0, f"took {elapsed:.2f}s"
 
 
-def test_help_lists_every_field_of_every_config_class_fast():
-    start = time.time()
+def test_help_lists_every_field_of_every_config_class_without_importing_torch():
     result = run_train("--help")
-    elapsed = time.time() - start
-    assert result.returncode == 0 and elapsed < 3.0, f"rc {result.returncode}, {elapsed:.2f}s"
+    assert result.returncode == 0, result.stderr
+    check = subprocess.run([sys.executable, "-c", "import sys, train; train.main(['--help']); print('torch' in sys.modules)"],
+                           capture_output=True, text=True, cwd=REPO)
+    assert check.stdout.strip().endswith("False"), check.stdout[-500:] + check.stderr[-500:]
     for key in schema():
         assert f"  {key}:" in result.stdout, key
     for cls in (Config, config.ModelConfig, config.LossConfig, config.WandbConfig, FSDPEngineConfig, EngineConfig):
@@ -245,8 +238,7 @@ def test_loss_names_known_to_config_are_the_registered_losses():
     assert cfg.loss_names == ["dpo", "bco_pair", "sft"]
 
 
-def test_config_reads_the_loss_registry_as_losses_py_declares_it():
-    """config.py reads losses.py as text (no torch); what it reads must be what the imported module says."""
+def test_config_reads_the_loss_registry_from_the_imported_losses_py():
     import inspect
 
     import losses
@@ -258,21 +250,16 @@ def test_config_reads_the_loss_registry_as_losses_py_declares_it():
         assert set(reads) <= keys, (name, reads)  # every hyperparameter is a config key
         entry = config.loss_registry()[name]
         assert entry["reads"] == reads, name
-        assert entry.get("batch_statistics", False) == spec.batch_statistics, name
+        assert entry["batch_statistics"] == spec.batch_statistics, name
         assert entry["needs_reference"] == spec.needs_reference and entry["average_log_prob"] == spec.average_log_prob
-    assert {k: sorted(v) for k, v in losses.hyperparameter_readers().items()} == {
-        k: config._readers(k) for k in losses.hyperparameter_readers()}
 
 
-def test_loss_hyperparameters_are_declared_once_in_losses_py():
-    """losses.HYPERPARAMETERS is the one declaration: config.py reads it as text, LossConfig's fields and their
-    --help docs come from it, each range is enforced, and f_divergence's choices are the implemented ones."""
+def test_loss_hyperparameters_are_declared_once_as_loss_config_fields():
+    """A hyperparameter is one LossConfig field: its default, --help doc and range; each range is enforced, and
+    f_divergence's choices are the implemented ones."""
     import losses
-    declared = {k: (h.default, h.doc, h.allowed) for k, h in losses.HYPERPARAMETERS.items()}
-    assert config.loss_hyperparameters() == declared
-    fields = {f.name: f for f in dataclasses.fields(config.LossConfig)}
+    declared = config.loss_hyperparameters()
     for key, (default, doc, allowed) in declared.items():
-        assert fields[key].default == default and fields[key].metadata["doc"] == doc, key
         assert f"  loss.{key}: {type(default).__name__} = {default!r}  # {doc}" in help_text(), key
     assert set(declared["f_divergence"][2]) == set(losses.F_DIVERGENCES)
     with pytest.raises(ConfigError) as info:
@@ -280,6 +267,51 @@ def test_loss_hyperparameters_are_declared_once_in_losses_py():
                      "loss.f_alpha=1.5"])
     assert sorted(p.split("=")[0] for p in info.value.problems) == ["loss.beta", "loss.f_alpha", "loss.label_smoothing"]
     load_config(["loss=dpo", "loss.label_smoothing=0.49", "loss.f_divergence=alpha_divergence", "loss.f_alpha=1"])
+
+
+def copy_of_the_project(tmp_path) -> Path:
+    """The project's Python files, config and toy model in a fresh directory, to edit losses.py there."""
+    import shutil
+    out = tmp_path / "project"
+    shutil.copytree(REPO, out, ignore=shutil.ignore_patterns(".git", ".cache", "tests", "benchmarks", "__pycache__"))
+    return out
+
+
+LOSS_IN_MY_FILE = """
+import torch.nn.functional as F
+
+
+def margin2_dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
+                     beta):
+    chosen, rejected = beta * (policy_chosen_logps - reference_chosen_logps), beta * (policy_rejected_logps - reference_rejected_logps)
+    return -F.logsigmoid(chosen - rejected - 2.0), chosen.detach(), rejected.detach()
+"""
+
+
+def test_losses_py_is_ordinary_python(tmp_path):
+    """A researcher's losses.py with a keyword LossSpec(fn=...), a computed value and a loss imported from their own
+    file works for every command; a losses.py that cannot provide the registry fails with the file and line,
+    exit 2, no traceback (before: losses.py was read as a syntax tree, and each of these broke every command)."""
+    project = copy_of_the_project(tmp_path)
+    (project / "mylosses.py").write_text(LOSS_IN_MY_FILE)
+    source = (project / "losses.py").read_text()
+    edited = source.replace('    "ipo": LossSpec(ipo_loss, needs_reference=True, average_log_prob=True),',
+                            '    "ipo": LossSpec(fn=ipo_loss, needs_reference=bool(1), average_log_prob=True),\n'
+                            '    "margin2_dpo": LossSpec(margin2_dpo_loss, needs_reference=True, average_log_prob=False),')
+    assert edited != source
+    edited = edited.replace("from __future__ import annotations\n", "from __future__ import annotations\n"
+                            "from mylosses import margin2_dpo_loss\n", 1)
+    (project / "losses.py").write_text(edited)
+    for args in (["--help"], ["loss=ipo", "--cfg"], ["loss.name=margin2_dpo", "loss.beta=0.2", "--cfg"]):
+        result = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, cwd=project)
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+    (project / "losses.py").write_text(edited.replace("def ipo_loss(", "def ipo_loss(((", 1))  # a syntax error
+    result = subprocess.run([sys.executable, "train.py", "loss=dpo", "--cfg"], capture_output=True, text=True, cwd=project)
+    assert result.returncode == 2 and "losses.py:" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (project / "losses.py").write_text(edited.replace("*,\n    beta: float,\n) -> LossReturn:\n    \"\"\"Identity",
+                                                      "*,\n    beta: float,\n    ipo_tau: float,\n) -> LossReturn:\n    \"\"\"Identity"))
+    result = subprocess.run([sys.executable, "train.py", "loss=ipo", "--cfg"], capture_output=True, text=True, cwd=project)
+    assert result.returncode == 2 and "loss 'ipo' (ipo_loss) reads loss.ipo_tau" in result.stderr, result.stderr[-2000:]
 
 
 def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():

@@ -96,23 +96,43 @@ def nan_on_rank1(rank: int, run_dir: Path) -> dict:
         trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step = get_batch_metrics, train_step
 
 
+def node_local_cache(rank: int, out: Path) -> dict:
+    """precompute_ref_log_probs with node-local local_dirs (each rank its own, as on two nodes): a first run fills
+    rank 0's cache; a second run with one more eval pair finds it there, and rank 1's disk has nothing. Rank 0
+    decides (one pair to compute, fewer than the 2 ranks) and both ranks run the same forwards."""
+    local = f"local_dirs=[{out / f'local{rank}'}]"
+    args = [*FAST, local, "fsdp.strategy=fsdp2", "precompute_ref_log_probs=true", "collective_timeout_secs=120"]
+    for name, extra in (("first", []), ("second", ["n_eval_examples=9"])):
+        cfg, _ = load_config([*args, *extra, f"run_dir={out / name}"])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            train_py.distributed_worker(cfg, None)
+    return {"printed": printed.getvalue(), "tables": sorted(p.name for p in (out / f"local{rank}").rglob("reference_logps/*.pt"))}
+
+
 def worker(rank, world_size, ports, out_dir):
     out = Path(out_dir)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
     scenarios = {"helpers": lambda: helpers(rank, world_size), "slow_rank0": lambda: slow_rank0(rank, out / "slow"),
-                 "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan")}
+                 "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan"),
+                 "node_local_cache": lambda: node_local_cache(rank, out / "node_local")}
     for (name, scenario), port in zip(scenarios.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
-        with contextlib.redirect_stdout(io.StringIO()):
-            results[name] = scenario()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                results[name] = scenario()
+        except Exception as e:  # recorded for the test to show; a failed collective ends the scenario's group
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            if dist.is_initialized():
+                dist.destroy_process_group()
     torch.save(results, out / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    ports = [utils.get_open_port() for _ in range(3)]
+    ports = [utils.get_open_port() for _ in range(4)]
     mp.spawn(worker, args=(2, ports, str(out)), nprocs=2, join=True)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -216,3 +236,20 @@ def test_pairwise_all_gather_and_reduce_scatter_equal_gloos_own(tmp_path):
         r = torch.load(tmp_path / f"pairwise{rank}.pt")
         assert r.pop("shared_used") and r.pop("shared_files_left") == [], rank  # mapped, then unlinked
         assert len(r) == 2 * (3 * 7 + 1) and all(r.values()), (rank, [k for k, v in r.items() if not v])
+
+
+def test_node_local_reference_cache_is_decided_by_rank_0_and_one_missing_pair_is_shared(distributed_results):
+    """Before: rank 1, whose disk lacked the table, ran the reference alone and timed out in its collectives;
+    and one missing pair on 2 ranks left rank 1 an empty share (torch.cat([]))."""
+    _, results = distributed_results
+    for rank in (0, 1):
+        assert "error" not in results[rank]["node_local_cache"], results[rank]["node_local_cache"]["error"]
+    assert "reference log-probs of test: 8 cached" in results[0]["node_local_cache"]["printed"]
+    assert results[1]["node_local_cache"]["tables"] == []  # only rank 0 writes: rank 1's disk never had it
+
+
+def test_rank_shares_are_equal_and_never_empty():
+    assert [trainers.rank_share([7], r, 2) for r in (0, 1)] == [[7], [7]]
+    assert [trainers.rank_share([1, 2, 3, 4, 5], r, 2) for r in (0, 1)] == [[1, 3, 5], [2, 4, 1]]
+    assert trainers.rank_share([], 0, 2) == []
+

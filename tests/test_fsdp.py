@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ KTO = ["loss=kto", "pairs_to_unpaired=true"]
 TR_DPO = ["ref_update.tau=1", "ref_update.alpha=0.6"]  # a soft update after every step
 SGD_TWO = ["optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=8"]  # step 2's gradient reads the updated reference
 LORA = ["lora.r=4", "lora.alpha=8"]
+SAMPLING = ["do_first_eval=true", "sample_during_eval=true", "n_eval_model_samples=4"]
 
 
 def write_skewed_pairs(path: Path) -> str:
@@ -75,15 +77,26 @@ SCENARIOS = {
     "fsdp2_skewed_accumulation": (["fsdp.strategy=fsdp2", *SKEWED, "gradient_accumulation_steps=2"], "skewed_sgd"),
     "fsdp2_skewed_budget": (["fsdp.strategy=fsdp2", *SKEWED, "max_tokens_per_microbatch=100"], "skewed_sgd"),
     "fsdp2_skewed_consecutive": (["fsdp.strategy=fsdp2", *SKEWED, "balance_batch=false"], "skewed_sgd"),
+    # opting in to unsynced accumulation (the reduce-scatter after the last micro-batch only) gives the same step
+    "fsdp_skewed_no_sync": (["fsdp.strategy=fsdp", *SKEWED, "gradient_accumulation_steps=2", "no_sync_accumulation=true"],
+                            "skewed_sgd"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
     "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
+    # TR-DPO with the knobs that broke its update: checkpoint wrappers on the policy's names, a reference that
+    # stayed gathered (full shapes against the policy's shards) under reshard_after_forward=false
+    "fsdp_trdpo_knobs": (["fsdp.strategy=fsdp", *SGD_TWO, *TR_DPO, "activation_checkpointing=true", "fsdp.use_orig_params=true",
+                          "fsdp.reshard_after_forward=false"], "trdpo_sgd"),
+    "fsdp2_trdpo_knobs": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO, "activation_checkpointing=true",
+                           "fsdp.reshard_after_forward=false"], "trdpo_sgd"),
     "fsdp_trdpo_hard": (["fsdp.strategy=fsdp", *SGD_TWO, "ref_update.tau=1", "ref_update.alpha=1.0"], None),
     "fsdp_trdpo": (["fsdp.strategy=fsdp", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
     "fsdp2_trdpo": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
     "fsdp2_trdpo_interrupted": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], None),
     "fsdp2_trdpo_resumed": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], None),
-    "fsdp2_lora": (["fsdp.strategy=fsdp2", *ADAMW_3, *LORA], "lora_adamw"),
+    # with sampling at evaluation (the defaults): the adapters' model generates through the root unit
+    "fsdp2_lora": (["fsdp.strategy=fsdp2", *ADAMW_3, *LORA, *SAMPLING], "lora_adamw"),
+    "fsdp_lora": (["fsdp.strategy=fsdp", *ADAMW_3, *LORA, *SAMPLING, "fsdp.use_orig_params=true"], "lora_adamw"),
     # killed after its first checkpoint (step 8), then resumed by the next scenario
     "fsdp2_interrupted": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
     "fsdp2_resumed": (["fsdp.strategy=fsdp2", *ADAMW_3], None),
@@ -150,6 +163,31 @@ def run_scenario(name, args, rank, world_size, out_dir):
         moves.append("parameter's device" if device is None else str(device))
         move(optimizer, device)
     trainers.move_optimizer_state = recording_move
+    # Gradient syncs skipped, and gradients held unsharded after a micro-batch that is not the step's last
+    info["skipped_syncs"], info["unsharded_grads_between_micro_batches"] = 0, []
+    no_sync, gradient_sync = trainer.no_sync, trainer.sharding.gradient_sync
+
+    def counted_sync(model, last_micro_batch):
+        info["skipped_syncs"] += not last_micro_batch
+        return gradient_sync(model, last_micro_batch)
+    trainer.sharding.gradient_sync = counted_sync
+
+    @contextlib.contextmanager
+    def inspected(last_micro_batch):
+        with no_sync(last_micro_batch):
+            yield
+        if not last_micro_batch:
+            info["unsharded_grads_between_micro_batches"].append(unsharded_gradient_elements(trainer.policy))
+    trainer.no_sync = inspected
+    # After every reference forward: are the reference's parameters sharded again (FSDP2: every unit; FSDP1: every
+    # flat parameter back on its local shard)?
+    info["reference_gathered_after_forward"] = []
+    after_reference_forward = trainer.after_reference_forward
+
+    def checked_reference():
+        after_reference_forward()
+        info["reference_gathered_after_forward"].append(gathered_units(trainer.reference_model))
+    trainer.after_reference_forward = checked_reference
     shares, train_step = [], trainer.train_step  # the pairs this rank trained on at each step
 
     def recording_step(batch):
@@ -173,6 +211,35 @@ def run_scenario(name, args, rank, world_size, out_dir):
     return info
 
 
+def unsharded_gradient_elements(policy) -> int:
+    """Elements of whole (unsharded) gradients FSDP2 keeps on this rank between micro-batches (0 under FSDP1:
+    counted through its flat parameters' gradient sizes)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if isinstance(policy, FSDP):
+        handles = [u._handle for u in FSDP.fsdp_modules(policy) if u._handle is not None]
+        return sum(h.flat_param.grad.numel() for h in handles
+                   if h.flat_param.grad is not None and h.flat_param.grad.numel() > h.flat_param._local_shard.numel())
+    total = 0
+    for module in policy.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                total += 0 if grad is None else grad.numel()
+    return total
+
+
+def gathered_units(model) -> int:
+    """Units of `model` whose parameters are gathered (unsharded) right now."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if isinstance(model, FSDP):
+        handles = [u._handle for u in FSDP.fsdp_modules(model) if u._handle is not None and u._handle.uses_sharded_strategy]
+        return sum(h.flat_param.data_ptr() != h.flat_param._local_shard.data_ptr() for h in handles)
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    return sum(any(p.sharded_state != ShardedState.SHARDED for p in g.fsdp_params) for g in groups if g is not None)
+
+
 def kto_global_batch(tokenizer) -> dict:
     """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
     import preference_datasets as data
@@ -185,13 +252,19 @@ def kto_global_batch(tokenizer) -> dict:
 def worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a rank that failed alone: no long hang
     results = {}
     try:
         for name, (args, _) in SCENARIOS.items():
             start = time.time()
-            with contextlib.redirect_stdout(io.StringIO()):
-                results[name] = run_scenario(name, args, rank, world_size, Path(out_dir))
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    results[name] = run_scenario(name, args, rank, world_size, Path(out_dir))
+            except Exception as e:  # recorded, so that one broken scenario does not hide the others' results
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                dist.destroy_process_group()  # a failed collective leaves the group unusable: start a new one
+                os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+                dist.init_process_group("gloo", timeout=timedelta(seconds=120))
             results[name]["seconds"] = time.time() - start
     finally:
         if rank == 0:
@@ -199,11 +272,20 @@ def worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
+class Results(dict):
+    """Scenario name -> what rank 0 recorded; a scenario that raised fails the tests that read it, with its error."""
+
+    def __getitem__(self, name):
+        info = super().__getitem__(name)
+        assert "error" not in info, f"scenario {name} failed: {info['error']}"
+        return info
+
+
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp")
     mp.spawn(worker, args=(2, get_open_port(), str(out_dir)), nprocs=2, join=True)
-    return out_dir, torch.load(out_dir / "results.pt", weights_only=False)
+    return out_dir, Results(torch.load(out_dir / "results.pt", weights_only=False))
 
 
 @pytest.fixture(scope="module")
@@ -435,15 +517,58 @@ def test_tr_dpo_under_fsdp2_resumes_exactly_with_its_sharded_reference(fsdp_resu
     assert loss_trace(out / "fsdp2_trdpo_interrupted") == loss_trace(out / "fsdp2_trdpo")
 
 
-def test_lora_under_fsdp2_matches_one_process_and_exports_merged_weights(fsdp_results, baselines):
-    """LoRA (adapters only trainable, reference = base with adapters off) on 2 FSDP2 ranks: the same three AdamW
-    steps as one process; the HF export is plain merged weights, the adapter directory peft's own format."""
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_lora_under_fsdp_samples_matches_one_process_and_exports_merged_weights(fsdp_results, baselines, strategy):
+    """LoRA (adapters only trainable, reference = base with adapters off) on 2 ranks: the same three AdamW steps as
+    one process, sampling policy and reference at every evaluation (before: the first evaluation crashed, peft's
+    generate skipping the root unit); the HF export is plain merged weights, the adapter directory peft's own."""
     out, _ = fsdp_results
-    assert_close_states(final_state(out / "fsdp2_lora"), final_state(baselines / "lora_adamw"), atol=1e-5)
-    losses_ = loss_trace(out / "fsdp2_lora")
+    name = f"{strategy}_lora"
+    evals = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    assert len(evals) == 4 and all("samples/policy_rule_rate" in r and "samples/reference_rule_rate" in r for r in evals)
+    assert_close_states(final_state(out / name), final_state(baselines / "lora_adamw"), atol=1e-5)
+    losses_ = loss_trace(out / name)
     assert losses_[0] == pytest.approx(0.6931472, abs=1e-6)  # reference = policy with adapters off, B = 0 at start
-    exported = AutoModelForCausalLM.from_pretrained(out / "fsdp2_lora" / "LATEST" / "hf")
-    assert (out / "fsdp2_lora" / "LATEST" / "adapter" / "adapter_config.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out / name / "LATEST" / "hf")
+    assert (out / name / "LATEST" / "adapter" / "adapter_config.json").is_file()
     base = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     changed = [k for k, v in exported.state_dict().items() if not torch.equal(v, base[k])]
     assert changed and all("proj" in k for k in changed)  # the adapters' linears moved; embeddings, norms did not
+
+
+def test_gradients_are_reduce_scattered_after_every_micro_batch_unless_asked(fsdp_results, baselines):
+    """By default a micro-batch's backward ends with its reduce-scatter, so no rank holds the whole model's
+    gradients between micro-batches (before: no_sync / set_requires_gradient_sync(False), P x 4 bytes per rank);
+    no_sync_accumulation=true opts in to skipping it, and gives the same step."""
+    out, results = fsdp_results
+    for name in ("fsdp2_skewed_accumulation", "fsdp2_skewed_budget"):
+        info = results[name]
+        assert info["skipped_syncs"] == 0 and info["unsharded_grads_between_micro_batches"], name
+        assert set(info["unsharded_grads_between_micro_batches"]) == {0}, name
+    assert results["fsdp_skewed_no_sync"]["skipped_syncs"] == 1  # 2 micro-batches: the first one skipped
+    before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
+    sharded, single = final_state(out / "fsdp_skewed_no_sync"), final_state(baselines / "skewed_sgd")
+    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_the_reference_is_resharded_after_every_forward_and_tr_dpo_updates_it_with_every_knob(fsdp_results, baselines, strategy):
+    """The forward-only reference never stays gathered: not FSDP1's root unit after any forward, not any unit under
+    reshard_after_forward=false (before: the whole reference resident on every rank, and TR-DPO under FSDP2 met
+    full shapes against the policy's shards). TR-DPO with activation checkpointing (wrapper names on the policy
+    only) and that knob still matches one process."""
+    out, results = fsdp_results
+    for name in (f"{strategy}_adamw", f"{strategy}_knobs", f"{strategy}_trdpo_knobs"):
+        gathered = results[name]["reference_gathered_after_forward"]
+        assert gathered and set(gathered) == {0}, (name, gathered)
+    assert_close_states(final_state(out / f"{strategy}_trdpo_knobs"), final_state(baselines / "trdpo_sgd"), atol=1e-5)
+    assert loss_trace(out / f"{strategy}_trdpo_knobs") == pytest.approx(loss_trace(baselines / "trdpo_sgd"), abs=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_under_bf16_the_reference_computes_as_the_policy_so_step_0_is_ln2(fsdp_results, strategy):
+    """fsdp.mixed_precision=bf16: the reference computes in bf16 as the policy does (before: in fp32, several times
+    slower on GPUs without TF32, and unequal to the policy at step 0)."""
+    out, _ = fsdp_results
+    assert loss_trace(out / f"{strategy}_bf16")[0] == pytest.approx(0.6931472, abs=1e-6)
+

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import yaml
 
 import losses
+from config import LossConfig, loss_hyperparameters
 from losses import (
-    HYPERPARAMETERS,
     LOSSES,
     compute_loss,
     entropy_from_logits,
@@ -49,8 +49,8 @@ POLICY_REJECTED = [-15.0, -30.0, -45.0]
 A = [0.0, 5.0, 10.0]  # chosen log-ratios
 B = [0.0, -5.0, -10.0]  # rejected log-ratios
 # every config key a loss may read, at its declared default (label_smoothing: exo_pair needs it > 0)
-ALL_HPARAMS = dict({key: h.default for key, h in HYPERPARAMETERS.items()}, label_smoothing=0.1)
-CONFIG_KEYS = {"name", "weights", "reference_free", "average_log_prob", *HYPERPARAMETERS}
+ALL_HPARAMS = dict({key: default for key, (default, _, _) in loss_hyperparameters().items()}, label_smoothing=0.1)
+CONFIG_KEYS = set(LossConfig())
 KL = torch.tensor(2.0, dtype=torch.float64)  # KTO's KL reference point where a test passes pairs to every loss
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
 
@@ -406,7 +406,7 @@ def test_kto_matches_the_papers_value_function_written_independently():
 
 def test_kto_through_the_dispatcher_unpaired_and_paired():
     """Unpaired: completions with labels, metrics rewards/chosen on desirable (NaN elsewhere), rewards/rejected
-    on undesirable, kl once. Paired (pairs evaluated with kto): chosen = desirable, rejected = undesirable, so
+    on undesirable, kl (the clamped z0) on every row. Paired (pairs evaluated with kto): chosen = desirable, rejected = undesirable, so
     the 3 pairs are 6 completions, and accuracies/margins compare each pair as DPO does: rewards
     [0, .5, 1] vs [0, -.5, -1] -> accuracies [0, 1, 1], margins [0, 1, 2]."""
     unpaired = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
@@ -416,7 +416,11 @@ def test_kto_through_the_dispatcher_unpaired_and_paired():
     m = unpaired.metrics
     assert m["rewards/chosen"][0].item() == pytest.approx(1.0) and m["rewards/chosen"][1].isnan()
     assert m["rewards/rejected"][1].item() == pytest.approx(-1.0) and m["rewards/rejected"][0].isnan()
-    assert m["kl"].shape == (1,) and "rewards/accuracies" not in m
+    assert m["kl"].shape == (2,) and "rewards/accuracies" not in m  # per completion, as every metric
+    clamped = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
+                           policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
+                           desirable=torch.tensor([True, False]), kl=t(-0.5))
+    assert clamped.metrics["kl"].tolist() == [0.0, 0.0]  # z0 = max(0, kl): what the loss used, never negative
     paired = compute_loss("kto", None, dict(ALL_HPARAMS), **pair_inputs(), kl=t(0.0))
     a, b = t(A), t(B)
     close(paired.losses, torch.cat([1 - torch.sigmoid(0.1 * a), 1 - torch.sigmoid(-0.1 * b)]).tolist())

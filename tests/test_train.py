@@ -308,7 +308,7 @@ def test_a_six_pair_file_trains_with_batch_size_2_and_says_how_many_eval_pairs_e
     result = train(tmp_path / "run", "loss=dpo", f"datasets=[{six}]", "batch_size=2", "eval_batch_size=16",
                    "n_eval_examples=256", "n_examples=4", "eval_every=4", "sample_during_eval=false")
     assert "eval pairs 6 in batches of 6" in result.stdout, result.stdout
-    assert "eval_batch_size=16 lowered to 6: 6 eval pairs in the data" in result.stdout
+    assert f"datasets: {six} has no {{split}} in its path: the same pairs serve training and evaluation" in result.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,6 +364,11 @@ def test_tr_dpo_hard_update_every_step_keeps_the_loss_at_ln2_and_soft_update_mix
     losses = [r["loss/train"] for r in metrics(tmp_path / "hard") if "loss/train" in r]
     assert len(losses) == 2 and all(abs(x - math.log(2)) < 1e-6 for x in losses)
     assert_states_equal(reference_state(tmp_path / "hard"), final_state(tmp_path / "hard"))
+    # activation checkpointing wraps the policy's blocks only: the update still pairs every parameter by name
+    train(tmp_path / "hard_ac", *common, "n_examples=16", "eval_every=16", "ref_update.tau=1", "ref_update.alpha=1.0",
+          "activation_checkpointing=true")
+    assert [r["loss/train"] for r in metrics(tmp_path / "hard_ac") if "loss/train" in r] == pytest.approx(losses, abs=1e-6)
+    assert_states_equal(final_state(tmp_path / "hard_ac"), final_state(tmp_path / "hard"), atol=1e-6)
     train(tmp_path / "soft", *common, "n_examples=8", "eval_every=8", "ref_update.tau=1")
     original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     policy, reference = final_state(tmp_path / "soft"), reference_state(tmp_path / "soft")

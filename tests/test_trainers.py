@@ -150,6 +150,7 @@ def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
         traces[name] = [r["loss/train"] for r in records if "loss/train" in r]
         assert all(r["throughput/tokens_per_second"] > 0 and r["throughput/mfu"] > 0 for r in records if "loss/train" in r)
     assert len(traces["bf16"]) == 2 and traces["bf16"] != traces["plain"]  # bf16 really ran
+    assert traces["bf16"][0] == pytest.approx(0.6931472, abs=1e-6)  # the reference computes in bf16 too: step 0 is ln 2
     assert max(abs(a - b) for a, b in zip(traces["plain"], traces["bf16"])) < 1e-2
 
 
@@ -362,3 +363,96 @@ def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
     compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
                 and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
     assert compared == [], f"trainers.py compares fsdp.strategy at lines {compared}"
+
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "qwen2", "gemma2", "mistral"])
+def test_merged_lora_export_equals_peft_merge_and_unload(tmp_path, arch):
+    """The HF export of a LoRA run merges W + (alpha / r) B A as peft's own merge_and_unload does, for every
+    architecture of the matrix; GPT-2's Conv1D stores W as (in, out), so its delta is (B A).T (fan_in_fan_out)."""
+    import architectures
+    import peft
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(architectures.build(arch, tmp_path), dtype=torch.float32)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # B = 0 at initialization would merge nothing
+    state = {k: v.detach().clone() for k, v in lora.state_dict().items()}
+    merged = trainers.merged_lora_state(state, 8 / 4, trainers.fan_in_fan_out_layers(lora))
+    expected = lora.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(merged[k], v, atol=1e-6, rtol=1e-5, msg=k)
+    assert sum(not torch.equal(merged[k], base[k]) for k in merged) >= 4  # the adapters were merged into the weights
+
+
+def test_evaluation_averages_exactly_n_eval_examples_and_precomputed_equals_online(tmp_path):
+    """12 eval pairs in batches of 8: the second batch holds 4 pairs and 4 repeats that are left out, so every
+    pair counts once; the precomputed reference (its table covers exactly the 12) reports what the online one does.
+    Before, evaluation rounded up to 16 pairs and the 4 beyond the table counted as wrong (NaN > NaN is False)."""
+    def evals(name, *args):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert train_py.main([*FAST, f"run_dir={tmp_path / name}", "n_eval_examples=12", "eval_batch_size=8",
+                                  "sample_during_eval=false", *args]) == 0
+        assert "eval pairs 12 in batches of 8" in out.getvalue()
+        return [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    online, precomputed = evals("online"), evals("precomputed", "precompute_ref_log_probs=true")
+    assert len(online) == 1 and online[-1]["rewards_eval/accuracies"] > 0.5  # trained: not all ties
+    for a, b in zip(online, precomputed):
+        for key in ("loss/eval", "rewards_eval/accuracies", "rewards_eval/margins", "logps_eval/chosen"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    # by hand: 12 pairs' accuracies are multiples of 1/12 (16 pairs would give multiples of 1/16)
+    assert round(online[-1]["rewards_eval/accuracies"] * 12, 4) == round(online[-1]["rewards_eval/accuracies"] * 12)
+
+
+def test_kto_kl_pass_keeps_to_the_token_budget(tmp_path, monkeypatch):
+    """max_tokens_per_microbatch bounds every forward of a KTO step, the KL pass over the mismatched rows too
+    (before: all of a rank's KL rows in one forward), and the step is the same as without the budget."""
+    sizes, forward_logps = [], trainers.forward_logps
+
+    def recorded(model, inputs, **kwargs):
+        if model.training:  # the policy's forwards of a training step (evaluation is not split)
+            sizes.append((int(inputs["attention_mask"].sum()), len(inputs["input_ids"])))
+        return forward_logps(model, inputs, **kwargs)
+    monkeypatch.setattr(trainers, "forward_logps", recorded)
+    budgeted = run(tmp_path / "budget", *KTO, "max_tokens_per_microbatch=100")
+    assert sizes and all(tokens <= 100 or rows == 1 for tokens, rows in sizes), sizes
+    monkeypatch.setattr(trainers, "forward_logps", forward_logps)
+    whole = run(tmp_path / "whole", *KTO)
+    assert max((whole[k] - budgeted[k]).abs().max().item() for k in whole) <= 1e-5
+
+
+
+def test_long_rows_build_no_quadratic_masks_beyond_what_attention_needs():
+    """Ulysses' padded rows at T tokens get a one-element causal stand-in, not a (T, T) mask (the wrapper runs sdpa's
+    causal kernel); a sliding window is a boolean band, not an int64 (T, T) of position differences (8 bytes per
+    pair: 8 GiB at 32k); eager attention's additive masks are bf16, not fp32."""
+    import transformers
+    import ulysses
+    t = 1024
+    stand_in = ulysses.whole_row_inputs({"input_ids": torch.zeros(2, t, dtype=torch.long)}, t)["attention_mask"]
+    assert stand_in.shape == (1, 1, t, t) and stand_in.untyped_storage().nbytes() == 1 and stand_in.causal_only
+    config = transformers.MistralConfig(sliding_window=16)
+    owner = torch.zeros(1, t, dtype=torch.long)
+    mask = (owner[:, :, None] == owner[:, None, :]).tril_()[:, None]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        window = trainers.packed_attention_mask(mask, config)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= t * t, f"largest allocation {largest} bytes for a {t} x {t} bool mask"
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    assert torch.equal(window[0, 0], (j <= i) & (i - j < 16))  # the window by its definition
+    config._attn_implementation = "eager"
+    additive = trainers.packed_attention_mask(mask, config)
+    assert additive.dtype == torch.bfloat16 and torch.equal(additive[0, 0] == 0, (j <= i) & (i - j < 16))
+
+
+def test_kto_with_a_one_pair_eval_set_evaluates_it(tmp_path):
+    """KTO's KL rows need >= 2 completions per rank: a one-pair eval set is completed with a repeat that evaluation
+    leaves out (before: the eval batch size was lowered to 1 and collate refused it at startup)."""
+    run(tmp_path / "kto", *KTO, "n_eval_examples=1")
+    evals = [r for r in map(json.loads, (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    assert evals and evals[-1]["rewards_eval/accuracies"] in (0.0, 1.0)  # one pair: right or wrong, nothing between

@@ -120,3 +120,22 @@ def test_sequence_parallel_config_that_fits_is_accepted():
     """The same check passes SP=2 on 2 ranks (4 heads): what the two refusals above refuse is the geometry."""
     result = run_cfg("trainer=FSDPTrainer", "n_workers=2", "fsdp.ulysses_sequence_parallel_size=2")
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_types_that_scale_by_the_longest_position_are_refused_under_sequence_parallelism(tmp_path, rope_type):
+    """Dynamic and longrope RoPE choose frequencies from the largest position in the call: each rank of a group
+    would pick its own from its slice. Refused before loading (before: silently different rotations per rank)."""
+    import json
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(REPO / "toy" / "tiny-llama", model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": rope_type, "factor": 2.0, **({"short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
+                                                                       "original_max_position_embeddings": 64}
+                                                                      if rope_type == "longrope" else {})}
+    (model / "config.json").write_text(json.dumps(config))
+    result = run_cfg("trainer=FSDPTrainer", "n_workers=2", "fsdp.ulysses_sequence_parallel_size=2", f"model.name_or_path={model}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"its RoPE type '{rope_type}'" in result.stderr and "Traceback" not in result.stderr
+

@@ -167,3 +167,47 @@ def test_cpu_and_cuda_tensors_both_go_through_the_default_group(tmp_path):
     for rank in range(2):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert seen == {"cpu": ([0.0, 1.0], "cpu"), "gpu": ([0.0, 1.0], "cuda"), "flag": False}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_bf16_reference_computes_as_the_policy_and_step_0_is_ln2(tmp_path, strategy):
+    """fsdp.mixed_precision=bf16: the reference computes in bf16 as the policy does (its weights loaded in fp32), so
+    the first evaluation (policy = reference) is ln 2 to fp32 rounding, not to bf16's 1e-2 (issue 26, item 9)."""
+    records = train(tmp_path, f"bf16-{strategy}", "model=tiny", "trainer=FSDPTrainer", f"fsdp.strategy={strategy}",
+                    "fsdp.mixed_precision=bf16", gpus=1)
+    assert abs(next(r for r in records if "loss/eval" in r)["loss/eval"] - math.log(2)) < 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["fsdp;fsdp.use_orig_params=true", "fsdp2"])
+def test_lora_under_fsdp_samples_at_evaluation_over_nccl(tmp_path, strategy):
+    """LoRA under FSDP with the default sampling at evaluation: peft's generate goes through the root unit on one
+    GPU over NCCL (issue 26, item 1; the CPU test: tests/test_fsdp.py on 2 gloo ranks)."""
+    pytest.importorskip("peft")
+    records = train(tmp_path, "lora", "model=tiny", "trainer=FSDPTrainer", *f"fsdp.strategy={strategy}".split(";"),
+                    "lora.r=4", "sample_during_eval=true", "n_eval_model_samples=4", gpus=1)
+    assert all("samples/policy_rule_rate" in r for r in records if "loss/eval" in r)
+
+
+def _fsdp1_settings(rank, port, out):
+    """A world of 1 over NCCL: FSDPTrainer's FSDP1 wrappers, as train.py builds them."""
+    import config
+    import train as train_py
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    utils.init_distributed(60, cuda=True)
+    try:
+        cfg, _ = config.load_config([*FAST, "model=tiny", "trainer=FSDPTrainer", "fsdp.strategy=fsdp", "batch_size=4",
+                                     "eval_batch_size=4", "n_examples=4", f"run_dir={out}/run"])
+        tokenizer, policy, reference = train_py.load_models(cfg)
+        trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, f"{out}/run", reference, 0, 1, tokenizer)
+        torch.save({"policy": trainer.policy.limit_all_gathers, "reference": trainer.reference_model.limit_all_gathers},
+                   Path(out) / "settings.pt")
+    finally:
+        utils.destroy_distributed()
+
+
+def test_fsdp1_limits_all_gathers_on_gpus(tmp_path):
+    """On CUDA the rate limiter is on (issue 26, item 11): without it the CPU issues all-gathers far ahead of the
+    GPU and gathered memory grows; torch advises it off only for CPU-bound runs (gloo on CPU keeps it off)."""
+    mp.spawn(_fsdp1_settings, args=(utils.get_open_port(), str(tmp_path)), nprocs=1, join=True)
+    assert torch.load(tmp_path / "settings.pt") == {"policy": True, "reference": True}
