@@ -196,6 +196,7 @@ class ModelConfig(BaseConfig):
     fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision); null = none")
     reference_dtype: Optional[str] = param(None, "dtype of the frozen reference model; null = the policy's (fsdp.model_dtype): fp16 overflows bf16-native models")
     reference_mixed_precision: Optional[bool] = param(None, "compute the reference under fsdp.mixed_precision (FSDP MixedPrecision / autocast); null = as the policy does; false = in reference_dtype")
+    chat_template: Optional[str] = param(None, "chat template for chat-form data when the tokenizer has none (or to replace its own): chatml, or a path to a Jinja template file; null = the tokenizer's")
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
@@ -509,9 +510,21 @@ def unread_loss_keys(cfg: "Config", explicit: dict[str, int]) -> list[str]:
     return problems
 
 
+# Names other trainers (TRL, Hugging Face's Trainer, the DPO paper) give keys of this config.
+OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "n_epochs", "epochs": "n_epochs", "beta": "loss.beta",
+               "label_smoothing": "loss.label_smoothing", "loss_type": "loss.name", "max_prompt_len": "max_prompt_length",
+               "per_device_train_batch_size": "batch_size", "model_name_or_path": "model.name_or_path",
+               "gradient_checkpointing": "activation_checkpointing", "seq_len": "max_length", "warmup": "warmup_steps"}
+
+
 def _suggest(word: str, candidates) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """" (did you mean X?)": another trainer's name for the key, else the closest candidate ignoring case."""
+    candidates = list(candidates)
+    if OTHER_NAMES.get(word) in candidates:
+        return f" (did you mean {OTHER_NAMES[word]}?)"
+    lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.6)
+    return f" (did you mean {lower[close[0]]}?)" if close else ""
 
 
 def _parse_cli_value(text: str) -> Any:
@@ -768,8 +781,11 @@ def _run_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
             p.append(f"{key}={cfg[key]}: expected >= 0")
     if cfg.max_prompt_length >= cfg.max_length:
         p.append(f"max_prompt_length={cfg.max_prompt_length}: expected < max_length={cfg.max_length} (room for the response)")
-    if (cfg.n_epochs is None) == (cfg.n_examples is None):
-        p.append(f"n_epochs={cfg.n_epochs}, n_examples={cfg.n_examples}: expected exactly one of them set (the other null)")
+    if cfg.n_epochs is None and cfg.n_examples is None:
+        p.append("n_epochs=null, n_examples=null: expected one of them set: how long the run goes on")
+    elif cfg.n_epochs is not None and cfg.n_examples is not None:
+        p.append(f"n_epochs={cfg.n_epochs}, n_examples={cfg.n_examples}: expected exactly one of them set; to train on "
+                 f"n_examples={cfg.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)")
     for key in ("n_epochs", "n_examples"):
         if cfg[key] is not None and cfg[key] <= 0:
             p.append(f"{key}={cfg[key]}: expected a positive number or null")
@@ -821,7 +837,9 @@ def _loss_problems(cfg: Config, world_size: Optional[int]) -> list[str]:
         known = _single_losses()
         for n in names:
             if n not in known:
-                p.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + _suggest(n, known))
+                preset = (f"; {n} is a preset of several losses: loss={n}" if (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
+                          else _suggest(n, known))
+                p.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + preset)
     if loss.weights is not None:
         if len(loss.weights) != len(names):
             p.append(f"loss.weights={loss.weights}: expected one weight per loss name ({len(names)})")
@@ -958,8 +976,8 @@ def to_yaml(cfg: Config) -> str:
 
 def help_text() -> str:
     """Every key with its type, default and one-line doc, grouped by config class."""
-    lines = ["usage: python -u train.py [group=choice ...] [key=value ...] [--cfg] [--help]", "",
-             "groups:"]
+    lines = ["usage: python -u train.py [group=choice ...] [key=value ...] [--cfg | --estimate [gpu=NAME]]",
+             "       python -u train.py --replay <run dir> [--cfg]", "", "groups:"]
     for g in GROUPS:
         lines.append(f"  {g}=  one of: {', '.join(_group_choices(g))}")
     lines += ["", "keys (key: type = default  # doc):"]
@@ -969,5 +987,14 @@ def help_text() -> str:
         sections.setdefault(head, []).append(f"  {key}: {_type_name(t)} = {default!r}  # {doc}")
     for head, rows in sections.items():
         lines += [f"  [{head}]", *rows]
-    lines += ["", "--cfg prints the resolved config as YAML and exits; values are YAML: datasets=[hh,shp] lr=1e-6 n_epochs=null"]
+    lines += ["", "values are YAML: datasets=[hh,shp] lr=1e-6 n_epochs=null; --key=value means key=value", "", "flags:",
+              "  --cfg                  every check the run makes before it loads a model (config, data, model.archive, the",
+              "                         checkpoint of resume_from), then print the resolved config as YAML and exit",
+              "  --estimate [gpu=NAME]  memory per rank and FLOPs per step from the model's config.json alone (no weights);",
+              "                         gpu=H200|H100|A100|A100-40GB|L40S|A10 adds the time per step and whether it fits",
+              "  --replay <run dir>     run a recorded run again into a new directory, then compare every logged metric",
+              "  --help, -h             this text", "",
+              "exit codes: 0 done; 2 bad input (config, data, archive, checkpoint: refused before anything is loaded or",
+              "  written); 3 more than max_nonfinite_steps non-finite steps in a row (a checkpoint was written); 130 / 143",
+              "  stopped by SIGINT / SIGTERM after a step, with a checkpoint and the command that resumes"]
     return "\n".join(lines)

@@ -5,12 +5,18 @@
 
 No weights are read and torch is not imported (a second, not a minute): only json, math and config.json.
 The geometry is the worst case of the config: every sequence as long as max_length (padding-free packs the
-same tokens, so its bound is the same). Memory is counted in phases, and the peak is the largest phase:
+same tokens, so its bound is the same, plus its rows' boolean mask). Memory is counted in phases, and the peak
+is the largest phase:
 
   static     weights (+ an online reference) + optimizer state, sharded by FSDP over fsdp_size ranks
   backward   the saved activations of the whole micro-batch (all blocks; with checkpointing, each block's input
              plus one block recomputed) + the logits or LM-head tiles + the FSDP-gathered units; gradients
-             appear as activations are freed, so the phase takes the larger end (start: activations, end: grads)
+             appear as activations are freed, so the phase takes the larger end (start: activations, end: grads).
+             Start: + the LM head's backward workspace (tiled: the weight's fp32 gradient accumulator) or, in the
+             reference forward, the online reference's gathered root unit (embeddings, final norm, head); end: +
+             FSDP2's root reduce-scatter (unsharded root gradients + reduce-dtype buffer). With several micro-batches
+             the earlier ones' gradients are held: each rank's shard, or (no_sync_accumulation) the whole model's
+             unsharded gradients. fsdp.reshard_after_forward=false keeps the whole policy gathered until backward.
   optimizer  gradients + one parameter-sized temporary of the foreach update (sqrt of the second moment)
   reference  precompute_ref_log_probs: policy and reference weights while the reference pass runs (then freed)
 
@@ -106,11 +112,11 @@ def geometry(config: dict) -> Geometry:
     return Geometry(family, h, layers, heads, kv, d, i, vocab, tied, block, embed, head)
 
 
-def dtype_bytes(name) -> int:
-    key = str(name).replace("torch.", "")
-    if key not in DTYPE_BYTES:
-        raise EstimateError(f"dtype {name!r}: expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
+def dtype_bytes(name, key: str) -> int:
+    """Bytes per element of the dtype `name`, which the config key `key` gave."""
+    if str(name).replace("torch.", "") not in DTYPE_BYTES:
+        raise EstimateError(f"{key}={name!r}: expected a dtype, one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[str(name).replace("torch.", "")]
 
 
 def activations_per_token(g: Geometry) -> int:
@@ -126,21 +132,25 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     fsdp = cfg.trainer == "FSDPTrainer"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     mp = cfg.fsdp.mixed_precision or {}
-    w = dtype_bytes(cfg.fsdp.model_dtype)                                   # master weights, grads, optimizer state
-    c = dtype_bytes(mp.get("param_dtype", cfg.fsdp.model_dtype)) if mp else w  # compute (activations)
+    w = dtype_bytes(cfg.fsdp.model_dtype, "fsdp.model_dtype")                # master weights, grads, optimizer state
+    c = dtype_bytes(mp.get("param_dtype", cfg.fsdp.dtype), "fsdp.mixed_precision.param_dtype") if mp else w  # compute
+    r = dtype_bytes(mp.get("reduce_dtype", "fp32"), "fsdp.mixed_precision.reduce_dtype") if mp else w  # FSDP reductions
+    ref_w = dtype_bytes(cfg.model.reference_dtype or cfg.fsdp.model_dtype, "model.reference_dtype")  # null: policy's
+    ref_mp = cfg.model.reference_mixed_precision
+    ref_c = c if (bool(mp) if ref_mp is None else ref_mp) else ref_w  # null: mixed precision whenever the policy's
     ref_online = _needs_reference(cfg) and not cfg.precompute_ref_log_probs
     pairs = 1 if _sft(cfg) else 2
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
-    micro = cfg.batch_size // (world_size // sp) // (1 if cfg.max_tokens_per_microbatch else cfg.gradient_accumulation_steps)
-    if cfg.max_tokens_per_microbatch:  # token budget: as many sequences as fit max_tokens real tokens
-        tokens = min(micro * pairs * cfg.max_length, cfg.max_tokens_per_microbatch)
-    else:
-        tokens = micro * pairs * cfg.max_length
+    budget = cfg.max_tokens_per_microbatch
+    micro = cfg.batch_size // (world_size // sp) // (1 if budget else cfg.gradient_accumulation_steps)
+    tokens = min(micro * pairs * cfg.max_length, budget or 2**62)  # a token budget: the sequences that fit it
+    rows = -(-tokens // cfg.max_length)  # whole rows of max_length tokens (padded or packed)
     tokens = -(-tokens // sp)  # Ulysses: each rank holds 1/sp of every row's positions
-    P = g.params
+    several = cfg.gradient_accumulation_steps > 1 or bool(budget)  # micro-batches per step (a budget can split)
+    P, root = g.params, g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
     out = {"parameters": P, "parameters per rank": P / shard, "micro-batch tokens": tokens}
     out["weights"] = P * w / shard
-    out["reference weights"] = P * dtype_bytes(cfg.model.reference_dtype) / shard if ref_online else 0
+    out["reference weights"] = P * ref_w / shard if ref_online else 0
     out["optimizer state"] = STATES[cfg.optimizer] * P * w / shard
     out["gradients"] = P * w / shard
 
@@ -150,26 +160,43 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     else:
         out["activations"] = g.layers * per_block
     out["activations"] += 2 * g.hidden * tokens * c  # final norm
+    if cfg.padding_free:  # the packed rows' boolean (R, 1, T, T) mask, whole rows on every rank (Ulysses too)
+        out["activations"] += rows * cfg.max_length ** 2
     chunk_rows = min(tokens, CHUNK_ROWS)
     tiled = cfg.tiled_lm_head and not cfg.loss.entropy_coeff  # under FSDP too (forward_logps is the root's forward)
+    head_backward = 0
     if tiled:  # the logged entropy and the log-probs: a few (chunk, V) fp32 tiles at a time, never (tokens, V)
         out["logits"] = 4 * min(chunk_rows, max(1, HEAD_TILE_BYTES // (4 * g.vocab))) * g.vocab * 4
-    else:  # the logits kept for backward, and beside them the fp32 softmax work of the logged entropy
-        entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens
-        out["logits"] = tokens * g.vocab * c + 3 * entropy_rows * g.vocab * 4
-    gathered = 0
+        # backward: the weight's (V, H) fp32 gradient accumulator + a (V, H) tile product / final cast unless fp32
+        head_backward = g.vocab * g.hidden * (4 + (c if c != 4 else 0))
+    else:  # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or
+        entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens  # their gradient (backward)
+        out["logits"] = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
+    units = 2 if cfg.fsdp.forward_prefetch else 1  # FSDP units gathered at a time (the next one prefetched)
+    gathered = ref_root = root_reduce = ref_gathered = 0
     if fsdp:  # one block gathered (two with prefetch), its unsharded gradient in backward, and the root unit
-        units = 2 if cfg.fsdp.forward_prefetch else 1
-        gathered = (units + 1) * g.block_params * c + (g.embed_params + g.head_params) * c * (1 - 1 / shard)
-    out["FSDP gathered"] = gathered
+        gathered = (units + 1) * g.block_params * c + root * c * (1 - 1 / shard)
+        if not cfg.fsdp.reshard_after_forward:  # every unit stays gathered from its forward to its backward
+            gathered = P * c + g.block_params * c
+        ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
+        ref_gathered = (units * g.block_params + root) * ref_c
+        root_reduce = root * (c + r) if cfg.fsdp.strategy == "fsdp2" else 0  # unsharded root grads + reduce buffer
+    out.update({"FSDP gathered": gathered, "reference root": ref_root, "root reduce-scatter": root_reduce,
+                "LM-head backward": head_backward})
+    # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
+    # with no_sync_accumulation the whole model's unsharded gradients (FSDP2: in reduce_dtype, FSDP1: param_dtype)
+    unsynced = P * (r if cfg.fsdp.strategy == "fsdp2" else c) if fsdp and cfg.no_sync_accumulation and several else 0
+    out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
 
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     one_block = per_block  # a block's activations (the first block, or the one being recomputed)
     # gradients are None between steps (zero_grad(set_to_none=True)): backward allocates them as it frees
-    # activations, so the phase peaks at its start (activations + head) or at its end (gradients + one block)
-    backward = max(out["activations"] + out["logits"], out["gradients"] + one_block) + gathered
+    # activations, so the phase peaks at its start (activations + head) or at its end (gradients + one block);
+    # a later micro-batch starts with the gradients held
+    start = held + out["activations"] + out["logits"] + max(head_backward, ref_root)
+    backward = max(start, unsynced + out["gradients"] + one_block + root_reduce) + gathered
     optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)  # foreach sqrt(second moment)
-    reference = (P * dtype_bytes(cfg.model.reference_dtype) / shard + one_block + gathered
+    reference = (P * ref_w / shard + one_block + ref_gathered
                  if _needs_reference(cfg) and cfg.precompute_ref_log_probs else 0)
     out["phases"] = {"backward": static + backward, "optimizer step": static + optimizer,
                      "reference pass": out["weights"] + reference}
@@ -205,13 +232,17 @@ def world_size_of(cfg) -> int:
 def report(cfg, model_dir: str, gpu: str | None = None) -> str:
     """The table `train.py --estimate` prints."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file() and not Path(model_dir).exists():  # a hub id: its config.json from the local HF cache
-        from huggingface_hub import try_to_load_from_cache
-        cached = try_to_load_from_cache(model_dir, "config.json")
-        path = Path(cached) if isinstance(cached, str) else path
+    if not Path(model_dir).exists():  # a hub id: its config.json alone, from the local cache or the hub
+        from huggingface_hub import hf_hub_download
+        try:
+            path = Path(hf_hub_download(model_dir, "config.json"))
+        except Exception as e:  # noqa: BLE001 - offline, unknown repository, gated: all say the same to the user
+            raise EstimateError(f"model.name_or_path={model_dir}: --estimate reads only its config.json, which is not in "
+                                f"the local Hugging Face cache and could not be downloaded ({type(e).__name__}); fetch it"
+                                f" alone with `hf download {model_dir} config.json` where the hub is reachable, or set "
+                                "model.name_or_path to a local directory that holds it") from None
     if not path.is_file():
-        raise EstimateError(f"--estimate reads the model's config.json: {path} does not exist "
-                            "(model.name_or_path must be a local directory; download config.json alone if need be)")
+        raise EstimateError(f"--estimate reads the model's config.json: {path} does not exist")
     try:
         config = json.loads(path.read_text())
     except ValueError as e:
@@ -227,7 +258,8 @@ def report(cfg, model_dir: str, gpu: str | None = None) -> str:
              f"parameters ({e['parameters per rank'] / 1e6:.2f}M per rank); micro-batch {e['micro-batch tokens']} tokens "
              f"(every sequence at max_length={cfg.max_length}); no weights read{hint}",
              "memory per rank:"]
-    for name in ("weights", "reference weights", "gradients", "optimizer state", "activations", "logits", "FSDP gathered"):
+    for name in ("weights", "reference weights", "gradients", "accumulated gradients", "optimizer state", "activations",
+                 "logits", "FSDP gathered"):
         lines.append(f"  {name:<22} {gb(e[name])}")
     for name, b in e["phases"].items():
         lines.append(f"  phase {name:<16} {gb(b)}")

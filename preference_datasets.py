@@ -284,7 +284,7 @@ def render_chat(tokenizer: Any, history: list[dict], reply: dict) -> tuple[str, 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise DataError(f"chat-form rows need a tokenizer with a chat template; tokenizer {name!r} has none "
-                        "(set tokenizer.chat_template, or write the rows as plain strings)")
+                        "(set model.chat_template=chatml or a path to a Jinja template file, or write the rows as plain strings)")
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(history + [reply], tokenize=False)
     if not full.startswith(prompt):
@@ -519,7 +519,8 @@ def read_rows(path: Path, data: Optional[bytes] = None) -> list[dict]:
         try:
             return loads(chunk)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}, line {line_offset + e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+            at = "" if e.msg.endswith(" at") else " at"  # json's "Unterminated string starting at" has its own
+            raise DataError(f"{path}, line {line_offset + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); "
                             f"expected {where}") from e
         except _DuplicateField as e:
             raise DataError(f"{path}, line {line_offset + 1}: duplicate field '{e}' in one object") from None
@@ -1367,4 +1368,22 @@ def get_eval_batches(names: list[str], tokenizer: Any, *, batch_size: int, n_exa
         batches.append(dict(collate([examples[i] for i in idx], pad, kl_rows),
                             example_index=torch.as_tensor(idx, dtype=torch.long), valid=torch.tensor(valid)))
     return batches
+
+
+SAMPLE_GROUP = 8  # prompts per generate call during evaluation (see get_sample_batches)
+
+
+def get_sample_batches(names: list[str], tokenizer: Any, *, n_examples: int, rank: int = 0, world_size: int = 1,
+                       silent: bool = False, **load_kwargs) -> list[tuple[int, dict]]:
+    """(group, batch) of the prompts this rank samples at each evaluation: the first n_examples test prompts in
+    groups of SAMPLE_GROUP, the groups dealt round-robin to the ranks. A group is generated in one call with a seed
+    of its own, so its samples are the same whatever the world size. Every rank gets as many groups (a collective
+    under FSDP); the repeats that complete the count have group -1."""
+    examples, _ = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)
+    n = min(n_examples, len(examples))
+    groups = [list(range(start, min(start + SAMPLE_GROUP, n))) for start in range(0, n, SAMPLE_GROUP)]
+    mine = list(range(len(groups)))[rank::world_size]
+    mine += [-1] * (-(-len(groups) // world_size) - len(mine))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return [(g, collate([examples[i] for i in groups[g if g >= 0 else 0]], pad)) for g in mine if groups]
 

@@ -132,8 +132,8 @@ def check_against(recorded_dir, cfg, tokenizer, what: str) -> None:
 # Replay
 # ------------------------------------------------------------------------------------------------------
 def replay_config(original_dir, overrides: list[str]):
-    """The config recorded in original_dir/config.yaml, with `overrides` from REPLAY_KEYS only, into a new run dir
-    (default: <original_dir>-replay-<time>). Raises ConfigError."""
+    """(the config recorded in original_dir/config.yaml, with `overrides` from REPLAY_KEYS only, into a new run dir
+    (default: <original_dir>-replay-<time>); the flags among the overrides, e.g. --cfg). Raises ConfigError."""
     path = Path(original_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError([f"--replay {original_dir}: no config.yaml there (expected the run directory of a train.py run)"])
@@ -147,7 +147,7 @@ def replay_config(original_dir, overrides: list[str]):
             else:
                 flat[prefix + k] = v
     walk(yaml.safe_load(path.read_text()))  # already resolved (aliases, derived eval_every): rebuilt as it is
-    _, given, _, problems = config.parse_argv(overrides)
+    _, given, flags, problems = config.parse_argv(overrides)
     problems += [f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"
                  for key, _, raw in given if key not in REPLAY_KEYS]
     if problems:
@@ -161,7 +161,7 @@ def replay_config(original_dir, overrides: list[str]):
     if cfg.run_dir is None:
         stamp = datetime.now().strftime("%Y%m%d_%H%M%S_%f")
         cfg = dataclasses.replace(cfg, run_dir=str(Path(original_dir).resolve()) + f"-replay-{stamp}")
-    return cfg
+    return cfg, flags
 
 
 def metric_differences(original_dir, replay_dir) -> dict[str, tuple[float, int, int]]:
@@ -188,14 +188,19 @@ def metric_differences(original_dir, replay_dir) -> dict[str, tuple[float, int, 
 
 
 def report(original_dir, replay_dir) -> str:
-    """The table `--replay` prints: every logged metric, its largest difference, wall-clock metrics apart."""
+    """The table `--replay` prints: every logged metric, its largest difference over the steps both runs logged
+    (training records are written at most every minimum_log_interval_secs of wall-clock time, so the two runs may
+    log different steps: those are counted, not compared), wall-clock metrics apart."""
     rows = metric_differences(original_dir, replay_dir)
-    exact = [n for n, (d, _, only) in rows.items() if not n.startswith(TIMING) and (d != 0 or only)]
+    differ = [n for n, (d, common, _) in rows.items() if not n.startswith(TIMING) and common and d != 0]
+    apart = [n for n, (_, common, _) in rows.items() if not n.startswith(TIMING) and not common]
     lines = [f"replay of {original_dir} in {replay_dir}: largest |difference| per logged metric (matched by step)",
              f"  {'metric':<40} {'max_abs_diff':>14} {'steps_compared':>15} {'steps_in_one_run_only':>22}"]
     for name, (d, n, only) in rows.items():
         note = "  (wall-clock time: differs by nature)" if name.startswith(TIMING) else ""
         lines.append(f"  {name:<40} {d:>14.3e} {n:>15d} {only:>22d}{note}")
-    lines.append("replay identical: every metric that is not wall-clock time matches exactly" if not exact else
-                 f"replay differs in {len(exact)} metric(s): {', '.join(exact)}")
+    if apart:
+        lines.append(f"not comparable (no step logged by both runs): {', '.join(apart)}")
+    lines.append(f"replay differs in {len(differ)} metric(s): {', '.join(differ)}" if differ else
+                 "replay identical: every metric that is not wall-clock time matches exactly at every step both runs logged")
     return "\n".join(lines)

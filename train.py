@@ -2,8 +2,10 @@
 
 One process (CPU, one GPU, or several GPUs as naive model parallel):
 
-    python -u train.py loss=sft exp_name=my_sft                                   # the offline toy task
-    python -u train.py loss=dpo loss.beta=0.1 model.archive=.cache/runs/<sft run>/LATEST/policy.pt
+    bash toy/main_job.sh          # the offline toy task, SFT then DPO: these two commands (README: what it shows)
+    python -u train.py loss=sft exp_name=toy_sft lr=1e-3 optimizer=AdamW warmup_steps=10 n_epochs=2 batch_size=16 max_length=64 max_prompt_length=32
+    python -u train.py loss=dpo exp_name=toy_dpo lr=1e-4 optimizer=AdamW warmup_steps=10 batch_size=16 max_length=64 max_prompt_length=32 \
+        loss.beta=0.1 model.archive=.cache/runs/<toy_sft run>/LATEST/policy.pt
     python -u train.py model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1 batch_size=64 gradient_accumulation_steps=2
 
 Sharded (FSDP1 or FSDP2), one process per GPU (or `n_workers` CPU processes), started for you:
@@ -36,9 +38,13 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+import shlex
 import shutil
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -118,7 +124,18 @@ def load_tokenizer(cfg):
                            f" ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
+    template = cfg.model.chat_template
+    if template is not None:
+        if template not in CHAT_TEMPLATES and not Path(template).is_file():
+            raise ConfigError([f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja "
+                               "template file"])
+        tokenizer.chat_template = CHAT_TEMPLATES.get(template) or Path(template).read_text()
     return tokenizer
+
+
+# Chat templates by name, for tokenizers without one (model.chat_template). ChatML, as Qwen and many others use it.
+CHAT_TEMPLATES = {"chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"}
 
 
 def world_size_of(cfg) -> int:
@@ -130,24 +147,21 @@ def world_size_of(cfg) -> int:
     return cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
 
 
-# What the ranks `launch` spawns on a machine without GPUs find in their environment (a value the user set wins).
-# They share the CPU cores and host memory, and OpenMP and glibc read these once, when each rank starts.
-SHARED_CPU_ENVIRONMENT = {
-    # Each rank runs torch's threads on all cores. By default an OpenMP thread that finished its part spins
-    # 300000 times before sleeping, on a core the other rank computes on: 20% of the CPU samples of a 2-rank step
-    # here (perf). libgomp throttles this itself only when ONE process has more threads than cores.
-    "GOMP_SPINCOUNT": "3000",
-    # FSDP frees and re-allocates the same large buffers every step (all-gather outputs, gathered parameters,
-    # gradients). A GPU's caching allocator keeps them; glibc maps blocks over 32 MiB anew and the kernel
-    # zero-fills every page again (~400k page faults per rank and step here). Keep freed memory in the heap.
-    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-}
-
-
-def shared_cpu_environment() -> dict[str, str]:
-    """SHARED_CPU_ENVIRONMENT's entries the user has not set (benchmarks/bench_dpo.py measures their effect)."""
-    return {k: v for k, v in SHARED_CPU_ENVIRONMENT.items() if k not in os.environ}
+def work_offline_if_the_hub_is_unreachable(cfg) -> None:
+    """When the run needs the Hugging Face hub (a model, tokenizer or dataset that is not local) and a 3-second
+    connection to it fails, set HF_HUB_OFFLINE and HF_DATASETS_OFFLINE for this process (and the ranks it starts):
+    every hub access then reads the local cache and fails at once when the cache lacks the file, instead of
+    retrying for a minute. Decided once, here, before transformers or datasets are imported."""
+    names = [cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path]
+    hub = [n for n in names if not Path(resolve_local(n)).exists()] + [d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None]
+    if not hub or any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError as e:
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        print(f"the Hugging Face hub is unreachable ({e}): {', '.join(sorted(set(hub)))} must come from the local cache"
+              " (HF_HUB_OFFLINE=1 set for this run)", file=sys.stderr)
 
 
 def check_inputs(cfg, world_size: int) -> None:
@@ -209,6 +223,11 @@ def check_data(cfg, world_size: int) -> None:
     for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
                                 ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)")):
         examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **kwargs, **modes[split])
+        if split == "train" and len(examples) >= needed:
+            steps = data.num_steps(len(examples), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples)
+            if cfg.warmup_steps >= steps:
+                print(f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
+                      f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})", file=sys.stderr)
         if len(examples) < needed:
             per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
                                    + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
@@ -218,10 +237,31 @@ def check_data(cfg, world_size: int) -> None:
                                  f" over-long pairs raise max_length={cfg.max_length}")
 
 
+def resume_run_dir(resume_from: str) -> str:
+    """The run directory a resume continues, from what users copy: the run directory, its LATEST, or the step-N
+    checkpoint LATEST points at (an earlier one would have its later checkpoints overwritten: refused)."""
+    path = Path(resume_from)
+    if (path / "LATEST").exists():
+        return str(path)
+    run_dir = path.parent
+    latest = run_dir / "LATEST"
+    if path.name == "LATEST" and latest.exists():
+        return str(run_dir)
+    if path.name.startswith("step-") and latest.exists():
+        if path.resolve() == latest.resolve():
+            return str(run_dir)
+        raise FileNotFoundError(f"resume_from={resume_from}: not the run's latest checkpoint ({latest} -> "
+                                f"{latest.resolve().name}); a resume continues from LATEST and would overwrite the later "
+                                f"checkpoints. To go back to {path.name}: ln -sfn {path.name} {latest}")
+    if (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"resume_from={resume_from}: no LATEST checkpoint there: the run stopped before its first"
+                                " checkpoint; start it again with the same command, without resume_from")
+    raise FileNotFoundError(f"resume_from={resume_from}: no checkpoint there; expected a run directory holding LATEST "
+                            "(or its LATEST, or the step-N checkpoint LATEST points at)")
+
+
 def check_resumable(cfg, world_size: int) -> None:
     """The checkpoint resume_from points at is complete and belongs to this run (nothing is loaded)."""
-    if not (Path(cfg.resume_from) / "LATEST").exists():
-        raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
     ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
     trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
 
@@ -289,8 +329,6 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
     (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
     if cfg.resume_from:
         run_dir, created = Path(cfg.resume_from), False
-        if not (run_dir / "LATEST").exists():
-            raise FileNotFoundError(f"resume_from={cfg.resume_from}: no LATEST checkpoint there")
     elif cfg.run_dir:
         run_dir = Path(cfg.run_dir)
         if (run_dir / "LATEST").exists():
@@ -315,7 +353,10 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
     """Entry of each process that `launch` starts on one node (mp.spawn passes the rank first)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    distributed_worker(cfg, run_dir)
+    try:
+        distributed_worker(cfg, run_dir)
+    except trainers.Interrupted as e:  # the launcher tells the user how to resume
+        sys.exit(128 + e.signum)
 
 
 def distributed_worker(cfg, run_dir: str | None) -> None:
@@ -353,21 +394,39 @@ def launch(cfg) -> None:
         else:
             world_size = world_size_of(cfg)
             utils.rank0_print(f"run directory: {run_dir}\nstarting {world_size} processes")
-            # read by each spawned rank as it starts (spawn: fresh interpreters); this process's own is restored
-            added = {} if torch.cuda.is_available() else shared_cpu_environment()
-            if added:
-                utils.rank0_print("the ranks share the CPU cores: " + " ".join(f"{k}={v}" for k, v in added.items()))
-            os.environ.update(added)
-            try:
-                torch.multiprocessing.spawn(spawned_worker, nprocs=world_size, join=True,
-                                            args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()))
-            finally:
-                for k in added:
-                    del os.environ[k]
+            spawn_ranks(cfg, world_size, run_dir)
     except BaseException:
         remove_orphan(run_dir, created)
         raise
     utils.rank0_print(f"done; run directory: {run_dir}")
+
+
+def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
+    """One process per rank on this node, joined. A scheduler's SIGTERM reaches this process only: it is passed on
+    to the ranks, which stop after their step with a checkpoint. Ctrl-C reaches every process of the terminal
+    already, so this one ignores it and waits for the ranks to stop."""
+    context = torch.multiprocessing.start_processes(
+        spawned_worker, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()), nprocs=world_size,
+        join=False, start_method="spawn")
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()]),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    try:
+        while not context.join():
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:
+        if e.exit_code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            raise
+        examples = int(os.readlink(run_dir / "LATEST").split("-")[1])
+        raise trainers.Interrupted(e.exit_code - 128, examples // cfg.batch_size, examples, run_dir) from None
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def resume_command(argv: list[str], run_dir) -> str:
+    """The command that continues an interrupted run: the same arguments, resume_from=<run dir>."""
+    kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]
+    return "python -u train.py " + " ".join(shlex.quote(a) for a in [*kept, f"resume_from={run_dir}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,16 +449,19 @@ def main(argv: list[str] | None = None) -> int:
         replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     try:
         if replay_of is not None:
-            cfg, flags = run_manifest.replay_config(replay_of, argv), set()
+            cfg, flags = run_manifest.replay_config(replay_of, argv)
         else:
             cfg, flags = load_config(argv)
-        if estimating:  # from config.json alone: no weights, no torch
+        work_offline_if_the_hub_is_unreachable(cfg)
+        if estimating:  # from config.json alone: no weights
             print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), gpu))
             return 0
     except (ConfigError, EstimateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        if cfg.resume_from:  # the run directory, whichever of its paths was given
+            cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
         check_inputs(cfg, world_size_of(cfg))  # bad input fails here, before any model is loaded; --cfg too
         if cfg.resume_from or replay_of:  # the data must be the recorded run's: checked before any model loads
             run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg),
@@ -421,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, trainers.NonFiniteError):
             print(f"error: {e}", file=sys.stderr)
             return 3
+        if isinstance(e, trainers.Interrupted):
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"interrupted at step {e.step} ({e.examples} pairs, {signal.Signals(e.signum).name}); resume with: "
+                      f"{resume_command(argv, e.run_dir)}", file=sys.stderr, flush=True)
+            return 128 + e.signum
         raise
     return 0
 

@@ -29,8 +29,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -346,6 +348,36 @@ def lr_lambda(warmup_steps: int, total_steps: int, decay: str):
     return factor
 
 
+class Interrupted(Exception):
+    """SIGTERM or SIGINT: the run stopped after a step and wrote a checkpoint to resume from."""
+
+    def __init__(self, signum: int, step: int, examples: int, run_dir: Path):
+        super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs) with a checkpoint")
+        self.signum, self.step, self.examples, self.run_dir = signum, step, examples, run_dir
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: dict):
+    """Inside, SIGTERM (how SLURM and most schedulers preempt) and SIGINT (Ctrl-C) set stop["signal"] instead of
+    ending the process: the loop finishes its step, writes a checkpoint and raises Interrupted. A second SIGINT
+    stops at once, without a checkpoint. Outside the main thread (where Python delivers signals) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if stop["signal"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+        rank0_print(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C again: now, without one)")
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 class NonFiniteError(RuntimeError):
     """More than max_nonfinite_steps non-finite steps in a row: the run stops (after a checkpoint)."""
 
@@ -518,37 +550,40 @@ class EvaluationAndSampling:
         return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
-        """Generate from policy and reference for n_eval_model_samples prompts (split over ranks); print,
-        log a W&B table, and where the data has a checkable rule (the toy task) the rate samples follow it."""
-        n_local = -(-self.config.n_eval_model_samples // self.dp_size)
-        prompts, policy_samples, reference_samples = [], [], []
-        for i, batch in enumerate(self.eval_batches):  # every rank has as many eval batches: the loop ends together
-            if len(prompts) >= n_local:
-                break
-            prompts += batch["prompt"]
+        """Generate from policy and reference for the first n_eval_model_samples prompts (in groups, split over
+        ranks); print three, write every one to run_dir/samples.jsonl (and a W&B table), and where the data has a
+        checkable rule (the toy task) log the rate samples follow it."""
+        rows = []
+        for group, batch in self.sample_batches:  # as many on every rank: each generate is a collective under FSDP
             # The policy's stream depends on the examples seen; the frozen reference's does not (the same samples
             # at every eval), and at step 0 both streams are one: equal weights give equal samples.
-            policy_samples += self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, i))
+            policy = self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, max(group, 0)))
+            reference = [None] * len(policy)
             if self.reference_model is not None:
                 with self.reference_context():
-                    reference_samples += self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, i))
+                    reference = self.sample(self.reference_model, batch, sampling_seed(self.seed, 0, max(group, 0)))
                 self.after_reference_forward()
-        prompts = self.gather_objects(prompts[:n_local])
-        policy_samples = self.gather_objects(policy_samples[:n_local])
-        reference_samples = self.gather_objects(reference_samples[:n_local])
+            if group >= 0:
+                rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)]
+        rows = [row[1:] for row in sorted(self.gather_objects(rows), key=lambda row: row[0])]  # in prompt order
         metrics = {}
         rule = data.sample_rule(self.config.datasets)
-        for who, samples in (("policy", policy_samples), ("reference", reference_samples)):
+        for who, column in (("policy", 1), ("reference", 2)):
+            samples = [row[column] for row in rows if row[column] is not None]
             if samples and rule is not None:
                 metrics[f"samples/{who}_rule_rate"] = sum(map(rule, samples)) / len(samples)
         if self.rank == 0:
-            for who, samples in (("policy", policy_samples), ("reference", reference_samples)):
-                for prompt, sample in list(zip(prompts, samples))[:3]:
-                    print(f"  {who} sample | {prompt!r} -> {sample!r}")
+            for who, column in (("policy", 1), ("reference", 2)):
+                for row in rows[:3]:
+                    if row[column] is not None:
+                        print(f"  {who} sample | {row[0]!r} -> {row[column]!r}")
+            with open(self.run_dir / "samples.jsonl", "a") as f:
+                f.writelines(json.dumps({"step": self.example_counter, "prompt": p, "policy": s, "reference": r}) + "\n"
+                             for p, s, r in rows)
             if self.wandb_run is not None:
-                rows = [[self.example_counter, p, s, r] for p, s, r in zip(prompts, policy_samples, reference_samples or [""] * len(prompts))]
-                self.wandb_run.log({"samples": _wandb().Table(columns=["step", "prompt", "policy", "reference"], data=rows)},
-                                   step=self.example_counter)
+                table = _wandb().Table(columns=["step", "prompt", "policy", "reference"],
+                                       data=[[self.example_counter, p, s, r or ""] for p, s, r in rows])
+                self.wandb_run.log({"samples": table}, step=self.example_counter)
         return metrics
 
     def evaluate_and_log(self) -> None:
@@ -641,6 +676,7 @@ class Checkpoints:
         self.load_policy_and_optimizer(ckpt)
         self.load_reference(ckpt)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        self.apply_schedule()
         self.example_counter, self.batch_counter = state["example_counter"], state["batch_counter"]
         self.nonfinite_in_a_row, self.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
         set_rng_state(torch.load(ckpt / f"rng-{self.rank}.pt", weights_only=True))
@@ -648,12 +684,24 @@ class Checkpoints:
         rank0_print(f"resumed from {ckpt.resolve()} at {self.example_counter} examples ({self.batch_counter} steps)")
         return state["wandb_id"] or ""
 
+    def apply_schedule(self) -> None:
+        """After loading: this run's lr and schedule (warmup, decay, total steps) from the loaded step on. The saved
+        optimizer and scheduler state hold the learning rate the run was started with; a resume may change it."""
+        before = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.base_lrs = [self.config.lr] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = self.config.lr, self.config.lr * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if before != self.scheduler._last_lr:
+            rank0_print(f"resume: lr {before[0]:.6g} -> {self.scheduler._last_lr[0]:.6g} at step {self.scheduler.last_epoch} "
+                        f"(lr={self.config.lr:g}, scheduler={self.config.scheduler}, warmup_steps={self.config.warmup_steps})")
+
     def truncate_metrics(self, step: int) -> None:
         """Drop the records logged after the checkpoint resumed from: the resumed run logs them again."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.rank == 0 and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            atomic_write_text(path, "".join(line + "\n" for line in kept))
+        for path in (self.run_dir / "metrics.jsonl", self.run_dir / "samples.jsonl"):
+            if self.rank == 0 and path.exists():
+                kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+                atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def load_policy_and_optimizer(self, ckpt: Path) -> None:
         policy = torch.load(ckpt / "policy.pt", weights_only=True)
@@ -805,6 +853,7 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.nonfinite_total = 0
         self.last_log = 0.0
         self.wandb_run = None
+        self.stop = {"signal": None}  # set by SIGTERM / SIGINT (stop_on_signals): stop after the step with a checkpoint
 
         cache_dir = str(first_usable_dir(config.local_dirs) / "datasets")
         self.data_kwargs = dict(max_length=config.max_length, max_prompt_length=config.max_prompt_length,
@@ -827,6 +876,9 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         self.eval_batches = data.get_eval_batches(
             config.datasets, tokenizer, batch_size=self.eval_batch_size, n_examples=config.n_eval_examples,
             rank=self.dp_rank, world_size=self.dp_size, silent=rank != 0, kl_rows=self.unpaired, **eval_kwargs)
+        self.sample_batches = data.get_sample_batches(
+            config.datasets, tokenizer, n_examples=config.n_eval_model_samples if config.sample_during_eval else 0,
+            rank=self.dp_rank, world_size=self.dp_size, silent=True, **eval_kwargs)
         self.reference_tables: dict[str, torch.Tensor] = {}  # split -> (n_examples, 2) precomputed reference sums
         self.print_geometry()
 
@@ -875,10 +927,12 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
         per_rank = c.batch_size // self.dp_size
         ranks = (f"data-parallel {self.dp_size} (world size {self.world_size} = dp {self.dp_size} x sequence-parallel"
                  f" {self.sp_size})" if self.sp_size > 1 else f"world size {self.world_size}")
-        rank0_print(f"batch geometry: {c.batch_size} pairs per step = {ranks}"
+        unit = "completions" if self.unpaired else "pairs"  # KTO scores labelled completions
+        eval_unit = "completions" if self.unpaired and not c.pairs_to_unpaired else "pairs"
+        rank0_print(f"batch geometry: {c.batch_size} {unit} per step = {ranks}"
                     f" x accumulation {c.gradient_accumulation_steps} x micro-batch {per_rank // c.gradient_accumulation_steps}"
                     + (" on average (ranks get shares of near-equal FLOPs, not pairs);" if self.dp_size > 1 and c.balance_batch else ";") +
-                    f" train pairs {self.n_train_pairs}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs}"
+                    f" train {unit} {self.n_train_pairs}; total steps {self.total_steps}; eval {eval_unit} {self.n_eval_pairs}"
                     f" in batches of {self.eval_batch_size}")
 
     # --- one optimizer step ------------------------------------------------------------------------------
@@ -1013,6 +1067,15 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
                         dynamic_ncols=True)
         last_progress = time.time()
         start, start_examples = time.time(), self.example_counter
+        with stop_on_signals(self.stop):
+            self.loop(bar, resumed_at, start, start_examples, last_progress)
+        bar.close()
+        if self.example_counter != resumed_at:
+            self.evaluate_and_log()
+            self.save_checkpoint()
+
+    def loop(self, bar, resumed_at, start, start_examples, last_progress) -> None:
+        """The steps, with evaluation and checkpoints every eval_every pairs (train's body)."""
         for batch in self.train_batches():
             if self.example_counter % self.config.eval_every == 0 and self.example_counter != resumed_at:
                 if self.example_counter > 0 or self.config.do_first_eval:
@@ -1040,14 +1103,16 @@ class BasicTrainer(MicroBatchLoss, Reference, EvaluationAndSampling, Checkpoints
                 self.log({**metrics, "examples_per_second": rate, "counters/examples": self.example_counter,
                           "counters/updates": self.batch_counter})
                 self.last_log = time.time()
+            if self.stop_agreed():  # SIGTERM or SIGINT on any rank: every rank stops after the same step
+                self.save_checkpoint()
+                raise Interrupted(self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir)
             if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
                 self.save_checkpoint()
                 raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
                                      f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
-        bar.close()
-        if self.example_counter != resumed_at:
-            self.evaluate_and_log()
-            self.save_checkpoint()
+
+    def stop_agreed(self) -> bool:
+        return self.stop["signal"] is not None  # one process: its own signal
 
     def throughput(self, tokens: float, seconds: float, scored_tokens: float = 0.0, attention_pairs: float = 0.0
                    ) -> dict[str, float]:
@@ -1259,6 +1324,24 @@ def validate_checkpoint(ckpt: Path) -> Path:
     return ckpt
 
 
+# What a resume may change: the learning rate and its schedule (applied after loading, printed), how long the run
+# goes on, evaluation, sampling and logging, where files go, and placement knobs that change memory, not numbers.
+# Every other key must be the one the run was started with: it changes what the saved state means.
+RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples", "eval_every", "n_eval_examples",
+                     "eval_batch_size", "do_first_eval", "sample_during_eval", "n_eval_model_samples", "max_new_tokens",
+                     "temperature", "top_p", "minimum_log_interval_secs", "wandb.", "debug", "exp_name", "local_dirs",
+                     "run_dir", "resume_from", "collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps",
+                     "peak_tflops", "activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload",
+                     "fsdp.offload_policy", "fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking",
+                     "fsdp.entropy_checkpointing", "fsdp.use_torch_compile")
+
+
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted key: value}."""
+    return {k2: v2 for k, v in d.items()
+            for k2, v2 in (flat_config(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
+
+
 def check_compatible(state: dict, config, world_size: int) -> None:
     """Refuse to resume a checkpoint of another model, data, geometry or objective: a resume must continue the
     same run. Called before anything is loaded (train.check_inputs, before any model; maybe_resume again), so a
@@ -1268,21 +1351,13 @@ def check_compatible(state: dict, config, world_size: int) -> None:
     wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
     if state.get("format") != CHECKPOINT_FORMAT:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
-    # Keys of the run's first config.yaml that a resume must repeat, as they change what the saved state means:
-    # the reference comes from model.archive (not from the checkpoint), the objective, the optimizer whose state
-    # is loaded, the tokenized data the saved position points into. lr, n_examples, eval_every, logging may change.
-    must_match = ("model.archive", "model.reference_dtype", "model.policy_dtype", "loss", "optimizer", "max_length",
-                  "max_prompt_length", "truncation_mode", "ref_update", "lora", "pairs_to_unpaired")
     original = Path(config.resume_from or "") / "config.yaml"
-    if config.resume_from and original.is_file():  # what the run was started with
-
-        def flat(d: dict, prefix: str = "") -> dict:
-            return {k2: v2 for k, v in d.items()
-                    for k2, v2 in (flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
-        saved, now = flat(yaml.safe_load(original.read_text()) or {}), flat(config.to_dict())
+    if config.resume_from and original.is_file():  # what the run was started with: any other change is refused
+        saved, now = flat_config(yaml.safe_load(original.read_text()) or {}), flat_config(config.to_dict())
         for key in sorted(set(saved) | set(now)):
-            if any(key == m or key.startswith(m + ".") for m in must_match) and saved.get(key) != now.get(key):
-                wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}")
+            if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE):
+                wrong.append(f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r}"
+                             " (a resume may change only " + ", ".join(RESUME_MAY_CHANGE) + ")")
     if wrong:
         raise CheckpointError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
 
@@ -1845,6 +1920,10 @@ class FSDPTrainer(BasicTrainer):
     def all_ranks_finite(self, finite: bool) -> bool:
         """The losses are per rank: one rank's NaN must skip the step on all ranks, or the shards diverge."""
         return all_ranks_true(finite, self.device)
+
+    def stop_agreed(self) -> bool:
+        """A signal may reach some ranks only (a scheduler's, or `kill` on one process): all stop if any got one."""
+        return not all_ranks_true(self.stop["signal"] is None, self.device)
 
     # --- checkpoints: sharded for resume, consolidated on rank 0 for everyone else -------------------------
     def policy_state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,8 +35,6 @@ Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e
   ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch  (P6: its
                pairs/s over ours_best's; the per-round ratios pair the runs of one round, which ran back to back)
   ours_fsdp_consecutive  the same with balance_batch=false: each rank takes consecutive halves of the batch
-  ours_best_glibc  ours_best with the glibc variables that train.py gives FSDP ranks on CPU (MALLOC_MMAP_THRESHOLD_,
-               MALLOC_TRIM_THRESHOLD_ = 1 GiB): ours_fsdp over it is the sharding overhead, allocator held equal
   trl_best     DPOTrainer, precompute_ref_log_probs=True, padding_free=True (TRL 1.16 warns and falls back
                to padding: recorded), its always-on fused LM head, optim=adamw_torch_fused (its default),
                gradient_checkpointing=False (TRL's default True recomputes the forward: slower), fp32
@@ -82,7 +80,6 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from train import SHARED_CPU_ENVIRONMENT  # noqa: E402  (train.py defers torch: a light import)
 GIB = 1024 ** 3
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -94,7 +91,6 @@ MAX_LENGTH, MAX_PROMPT_LENGTH = 512, 256
 SHORT_PER_STEP, LONG_PER_STEP = 7, 1
 SEED = 0
 
-GLIBC_ENV = {k: v for k, v in SHARED_CPU_ENVIRONMENT.items() if k.startswith("MALLOC_")}  # what train.py's ranks get
 OURS_VARIANTS = {
     "ours_best": dict(padding_free=True, precompute=True),
     "ours_padded": dict(padding_free=False, precompute=True),
@@ -103,9 +99,6 @@ OURS_VARIANTS = {
     # the report prints their ratio round by round (the sharding overhead on the same cores and global batch)
     "ours_fsdp": dict(padding_free=True, precompute=True, trainer="FSDPTrainer"),
     "ours_fsdp_consecutive": dict(padding_free=True, precompute=True, trainer="FSDPTrainer", balance_batch=False),
-    # ours_best with the glibc variables train.py gives the FSDP ranks (train.SHARED_CPU_ENVIRONMENT): one process
-    # gains from them too, so ours_fsdp / ours_best_glibc is the sharding overhead with the allocator held equal
-    "ours_best_glibc": dict(padding_free=True, precompute=True, env=GLIBC_ENV),
 }
 TRL_VARIANTS = {
     "trl_best": dict(precompute=True),
@@ -734,7 +727,7 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
         r = g("ours_best")["pairs_s"] / g("ours_online")["pairs_s"]
         rows.append(("P5 precomputed / online reference (ours)", r, ">= 1.25x", r >= 1.25))
     # per round: the runs of one round ran back to back
-    for fsdp, one in (("ours_fsdp", "ours_best"), ("ours_fsdp_consecutive", "ours_best"), ("ours_fsdp", "ours_best_glibc")):
+    for fsdp, one in (("ours_fsdp", "ours_best"), ("ours_fsdp_consecutive", "ours_best")):
         if g(one) and g(fsdp):
             r = g(one)["s_step_median"] / g(fsdp)["s_step_median"]
             rounds = [f"{a / b:.2f}x" for a, b in zip(g(one)["per_round"], g(fsdp)["per_round"])]
@@ -811,7 +804,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override added to every run of ours (e.g. fsdp.reshard_after_forward=false)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,ours_fsdp_consecutive,ours_best_glibc,trl_best,trl_online "
+                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,ours_fsdp_consecutive,trl_best,trl_online "
                          "(default: all but trl_online, filtered by --which)")
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="model, tokenizer, data and every run's logs")
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
@@ -869,7 +862,7 @@ def main() -> int:
     for r, name in order:
         t = time.perf_counter()
         waited, bg_before = wait_for_quiet(args.idle_wait)
-        if name in ("ours_best", "ours_fsdp", "ours_fsdp_consecutive", "ours_best_glibc"):
+        if name in ("ours_best", "ours_fsdp", "ours_fsdp_consecutive"):
             res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.warmup + args.steps)
             res["warmup"] = args.warmup
         elif name in OURS_VARIANTS:

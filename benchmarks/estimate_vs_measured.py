@@ -35,7 +35,7 @@ MODELS = {  # name: Llama-style geometry (the toy tokenizer's 512 ids are a subs
 COMMON = ["datasets=[{data}/{{split}}.jsonl]", "optimizer=AdamW", "warmup_steps=0", "lr=1e-5", "debug=true",
           "do_first_eval=false", "sample_during_eval=false", "peak_tflops=1", "fsdp.use_torch_compile=false",
           "wandb.enabled=false", "n_epochs=null", "model.reference_dtype=float32", "minimum_log_interval_secs=0"]
-CONFIGS = [  # (model, arguments): model size, batch, sequence length, checkpointing, FSDP, precomputed reference
+CONFIGS = [  # (model, arguments): model size, batch, length, checkpointing, FSDP, precomputed reference, accumulation
     ("llama-4M", ["loss=sft", "batch_size=4", "max_length=256"]),
     ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=256"]),
     ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=512", "activation_checkpointing=true"]),
@@ -44,6 +44,12 @@ CONFIGS = [  # (model, arguments): model size, batch, sequence length, checkpoin
     ("llama-21M", ["loss=sft", "batch_size=8", "max_length=256"]),
     ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "precompute_ref_log_probs=true"]),
     ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "padding_free=true"]),
+    # gradient accumulation: the same batch in 1 and 4 micro-batches (the gradients of the earlier micro-batches
+    # are held through the later ones), and under FSDP on 2 ranks (each rank holds its gradient shard)
+    ("llama-21M", ["loss=dpo", "batch_size=8", "max_length=256", "gradient_accumulation_steps=1"]),
+    ("llama-21M", ["loss=dpo", "batch_size=8", "max_length=256", "gradient_accumulation_steps=4"]),
+    ("llama-21M", ["loss=dpo", "batch_size=8", "max_length=256", "gradient_accumulation_steps=4", "trainer=FSDPTrainer",
+                   "n_workers=2"]),
 ]
 
 

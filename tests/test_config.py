@@ -227,6 +227,8 @@ def test_help_lists_every_field_of_every_config_class_without_importing_torch():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
     assert help_text().count("\n") > len(schema())
+    for flag in ("--cfg ", "--estimate [gpu=NAME]", "--replay <run dir>", "exit codes: 0 done; 2 bad input", "130 / 143"):
+        assert flag in result.stdout, flag
 
 
 def test_loss_names_known_to_config_are_the_registered_losses():

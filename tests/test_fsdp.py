@@ -40,6 +40,7 @@ TR_DPO = ["ref_update.tau=1", "ref_update.alpha=0.6"]  # a soft update after eve
 SGD_TWO = ["optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=8"]  # step 2's gradient reads the updated reference
 LORA = ["lora.r=4", "lora.alpha=8"]
 SAMPLING = ["do_first_eval=true", "sample_during_eval=true", "n_eval_model_samples=4"]
+SAMPLES_12 = ["sample_during_eval=true", "n_eval_model_samples=12"]  # two groups of prompts: one per rank
 
 
 def write_skewed_pairs(path: Path) -> str:
@@ -60,7 +61,7 @@ SCENARIOS = {
     "fsdp_sgd": (["fsdp.strategy=fsdp", *SGD_ONE_STEP], "sgd"),
     "fsdp2_sgd": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP], "sgd"),
     "fsdp_adamw": (["fsdp.strategy=fsdp", *ADAMW_3], "adamw"),
-    "fsdp2_adamw": (["fsdp.strategy=fsdp2", *ADAMW_3, "sample_during_eval=true", "n_eval_model_samples=4"], "adamw"),
+    "fsdp2_adamw": (["fsdp.strategy=fsdp2", *ADAMW_3, *SAMPLES_12], "adamw"),
     "fsdp_bf16": (["fsdp.strategy=fsdp", *ADAMW_3, "model.fsdp_policy_mp=bfloat16"], None),
     "fsdp2_bf16": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"], None),
     "fsdp_knobs": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.reshard_after_forward=false", "fsdp.forward_prefetch=true",
@@ -292,7 +293,7 @@ def fsdp_results(tmp_path_factory):
 def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
-    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", ADAMW_3), ("kto_sgd", [*SGD_ONE_STEP, *KTO]), ("skewed_sgd", SKEWED),
+    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", [*ADAMW_3, *SAMPLES_12]), ("kto_sgd", [*SGD_ONE_STEP, *KTO]), ("skewed_sgd", SKEWED),
                        ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA])):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
@@ -445,10 +446,15 @@ def test_hf_export_of_an_fsdp_run_equals_the_one_process_run(fsdp_results, basel
         torch.testing.assert_close(exported(ids).logits, single(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_sampling_under_fsdp_does_not_hang_and_is_logged(fsdp_results):
+def test_sampling_under_fsdp_does_not_hang_and_is_logged(fsdp_results, baselines):
+    """Every evaluation samples 12 prompts, logs their rule rates and writes them to samples.jsonl: the same samples
+    as one process for the same seed (prompts in groups with seeds of their own, whatever rank generates them;
+    before: each rank drew from its own eval batches and stream, so a sweep's samples changed with the world size)."""
     out, results = fsdp_results
     evals = [r for r in map(json.loads, (out / "fsdp2_adamw" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
     assert evals and all("samples/policy_rule_rate" in r for r in evals)
+    sharded = (out / "fsdp2_adamw" / "samples.jsonl").read_text().splitlines()
+    assert len(sharded) == 12 * len(evals) and sharded == (baselines / "adamw" / "samples.jsonl").read_text().splitlines()
     assert results["fsdp2_adamw"]["seconds"] < 120
 
 
@@ -522,8 +528,9 @@ def test_lora_under_fsdp_samples_matches_one_process_and_exports_merged_weights(
     """LoRA (adapters only trainable, reference = base with adapters off) on 2 ranks: the same three AdamW steps as
     one process, sampling policy and reference at every evaluation (before: the first evaluation crashed, peft's
     generate skipping the root unit); the HF export is plain merged weights, the adapter directory peft's own."""
-    out, _ = fsdp_results
+    out, results = fsdp_results
     name = f"{strategy}_lora"
+    results[name]  # noqa: B018 - fails with the scenario's error if it raised
     evals = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
     assert len(evals) == 4 and all("samples/policy_rule_rate" in r and "samples/reference_rule_rate" in r for r in evals)
     assert_close_states(final_state(out / name), final_state(baselines / "lora_adamw"), atol=1e-5)

@@ -786,3 +786,12 @@ def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok
         assert (labels[:len(prompt)] == -100).all() and labels[len(prompt):len(row)].tolist() == completions[k - 1][1].tolist()
     with pytest.raises(ValueError, match=">= 2 examples"):
         pd.collate(examples[:1], gpt2_tok.pad_token_id, kl_rows=True)
+
+
+def test_an_unterminated_string_says_where_it_starts_once(tmp_path):
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"prompt": "Q", "chosen": "a\n')
+    with pytest.raises(pd.DataError) as error:
+        pd.read_rows(path)
+    assert "(Unterminated string starting at column 27)" in str(error.value), str(error.value)
+

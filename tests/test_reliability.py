@@ -654,3 +654,36 @@ def test_an_archive_of_another_architecture_is_refused_with_a_clear_message(tmp_
     for fragment in (f"model.archive={archive} does not fit model LlamaForCausalLM", "missing ['model.layers.1.",
                      "shape mismatches ['model.embed_tokens.weight: (512, 64) vs (512, 128)"):
         assert fragment in message, (fragment, message)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interrupts: SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop after the step with a checkpoint
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer, sig, to_group", [("BasicTrainer", signal.SIGINT, True), ("BasicTrainer", signal.SIGTERM, False),
+                                                   ("FSDPTrainer", signal.SIGTERM, False), ("FSDPTrainer", signal.SIGINT, True)])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tmp_path, trainer, sig, to_group):
+    """A real signal mid-run: to train.py alone (SIGTERM: a scheduler's `kill`; under FSDP the launcher passes it to
+    its ranks) or to the whole process group (SIGINT: Ctrl-C in a terminal). Every rank finishes the step, one
+    checkpoint is written, the exit is 128 + the signal, and stderr prints the command that resumes, which runs
+    (before: a raw KeyboardInterrupt traceback, or a silent exit 143 with no checkpoint)."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
+            f"trainer={trainer}", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-u", str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and "loss/train" in (run_dir / "metrics.jsonl").read_text()):
+        time.sleep(0.2)
+    (os.killpg if to_group else os.kill)(proc.pid, sig)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + sig, (proc.returncode, out[-2000:], err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    stopped = next(line for line in err.splitlines() if line.startswith("interrupted at step "))
+    examples = int(os.readlink(run_dir / "LATEST").split("-")[1])
+    assert f"interrupted at step {examples // 8} ({examples} pairs, {signal.Signals(sig).name})" in stopped
+    command = stopped.split("resume with: ", 1)[1]
+    assert command.endswith(f"resume_from={run_dir}")
+    resumed = subprocess.run([sys.executable, *shlex.split(command)[1:], f"n_examples={examples + 8}"],
+                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at {examples} examples" in resumed.stdout

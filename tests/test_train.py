@@ -149,6 +149,63 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path):
     assert sampled("full") == sampled("cut")
 
 
+def test_a_resume_applies_a_changed_lr_and_refuses_other_changes_by_name(tmp_path):
+    """Resuming with lr=5e-5 (the run had 1e-3) trains on at 5e-5 from the checkpoint, says so, and logs it (before:
+    the loaded optimizer and scheduler state overwrote it silently); a key a resume may not change is refused by
+    name before anything loads."""
+    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "minimum_log_interval_secs=0", "sample_during_eval=false"]
+    kill_after_first_checkpoint(tmp_path / "run", *args)
+    refused = train(tmp_path / "x", *args, "max_grad_norm=1.0", f"resume_from={tmp_path / 'run'}", check=False)
+    assert refused.returncode == 2 and "max_grad_norm: the run was started with 10.0" in refused.stderr, refused.stderr
+    result = train(tmp_path / "x", *[a.replace("lr=1e-3", "lr=5e-5") for a in args], f"resume_from={tmp_path / 'run'}")
+    assert "resume: lr 0.001 -> 5e-05 at step 2" in result.stdout, result.stdout
+    lrs = [(r["step"], r["lr"]) for r in metrics(tmp_path / "run") if "lr" in r]
+    assert lrs == [(8, 1e-3), (16, 1e-3), (24, 5e-5), (32, 5e-5)]
+
+
+def test_resume_from_takes_the_run_dir_its_latest_or_the_latest_step(tmp_path):
+    """What users copy: <run>, <run>/LATEST or <run>/step-N (the one LATEST points at) all resume the run (before:
+    "no LATEST checkpoint there" for the last two); an earlier step-N would have later checkpoints overwritten."""
+    args = ["loss=dpo", "n_examples=32", "eval_every=8", "sample_during_eval=false"]
+    kill_after_first_checkpoint(tmp_path / "run", *args)
+    (tmp_path / "run" / "step-0").mkdir()  # an earlier checkpoint directory
+    for given in ("run", "run/LATEST", "run/step-8"):
+        assert train(tmp_path / "x", *args, f"resume_from={tmp_path / given}", "--cfg").returncode == 0, given
+    refused = train(tmp_path / "x", *args, f"resume_from={tmp_path / 'run' / 'step-0'}", check=False)
+    assert refused.returncode == 2 and "not the run's latest checkpoint" in refused.stderr, refused.stderr
+
+
+def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template(tmp_path):
+    """The toy tokenizer has no chat template: chat-form rows are refused with the key that fixes it (before: advice
+    to set tokenizer.chat_template, which no command-line key could follow); model.chat_template=chatml trains."""
+    rows = [json.loads(line) for line in (REPO / "toy" / "data" / "test.jsonl").read_text().splitlines()[:32]]
+    chat = [{"prompt": [{"role": "user", "content": r["prompt"].split("Human:")[-1].split("Assistant:")[0].strip()}],
+             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in rows]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat))
+    args = ["loss=dpo", f"datasets=[{path}]", "n_examples=8", "sample_during_eval=false"]
+    refused = train(tmp_path / "a", *args, check=False)
+    assert refused.returncode == 2 and "set model.chat_template=chatml" in refused.stderr, refused.stderr
+    template = tmp_path / "template.jinja"
+    template.write_text(train_py.CHAT_TEMPLATES["chatml"])
+    import config
+    import preference_datasets as data
+    for given in ("chatml", str(template)):
+        train(tmp_path / given.replace("/", "_"), *args, f"model.chat_template={given}")
+        cfg, _ = config.load_config([*FAST, *args, f"model.chat_template={given}"])
+        (first, *_), _ = data.load_tokenized(cfg.datasets, train_py.load_tokenizer(cfg), "train", silent=True)
+        assert first.prompt.startswith("<|im_start|>user\n") and first.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path):
+    """The original's warmup_steps=150 on a 50-step run never reaches lr (before: a run that silently barely
+    trained); the check runs with every command, --cfg too."""
+    result = train(tmp_path / "run", "loss=sft", "batch_size=4", "n_examples=200", "warmup_steps=150", "--cfg")
+    assert "warning: warmup_steps=150 >= the run's 50 steps" in result.stderr, result.stderr
+    assert "warning: warmup" not in train(tmp_path / "run", "loss=sft", "batch_size=4", "n_examples=200", "--cfg").stderr
+
+
 def test_batch_8_accumulation_1_equals_batch_8_accumulation_4_after_one_step(tmp_path):
     """One step over the same 8 pairs: one micro-batch of 8, or 4 micro-batches of 2 with summed gradients.
     SGD with lr 1 makes the parameter change the gradient itself (Adam's first step, lr * g / |g|, would
@@ -432,21 +489,38 @@ def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeyp
     assert "pip install peft" in capsys.readouterr().err
 
 
-def test_ranks_spawned_without_a_gpu_get_the_shared_cpu_environment_and_ours_is_restored(tmp_path, monkeypatch):
-    """The ranks `launch` spawns read OpenMP's spin count and glibc's allocator thresholds when they start: they are in
-    the environment at the spawn (a value the user set wins), and gone from this process's environment after."""
-    if torch.cuda.is_available():
-        pytest.skip("with GPUs the ranks do not share the CPU cores")
-    seen = []
+OFFLINE_PROBE = """
+import socket, sys
+def unreachable(address, timeout=None):
+    print(f"probe {address} timeout={timeout}", file=sys.stderr)
+    raise OSError("Network is unreachable")
+socket.create_connection = unreachable  # no packet leaves this machine
+sys.path.insert(0, sys.argv[1])
+import train
+sys.exit(train.main(sys.argv[2:]))
+"""
 
-    def spawn(fn, nprocs, join, args):
-        seen.append({k: train_py.os.environ.get(k) for k in train_py.SHARED_CPU_ENVIRONMENT})
-    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
-    for k in train_py.SHARED_CPU_ENVIRONMENT:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
-    result = train(tmp_path / "run", "trainer=FSDPTrainer", "n_examples=8")
-    assert seen == [{"GOMP_SPINCOUNT": "123", "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}]
-    assert "the ranks share the CPU cores: MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824" in result.stdout
-    assert train_py.os.environ.get("GOMP_SPINCOUNT") == "123"
-    assert "MALLOC_MMAP_THRESHOLD_" not in train_py.os.environ and "MALLOC_TRIM_THRESHOLD_" not in train_py.os.environ
+
+def test_an_unreachable_hub_is_found_once_and_the_run_fails_at_once_from_the_cache(tmp_path):
+    """No HF_HUB_OFFLINE and no network: one 3-second probe finds the hub unreachable, the run works from the local
+    cache and fails at once when the cache lacks the model (before: 27-49 s of "Retrying in 8s" per hub access)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")  # an empty cache
+    result = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "datasets=[toy]",
+                             "--cfg"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("probe ('huggingface.co', 443) timeout=3") == 1
+    assert "the Hugging Face hub is unreachable" in result.stderr and "Retrying" not in result.stderr
+    assert "cannot load a tokenizer" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_estimate_of_a_hub_model_asks_for_its_config_json_alone_when_the_hub_is_unreachable(tmp_path):
+    """The README's `model=pythia28 --estimate` with an empty cache and no hub: exit 2 with what to fetch and how
+    (before: a message that contradicted the README); with the hub, only config.json is downloaded."""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    result = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "--estimate"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--estimate reads only its config.json" in result.stderr
+    assert "hf download EleutherAI/pythia-2.8b config.json" in result.stderr and "Traceback" not in result.stderr
