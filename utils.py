@@ -1,9 +1,7 @@
-"""Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, run directories,
-atomic writes and the few distributed helpers (all torch.distributed calls outside trainers.py live here).
-"""
+"""Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, the
+data options a split is read with, and the few distributed helpers (sharding.py and ulysses.py hold the rest)."""
 from __future__ import annotations
 
-import getpass
 import os
 import random
 import socket
@@ -19,14 +17,9 @@ import torch.distributed as dist
 from config import DTYPES
 
 
-# --------------------------------------------------------------------------------------------------------
-# Printing
-# --------------------------------------------------------------------------------------------------------
 def get_rank() -> int:
     """This process's global rank: from torch.distributed when initialized, else the RANK env var, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def rank0_print(*args, **kwargs) -> None:
@@ -35,20 +28,20 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Models
-# --------------------------------------------------------------------------------------------------------
-def get_block_class_from_model(model: torch.nn.Module, block_class_name: str) -> type:
-    """The class of the first submodule whose class is named `block_class_name` (e.g. 'GPTNeoXLayer').
+def formatted_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """Floats rounded to 5 significant digits, for printing metrics."""
+    return {k: (float(f"{v:.5g}") if isinstance(v, float) else v) for k, v in d.items()}
 
-    Raises ValueError listing the model's module class names when there is none, so a typo is obvious.
-    """
+
+# --- models ------------------------------------------------------------------------------------------------------
+def get_block_class_from_model(model: torch.nn.Module, block_class_name: str) -> type:
+    """The class of the first submodule named `block_class_name` (e.g. 'GPTNeoXLayer'); a ValueError listing the
+    model's module classes when there is none, so a typo is obvious."""
     for module in model.modules():
         if type(module).__name__ == block_class_name:
             return type(module)
     names = sorted({type(m).__name__ for m in model.modules()})
-    raise ValueError(f"no module of class '{block_class_name}' in {type(model).__name__}; "
-                     f"its module classes are: {', '.join(names)}")
+    raise ValueError(f"no module of class '{block_class_name}' in {type(model).__name__}; its module classes are: {', '.join(names)}")
 
 
 def find_block_class_names(model: torch.nn.Module) -> list[str]:
@@ -58,50 +51,42 @@ def find_block_class_names(model: torch.nn.Module) -> list[str]:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability to 0: DPO's log-ratios must be deterministic functions of the weights."""
+    """Every dropout probability to 0: DPO's log-ratios must be deterministic functions of the weights."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
-        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
+        if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """'bf16' / 'bfloat16' / 'fp32' / ... -> torch dtype (the config module validated the spelling)."""
+    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype (config.py validated the spelling)."""
     return getattr(torch, DTYPES[name])
 
 
-# --------------------------------------------------------------------------------------------------------
-# Seeding and state
-# --------------------------------------------------------------------------------------------------------
-def seed_everything(seed: int, full_determinism: bool = False) -> None:
-    """Seed python, torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    if full_determinism:
-        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-
-
 def use_shape_free_attention(device: torch.device) -> None:
-    """On CUDA, turn off cuDNN's SDPA backend for this process; flash and memory-efficient attention remain.
-    cuDNN builds a graph for each new input shape, and nearly every batch here has a new width: on an H200 (torch
-    2.11, the small Llama of benchmarks/gpu_check.sh, bf16) each attention call spent 7-10 ms of CPU on it against
-    ~0.03 ms of GPU work, and bf16 steps ran 4-5x slower than fp32 ones, which never pick cuDNN."""
+    """On CUDA, turn off cuDNN's SDPA backend (flash and memory-efficient attention remain): it builds a graph for
+    every new input shape, and nearly every batch here has a new width (benchmarks/README.md: the GPU check)."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+# --- seeding and state ---------------------------------------------------------------------------------------------
+def seed_everything(seed: int, full_determinism: bool = False) -> None:
+    """Seed python, numpy and torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    if full_determinism:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
 def get_rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return dict(state, cuda=torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else state
 
 
 def set_rng_state(state: dict) -> None:
@@ -111,34 +96,39 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# --------------------------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------------------------
+# --- files ---------------------------------------------------------------------------------------------------------
 def first_usable_dir(dirs: Iterable[str]) -> Path:
     """The first of `dirs` that exists or can be created (the original's get_local_dir)."""
     tried = []
     for d in dirs:
-        path = Path(d).expanduser()
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            return path
+            Path(d).expanduser().mkdir(parents=True, exist_ok=True)
+            return Path(d).expanduser()
         except OSError as e:
             tried.append(f"{d} ({e.strerror})")
     raise OSError(f"none of local_dirs is usable: {', '.join(tried)}")
 
 
 def get_local_run_dir(exp_name: str, local_dirs: Iterable[str]) -> Path:
-    """<first usable local dir>/runs/<exp_name>_<timestamp>; the timestamp has microseconds so two runs never collide."""
-    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
-    run_dir = first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{stamp}"
+    """<first usable local dir>/runs/<exp_name>_<timestamp>; microseconds, so that two runs never collide."""
+    run_dir = first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S_%f')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
+def data_options(cfg, split: str) -> dict:
+    """The options preference_datasets reads a split with, built in this one place (the trainer, train.py's checks
+    and the run manifest read the same data). KTO reads labelled completions; with pairs_to_unpaired, training
+    splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
+    unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
+    return dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length, truncation_mode=cfg.truncation_mode,
+                sft_mode=set(cfg.loss_names) == {"sft"}, cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"),
+                unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader (or a crash) sees the old file or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -147,7 +137,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a rename is only on disk once its directory is synced)."""
+    """Make a rename inside `path` durable (a rename is on disk only once its directory is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,35 +152,23 @@ def get_open_port() -> int:
         return s.getsockname()[1]
 
 
-def user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        return "user"
-
-
-# --------------------------------------------------------------------------------------------------------
-# Distributed helpers (the single-process path never calls these with world_size > 1)
-# --------------------------------------------------------------------------------------------------------
-# How long the other ranks wait for rank 0's lone work (loading the weights, writing, fsyncing and hashing a
-# checkpoint: ~140 GB at 7B with AdamW) before giving up. Far above collective_timeout_secs on purpose: that one
-# bounds waits for a dead or stuck peer inside training, this one bounds disk I/O. A rank 0 that dies still ends
-# the job at once (torchrun / mp.spawn stop the others); only a rank 0 that hangs is waited for this long.
+# --- distributed (the single-process path never calls these) -------------------------------------------------------
+# How long the other ranks wait for rank 0's lone work (loading the weights; writing, fsyncing and hashing a
+# checkpoint: ~140 GB at 7B with AdamW). Far above collective_timeout_secs on purpose: that one bounds waits for a dead
+# peer inside training, this one disk I/O. A rank 0 that dies still ends the job at once (torchrun, mp.spawn).
 RANK0_WORK_TIMEOUT = timedelta(hours=2)
 _rank0_work_group = None  # a gloo group with RANK0_WORK_TIMEOUT, made by init_distributed
 
 
 def process_group_backend(cuda: bool) -> str:
-    """The backend string of the default process group: with GPUs "cpu:gloo,cuda:nccl" (as torchtitan), so
-    every collective takes the backend of its tensor's device (NCCL takes CUDA tensors only; the precomputed
-    reference tables, FSDP2 CPU-offloaded gradients and CPU flags go through gloo); without GPUs gloo alone."""
+    """With GPUs "cpu:gloo,cuda:nccl" (as torchtitan): every collective takes its tensor's device's backend (NCCL
+    takes CUDA tensors only; reference tables and CPU flags go through gloo). Without GPUs, gloo."""
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def init_distributed(collective_timeout_secs: float, cuda: bool) -> None:
-    """Join the default process group (env://) and make the group `wait_for_rank0` waits in."""
+    """Join the default process group (env://); a hung collective (a dead peer) raises after the timeout."""
     global _rank0_work_group
-    # A hung collective (a dead peer) raises after this timeout instead of waiting forever.
     dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=collective_timeout_secs))
     _rank0_work_group = dist.new_group(backend="gloo", timeout=RANK0_WORK_TIMEOUT)
 
@@ -202,24 +180,20 @@ def destroy_distributed() -> None:
 
 
 def wait_for_rank0() -> None:
-    """Every rank waits here until rank 0 has finished work it does alone (loading weights, writing a
-    checkpoint). A barrier in a gloo group with RANK0_WORK_TIMEOUT, not collective_timeout_secs: slow disks
-    must not end a healthy run. Without init_distributed (a process group made elsewhere), the default group."""
+    """A barrier in the gloo group with RANK0_WORK_TIMEOUT (the default group without init_distributed)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=_rank0_work_group)
 
 
 def collective_device(tensor: torch.Tensor) -> torch.device:
-    """Where a collective on `tensor` can run: its own device when the default group has a backend for that
-    device type ("cpu:gloo,cuda:nccl" has both), else the current GPU (a group of nccl alone: CUDA only)."""
-    config = dist.get_backend_config()  # e.g. "cpu:gloo,cuda:nccl", or "cuda:nccl" for init_process_group("nccl")
-    types = {part.split(":")[0] for part in config.split(",")}
+    """Where a collective on `tensor` can run: its own device when the default group has a backend for that device
+    type ("cpu:gloo,cuda:nccl" has both), else the current GPU (a group of nccl alone: CUDA only)."""
+    types = {part.split(":")[0] for part in dist.get_backend_config().split(",")}
     return tensor.device if tensor.device.type in types else torch.device("cuda")
 
 
 def all_gather_if_needed(values: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Concatenate `values` (same shape on every rank) across ranks along dim 0; a no-op in one process.
-    The result is on `values`' device whatever device the collective ran on."""
+    """`values` (the same shape on every rank) concatenated over the ranks along dim 0, on `values`' device."""
     if world_size == 1:
         return values
     sent = values.to(collective_device(values))
@@ -229,19 +203,13 @@ def all_gather_if_needed(values: torch.Tensor, rank: int, world_size: int) -> to
 
 
 def all_ranks_true(flag: bool, device: torch.device) -> bool:
-    """True on every rank when `flag` is True on every rank, else False on every rank: one decision for all
-    (e.g. skip a non-finite step everywhere, or nowhere). A CPU-GPU sync point."""
+    """True on every rank when `flag` is True on every rank, else False on every rank: one decision for all."""
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     value = value.to(collective_device(value))
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
-
-
-def formatted_dict(d: dict[str, Any]) -> dict[str, Any]:
-    """Floats rounded to 5 significant digits, for printing metrics."""
-    return {k: (float(f"{v:.5g}") if isinstance(v, float) else v) for k, v in d.items()}
 
 
 def broadcast_object(obj: Any) -> Any:

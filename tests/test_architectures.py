@@ -29,6 +29,8 @@ from transformers import AutoModelForCausalLM
 import architectures
 import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+import logps
+import sharding
 import trainers
 from config import load_config
 from utils import get_open_port
@@ -122,7 +124,7 @@ def late_token_logps(model) -> torch.Tensor:
 def sample(trainer, model) -> torch.Tensor:
     torch.manual_seed(SAMPLE_SEED)
     with torch.no_grad():
-        return trainer.generate(model, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
+        return trainer.sharding.generate(model, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
                                 do_sample=True, pad_token_id=1)
 
 
@@ -138,13 +140,13 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)  # as train.py: rank 0 loads
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, resume[0].split("=", 1)[1] if resume else str(run_dir),
                                    reference, rank, world_size, tokenizer)
-    info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference_model)}
+    info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference.model)}
     if name.endswith("fp32") or name.endswith("sp"):
         info["samples"] = sample(trainer, trainer.policy)  # the first forward of the run: no warm root unit
     if name.endswith("bf16"):
         info["late_logps"] = late_token_logps(trainer.policy)
         info["buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.policy.buffers() if b.is_floating_point()})
-        info["reference_buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.reference_model.buffers() if b.is_floating_point()})
+        info["reference_buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.reference.model.buffers() if b.is_floating_point()})
     # The tiled path reads the LM head's weight and never calls the head module: count its calls during training.
     head = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_output_embeddings()
     info["head_calls"], info["positions_seen"] = 0, set()
@@ -162,7 +164,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         info.setdefault("micro_batches", []).append(len(out))
         return out
     trainers.split_by_tokens = counted
-    layouts = {f: getattr(trainers, f) for f in ("padded_inputs", "packed_inputs")}  # the whole rows, before any split
+    layouts = {f: getattr(logps, f) for f in ("padded_inputs", "packed_inputs")}  # the whole rows, before any split
 
     def recorded(layout):
         def rows(*args, **kwargs):
@@ -171,14 +173,14 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
             return out
         return rows
     for layout in layouts:
-        setattr(trainers, layout, recorded(layout))
+        setattr(logps, layout, recorded(layout))
     if name.endswith("interrupted"):
-        save = trainer.save_checkpoint
+        save = trainer.checkpoints.save
 
         def save_then_die():
             save()
             raise Preempted
-        trainer.save_checkpoint = save_then_die
+        trainer.checkpoints.save = save_then_die
     try:
         trainer.train()
     except Preempted:
@@ -186,7 +188,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     hook.remove(), seen.remove()
     trainers.split_by_tokens = split_by_tokens
     for layout, function in layouts.items():
-        setattr(trainers, layout, function)
+        setattr(logps, layout, function)
     info["tie_after_training"] = tie_state(trainer.policy)
     return info
 
@@ -309,7 +311,7 @@ def test_fsdp1_param_init_fn_keeps_ties(models, order):
     from transformers import AutoConfig
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["gpt2"]))
-    init = trainers.materialize(torch.device("cpu"), trainers.tied_slots(model))
+    init = sharding.materialize(torch.device("cpu"), sharding.tied_slots(model))
     modules = list(model.modules())
     for module in (modules if order == "embedding first" else modules[::-1]):
         init(module)

@@ -71,11 +71,11 @@ def slow_rank0(rank: int, run_dir: Path) -> dict:
 def nan_on_rank1(rank: int, run_dir: Path) -> dict:
     """Rank 1's loss is NaN at the one step (its gradient stays finite: a NaN constant added to the loss), rank 0's
     is finite. Both ranks must skip the step."""
-    get_batch_metrics, train_step = trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step
+    batch_metrics, train_step = trainers.BasicTrainer.batch_metrics, trainers.BasicTrainer.train_step
     seen = {}
 
     def poisoned(self, batch, split):
-        loss, metrics = get_batch_metrics(self, batch, split)
+        loss, metrics = batch_metrics(self, batch, split)
         if rank == 1 and split == "train":
             nan = torch.tensor(float("nan"))
             loss = loss + nan
@@ -86,14 +86,14 @@ def nan_on_rank1(rank: int, run_dir: Path) -> dict:
         out = train_step(self, batch)
         seen["nonfinite_steps"] = out["nonfinite_steps"]
         return out
-    trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step = poisoned, recorded
+    trainers.BasicTrainer.batch_metrics, trainers.BasicTrainer.train_step = poisoned, recorded
     cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"])
     start = time.time()
     try:
         train_py.distributed_worker(cfg, None)
         return {**seen, "seconds": time.time() - start}
     finally:
-        trainers.BasicTrainer.get_batch_metrics, trainers.BasicTrainer.train_step = get_batch_metrics, train_step
+        trainers.BasicTrainer.batch_metrics, trainers.BasicTrainer.train_step = batch_metrics, train_step
 
 
 def node_local_cache(rank: int, out: Path) -> dict:
@@ -177,65 +177,6 @@ def test_one_rank_nan_skips_the_step_on_every_rank(distributed_results):
     assert final.keys() == initial.keys()
     changed = [k for k in initial if not torch.equal(initial[k], final[k])]
     assert not changed, f"parameters changed by a step that one rank skipped: {changed[:4]}"
-
-
-def pairwise_collectives(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """FSDP2's CPU all-gather and reduce-scatter (trainers.PairwiseAllGather / PairwiseReduceScatter), as direct
-    sends and through shared-memory mailboxes, against gloo's own collectives on the same inputs: synchronous and
-    asynchronous, input inside or outside the output, SUM and AVG, several calls in a row (the transfers must pair
-    in posting order; a mailbox is refilled and grows), and a group of one."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for variant, mailboxes in (("direct", None), ("shared", trainers.SharedMailboxes())):
-            group, gen = dist.group.WORLD, torch.Generator().manual_seed(rank)
-            gather, scatter = trainers.PairwiseAllGather(mailboxes), trainers.PairwiseReduceScatter(mailboxes)
-            for n in (5, 3, 700):  # elements per rank: not a multiple of anything convenient; shrinking, then growing
-                shard = torch.randn(n, generator=gen)
-                expected = torch.empty(world_size * n)
-                dist.all_gather_into_tensor(expected, shard)
-                out = gather.allocate((world_size * n,), dtype=torch.float32, device=torch.device("cpu"))
-                out.fill_(float("nan"))
-                assert gather(out, shard, group) is None  # input outside the output: copied into its slot
-                results[f"{variant}_gather_outside_{n}"] = torch.equal(out, expected)
-                inside = torch.full((world_size * n,), float("nan"))
-                inside.view(world_size, n)[rank].copy_(shard)  # as FSDP2 lays it out: the input is its own slot
-                work = gather(inside, inside.view(world_size, n)[rank], group, async_op=True)
-                results[f"{variant}_gather_async_is_work_{n}"] = isinstance(work, dist.Work)
-                work.wait()
-                results[f"{variant}_gather_inside_async_{n}"] = torch.equal(inside, expected)
-                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                    for repeat in range(2):
-                        full = torch.randn(world_size * n, generator=gen)
-                        want, got = torch.empty(n), torch.full((n,), float("nan"))
-                        dist.reduce_scatter_tensor(want, full.clone(), op=dist.ReduceOp.SUM)
-                        if op == dist.ReduceOp.AVG:
-                            want /= world_size
-                        scatter(got, full, group, op=op)
-                        results[f"{variant}_scatter_{op}_{repeat}_{n}"] = (want - got).abs().max().item() < 1e-6
-            alone = [dist.new_group([r]) for r in range(world_size)][rank]  # a shard group of one rank (fsdp_size=1)
-            one, summed = torch.empty(n), torch.empty(n)
-            gather(one, shard, alone)
-            scatter(summed, shard, alone, op=dist.ReduceOp.AVG)
-            results[f"{variant}_one_rank_group"] = torch.equal(one, shard) and torch.equal(summed, shard)
-            if mailboxes is not None:
-                state = mailboxes.groups[id(group)]
-                results["shared_used"] = not state["off"] and state["capacity"] >= 2 * 700 * 4
-                dist.barrier()
-                results["shared_files_left"] = [f for f in os.listdir(mailboxes.DIR) if f.startswith(tuple(state["prefixes"]))]
-        torch.save(results, Path(out_dir) / f"pairwise{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_pairwise_all_gather_and_reduce_scatter_equal_gloos_own(tmp_path):
-    world_size = 3  # every rank has more than one peer
-    mp.spawn(pairwise_collectives, args=(world_size, utils.get_open_port(), str(tmp_path)), nprocs=world_size, join=True)
-    for rank in range(world_size):
-        r = torch.load(tmp_path / f"pairwise{rank}.pt")
-        assert r.pop("shared_used") and r.pop("shared_files_left") == [], rank  # mapped, then unlinked
-        assert len(r) == 2 * (3 * 7 + 1) and all(r.values()), (rank, [k for k, v in r.items() if not v])
 
 
 def test_node_local_reference_cache_is_decided_by_rank_0_and_one_missing_pair_is_shared(distributed_results):

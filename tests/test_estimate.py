@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import config
 import estimate
+import logps
 import losses
 from test_train import REPO
 
@@ -57,13 +58,13 @@ def test_memory_follows_the_geometry():
     assert split["activations"] == pytest.approx(whole["activations"] / 2)
 
 
-def test_tile_constants_agree_with_losses():
-    """estimate.py cannot import losses (torch): its copies of the tile sizes must be the same numbers."""
-    assert (estimate.CHUNK_ROWS, estimate.HEAD_TILE_BYTES) == (losses.DEFAULT_CHUNK_SIZE, losses.HEAD_TILE_BYTES)
+def test_tile_constants_agree_with_logps():
+    """estimate.py cannot import logps (torch): its copies of the tile sizes must be the same numbers."""
+    assert (estimate.CHUNK_ROWS, estimate.HEAD_TILE_BYTES) == (logps.DEFAULT_CHUNK_SIZE, logps.HEAD_TILE_BYTES)
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
     big = dict(model, vocab_size=128256)
     est = estimate.estimate(config.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1)
-    assert est["logits"] == 4 * losses.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
+    assert est["logits"] == 4 * logps.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
 
 
 def test_estimate_reads_only_config_json(tmp_path):

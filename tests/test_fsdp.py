@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+import sharding
 import train as train_py
 import trainers
 from config import load_config
@@ -44,7 +45,7 @@ SAMPLES_12 = ["sample_during_eval=true", "n_eval_model_samples=12"]  # two group
 
 
 def write_skewed_pairs(path: Path) -> str:
-    """16 pairs, every 4th one long (78 tokens against 32): ranks get shares of near-equal FLOPs and unequal counts."""
+    """16 pairs, every 4th one long (78 tokens against 32): balanced shares put one long pair on each rank."""
     long = lambda i: {"prompt": f"\n\nHuman: Question {i}. Describe rain and snow.\n\nAssistant:",
                       "chosen": " rain falls and the snow is white and very cold.",
                       "rejected": " RAIN FALLS AND THE SNOW IS WHITE AND VERY COLD."}
@@ -150,45 +151,43 @@ def run_scenario(name, args, rank, world_size, out_dir):
                                    reference, rank, world_size, tokenizer)
     info = inspect_wrapping(trainer)
     if name.endswith("interrupted"):
-        save = trainer.save_checkpoint
+        save = trainer.checkpoints.save
 
         def save_then_die():
             save()
             raise Preempted  # every rank, after the checkpoint's last barrier: a clean "kill"
-        trainer.save_checkpoint = save_then_die
+        trainer.checkpoints.save = save_then_die
     # Where fsdp.optimizer_offload sends the optimizer state, call by call (on CPU every device is the CPU, so the
     # devices themselves prove nothing; tests/test_trainers.py checks the placement with a stand-in device).
-    moves, move = [], trainers.move_optimizer_state
+    moves, move = [], sharding.move_optimizer_state
 
     def recording_move(optimizer, device):
         moves.append("parameter's device" if device is None else str(device))
         move(optimizer, device)
-    trainers.move_optimizer_state = recording_move
+    sharding.move_optimizer_state = recording_move
     # Gradient syncs skipped, and gradients held unsharded after a micro-batch that is not the step's last
-    info["skipped_syncs"], info["unsharded_grads_between_micro_batches"] = 0, []
-    no_sync, gradient_sync = trainer.no_sync, trainer.sharding.gradient_sync
-
-    def counted_sync(model, last_micro_batch):
-        info["skipped_syncs"] += not last_micro_batch
-        return gradient_sync(model, last_micro_batch)
-    trainer.sharding.gradient_sync = counted_sync
+    info["skipped_syncs"], info["unsharded_grads_between_micro_batches"], micro_batches = 0, [], [0]
+    gradient_sync = trainer.sharding.gradient_sync
 
     @contextlib.contextmanager
-    def inspected(last_micro_batch):
-        with no_sync(last_micro_batch):
+    def inspected(model, sync):
+        info["skipped_syncs"] += not sync
+        with gradient_sync(model, sync):
             yield
-        if not last_micro_batch:
+        micro_batches[0] += 1
+        if micro_batches[0] == 1 and trainer.config.gradient_accumulation_steps > 1 or trainer.config.max_tokens_per_microbatch:
             info["unsharded_grads_between_micro_batches"].append(unsharded_gradient_elements(trainer.policy))
-    trainer.no_sync = inspected
+    trainer.sharding.gradient_sync = inspected
     # After every reference forward: are the reference's parameters sharded again (FSDP2: every unit; FSDP1: every
     # flat parameter back on its local shard)?
     info["reference_gathered_after_forward"] = []
-    after_reference_forward = trainer.after_reference_forward
+    reference_forward = trainer.reference.forward
 
-    def checked_reference():
-        after_reference_forward()
-        info["reference_gathered_after_forward"].append(gathered_units(trainer.reference_model))
-    trainer.after_reference_forward = checked_reference
+    def checked_reference(inputs):
+        out = reference_forward(inputs)
+        info["reference_gathered_after_forward"].append(gathered_units(trainer.reference.model))
+        return out
+    trainer.reference.forward = checked_reference
     shares, train_step = [], trainer.train_step  # the pairs this rank trained on at each step
 
     def recording_step(batch):
@@ -200,15 +199,13 @@ def run_scenario(name, args, rank, world_size, out_dir):
     except Preempted:
         info["preempted_at"] = trainer.example_counter
     finally:
-        trainers.move_optimizer_state = move
+        sharding.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
-    mailboxes = getattr(trainer.sharding, "mailboxes", None)  # FSDP2 on CPU: its collectives' shared memory
-    info["mailbox_bytes"] = [state["capacity"] for state in mailboxes.groups.values() if not state["off"]] if mailboxes else []
     info["shares"] = [None] * world_size  # [rank][step]: the chosen texts of the pairs it trained on
     dist.all_gather_object(info["shares"], shares)
     if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
         rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
-        info["kl"] = trainer.kl_reference_point(rows).item()
+        info["kl"] = trainer.reference.kl_point(rows).item()
     return info
 
 
@@ -326,22 +323,19 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
     grads_single = {k: before[k] - v for k, v in single.items()}
     assert max(g.abs().max().item() for g in grads_single.values()) > 1e-3  # a real step happened
     assert_close_states(grads_sharded, grads_single, atol=1e-6)
-    if strategy == "fsdp2":  # its all-gathers and reduce-scatters went through shared memory (one machine)
-        assert fsdp_results[1][f"{strategy}_sgd"]["mailbox_bytes"][0] >= 2**20
 
 
 @pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget",
                                       "fsdp2_skewed_consecutive"])
-def test_shares_of_unequal_counts_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
-    """Length-skewed pairs are dealt to the ranks by executed FLOPs (2 long and 6 short pairs here), each weighted by 1/8 of the
-    step whichever rank holds it: one SGD step (lr 1) equals one process on the whole batch, alone, in 2 micro-batches
-    per rank or under a token budget; loss/train (a mean gathered over shares of unequal length) too. With
-    balance_batch=false the ranks take consecutive halves (4 and 4), as the original code."""
+def test_balanced_shares_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
+    """Length-skewed pairs are dealt in equal counts of near-equal tokens (the long pairs spread over the ranks;
+    consecutive halves with balance_batch=false, as the original code): one SGD step (lr 1) equals
+    one process on the whole batch, alone, in 2 micro-batches per rank or under a token budget; loss/train too."""
     out, results = fsdp_results
     (rank0, ), (rank1, ) = results[scenario]["shares"]  # one step
-    counts = sorted([len(rank0), len(rank1)])
-    assert counts == [4, 4] if scenario.endswith("consecutive") else (counts[0] < counts[1] and sum(counts) == 8)
-    assert not set(rank0) & set(rank1)
+    assert len(rank0) == len(rank1) == 4 and not set(rank0) & set(rank1)
+    longs = [sum("snow" in text for text in share) for share in (rank0, rank1)]
+    assert scenario.endswith("consecutive") or abs(longs[0] - longs[1]) <= 1  # balanced: the long pairs spread out
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / scenario), final_state(baselines / "skewed_sgd")
     assert max((before[k] - single[k]).abs().max().item() for k in single) > 1e-3  # a real step happened

@@ -246,13 +246,11 @@ def test_strip_html_keeps_text_and_code():
 # Tokenization invariants
 # ---------------------------------------------------------------------------------------------------------
 
-def test_prefix_property_and_boundary_merges_bpe(tmp_path, gpt2_tok):
+def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tmp_path, gpt2_tok):
     rows = [{"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
             {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.",
              "rejected": " cats nap."}]
-    examples, (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train",
-                                           silent=True)
-    assert stats.boundary_merges == 1  # counted, deliberately not an error
+    examples, _ = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train", silent=True)
     for ex in examples:
         prompt_alone = gpt2_tok(ex.prompt, add_special_tokens=True)["input_ids"]
         for response in (ex.chosen_ids, ex.rejected_ids):
@@ -432,61 +430,60 @@ def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_to
     assert sorted(sum(whole, [])) == sorted(f"{r['prompt']}{r['chosen']}" for r in numbered_rows(24))
 
 
-def test_balanced_shares_cover_the_batch_and_even_out_the_tokens(tmp_path, gpt2_tok):
+def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens(tmp_path, gpt2_tok):
     # one long pair per global batch of 8 among short ones, as in benchmarks/bench_dpo.py: consecutive shares put
-    # the long pair and 3 short ones on one rank; balanced shares give it fewer pairs
+    # the long pair and 3 other pairs on one rank; balanced shares give it the 3 shortest
     rows = [{"prompt": f"question {i}" + " more" * (60 if i % 8 == 3 else i % 5), "chosen": f" yes {i}" + " so" * (i % 7),
              "rejected": f" no {i}"} for i in range(32)]
     path = write_jsonl(tmp_path / "skew.jsonl", rows)
     kw = dict(split="train", batch_size=8, n_epochs=2, seed=5, silent=True)
     whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
     tokens = lambda b: int(b["chosen_attention_mask"].sum() + b["rejected_attention_mask"].sum())
-    worst = {}  # min_share -> per step: the larger share's tokens / half the batch's
-    for min_share in (None, 1, 3):
-        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, min_share=min_share, **kw))
+    worst = {}  # balance -> per step: the heaviest share's tokens / an even share's
+    for balance in (False, True):
+        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, balance=balance, **kw))
                   for r in (0, 1)]
-        worst[min_share] = []
+        worst[balance] = []
         for step, batch in enumerate(whole):
             r0, r1 = shares[0][step], shares[1][step]
             assert not set(r0["chosen"]) & set(r1["chosen"]) and sorted(r0["chosen"] + r1["chosen"]) == sorted(batch["chosen"])
-            assert min(len(r0["chosen"]), len(r1["chosen"])) >= (min_share or 4)
+            assert len(r0["chosen"]) == len(r1["chosen"]) == 4  # every rank exactly batch_size // world_size pairs
             for r in (r0, r1):  # each share keeps the global batch's order
                 positions = [batch["chosen"].index(c) for c in r["chosen"]]
                 assert positions == sorted(positions)
             assert tokens(r0) + tokens(r1) == tokens(batch)
-            worst[min_share].append(max(tokens(r0), tokens(r1)) / (tokens(batch) / 2))
-    assert max(worst[None]) > 1.4, worst  # the data is skewed enough for the checks below to mean something
-    assert max(worst[1]) < 1.1, worst
-    assert all(b <= a for a, b in zip(worst[None], worst[3])) and sum(worst[3]) < sum(worst[None]) - 0.5, worst
+            worst[balance].append(max(tokens(r0), tokens(r1)) / (tokens(batch) / 2))
+    assert max(worst[False]) > 1.4, worst  # the data is skewed enough for the checks below to mean something
+    assert all(b <= a for a, b in zip(worst[False], worst[True])) and sum(worst[True]) < sum(worst[False]) - 0.3, worst
     # a resumed balanced iterator deals exactly what the uninterrupted one did
-    full = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, min_share=1, **kw))
-    resumed = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, min_share=1, start_example=3 * 8, **kw))
+    full = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, balance=True, **kw))
+    resumed = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, balance=True, start_example=3 * 8, **kw))
     assert [b["chosen"] for b in full[3:]] == [b["chosen"] for b in resumed]
 
 
-def test_balance_shares_deals_largest_first_to_the_lightest_share_then_fills_short_shares():
-    assert pd.balance_shares([10, 11, 12, 13], [5, 1, 1, 1], 2) == [[10], [11, 12, 13]]
-    assert pd.balance_shares([10, 11, 12, 13], [5, 1, 1, 1], 2, min_share=2) == [[10, 13], [11, 12]]
+def test_balance_shares_deals_largest_first_to_the_lightest_share_with_room():
+    assert pd.balance_shares([10, 11, 12, 13], [5, 4, 1, 1], 2) == [[10, 13], [11, 12]]  # 6 and 5, not 9 and 2
     assert pd.balance_shares([7, 8, 9, 4, 5, 6], [9, 8, 7, 3, 2, 1], 3) == [[7, 6], [8, 5], [9, 4]]
-    assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2) == [[0, 2], [1, 3]]  # ties: batch order, lower share
+    assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2) == [[0, 1], [2, 3]]  # nothing to even out: as unbalanced
     assert pd.balance_shares([0, 1, 2], [4, 4, 4], 1) == [[0, 1, 2]]  # one rank: the batch as it is
-    with pytest.raises(ValueError, match="min_share"):
-        next(pd.iter_batch_indices(16, batch_size=8, n_epochs=1, world_size=2, sizes=[1] * 16, min_share=5))
+    with pytest.raises(ValueError, match="equal count"):
+        pd.balance_shares([0, 1, 2], [1, 1, 1], 2)
 
 
-def test_balance_shares_refines_by_share_cost():
-    """Tokens deal [10] | [11, 12, 13, 14] (8 against 8), but each item also costs 5 of its own (a share's cost is
-    not its tokens: 13 against 28): the refinement moves one item over (20 against 21, the best split)."""
-    sizes = {10: 8, 11: 2, 12: 2, 13: 2, 14: 2}
-    cost = lambda share: sum(sizes[i] + 5 for i in share)
-    items = list(sizes)
-    assert pd.balance_shares(items, list(sizes.values()), 2) == [[10], [11, 12, 13, 14]]
-    shares = pd.balance_shares(items, list(sizes.values()), 2, share_cost=cost)
-    assert sorted(sum(shares, [])) == items and all(s == sorted(s) for s in shares)  # each keeps the batch's order
-    assert sorted(map(cost, shares)) == [20, 21]
-    assert pd.balance_shares(items, list(sizes.values()), 2, share_cost=cost) == shares  # the same on every rank
-    assert min(map(len, pd.balance_shares(items, list(sizes.values()), 2, min_share=2, share_cost=cost))) >= 2
-    assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2, share_cost=len) == [[0, 2], [1, 3]]  # nothing to refine
+def test_balance_shares_is_near_optimal_and_never_heavier_than_consecutive_slices():
+    """Random batches with a few long pairs among short ones: the heaviest share is never heavier than consecutive
+    slices' and within 15% of the best equal-count split (found by trying every split of 2 shares)."""
+    import itertools
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(2, 5))
+        sizes = [int(rng.integers(100, 400) if rng.random() < 0.3 else rng.integers(10, 40)) for _ in range(2 * k)]
+        heaviest = lambda shares: max(sum(sizes[i] for i in share) for share in shares)
+        shares = pd.balance_shares(list(range(2 * k)), sizes, 2)
+        assert [len(s) for s in shares] == [k, k] and sorted(sum(shares, [])) == list(range(2 * k))
+        assert heaviest(shares) <= heaviest([range(k), range(k, 2 * k)])
+        best = min(heaviest([c, [i for i in range(2 * k) if i not in c]]) for c in itertools.combinations(range(2 * k), k))
+        assert heaviest(shares) <= 1.15 * best
 
 
 def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok):
@@ -597,7 +594,7 @@ def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
 
 def test_toy_maps_to_files_next_to_the_module():
     source, path = pd.resolve_source("toy", "train")
-    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is pd.convert_pairs
+    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is pd.convert_rows
     assert pd.resolve_source("toy", "test")[1] == REPO / "toy" / "data" / "test.jsonl"
     if path.is_file() and (REPO / "toy" / "data" / "test.jsonl").is_file():
         pd.validate_sources(["toy"])
@@ -613,7 +610,7 @@ def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok, capsys):
     examples, (stats,) = pd.load_tokenized([path], gpt2_tok, "train")
     out = capsys.readouterr().out
     assert len(examples) == stats.kept == 6 and stats.prompts == 5  # one prompt has two pairs
-    for name in ("pairs_kept=6", "prompts=5", "dropped: none", "boundary_merges=", "prompt_tokens_mean=",
+    for name in ("pairs_kept=6", "prompts=5", "dropped: none", "prompts_truncated=", "prompt_tokens_mean=",
                  "prompt_tokens_max=", "response_tokens_mean=", "response_tokens_max="):
         assert name in out
 
@@ -773,7 +770,7 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
 def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok):
     """collate(kl_rows=True): row k = prompt of completion k + completion k-1 (chosen then rejected for pairs), so
     no KL row pairs a completion with its own prompt when the batch has >= 2 prompts."""
-    data, _ = pd.convert_pairs(numbered_rows(3))
+    data, _ = pd.convert_rows(numbered_rows(3))
     examples, _ = pd.tokenize_normalized(data, gpt2_tok, source="t", split="train", max_length=64,
                                          max_prompt_length=32, truncation_mode="keep_start", sft_mode=False)
     batch = pd.collate(examples, gpt2_tok.pad_token_id, kl_rows=True)

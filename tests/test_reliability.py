@@ -549,7 +549,7 @@ def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, 
     trainer = build_trainer(tmp_path / "other", f"resume_from={run}")
     trainer.build_optimizer()
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
-        trainer.maybe_resume()
+        trainer.checkpoints.resume()
     assert not marker.exists()
 
 
@@ -624,7 +624,7 @@ def test_a_checkpoint_of_another_run_is_refused_before_anything_is_loaded(resuma
     trainer.build_optimizer()
     before = snapshot(trainer)
     with pytest.raises(ValueError, match="cannot resume: the checkpoint belongs to a different run") as refused:
-        trainer.maybe_resume()
+        trainer.checkpoints.resume()
     assert message in str(refused.value), str(refused.value)
     assert_bit_identical(before, snapshot(trainer), "refused resume")  # never half-loaded
     assert trainer.example_counter == 0 and trainer.batch_counter == 0
@@ -634,7 +634,7 @@ def test_the_same_run_is_accepted_by_the_checks_that_refuse_others(resumable, tm
     monkeypatch.chdir(REPO)
     trainer = build_trainer(tmp_path / "unused", f"resume_from={resumable}", "lr=2e-4", "eval_every=32")
     trainer.build_optimizer()
-    trainer.maybe_resume()  # lr and eval_every may change on resume
+    trainer.checkpoints.resume()  # lr and eval_every may change on resume
     assert trainer.example_counter == 96
     assert_bit_identical(latest(resumable, "policy.pt")["state"], {k: v for k, v in trainer.policy.state_dict().items()})
 

@@ -402,9 +402,16 @@ def test_a_log_file_gets_plain_progress_lines_not_tqdm_redraws(dpo_run):
     assert "progress: step 4/4, pairs seen 32, pairs/s " in result.stdout
 
 
-def test_executed_flops_mfu_is_logged_beside_the_6n_figure(dpo_run):
-    steps = [r for r in metrics(dpo_run[0]) if "throughput/mfu" in r]
-    assert steps and all(0 < r["throughput/mfu_executed"] != r["throughput/mfu"] for r in steps)
+def test_mfu_is_the_6n_rule_over_peak_tflops_and_absent_without_a_peak(dpo_run, tmp_path):
+    """MFU = (6 N + 2 N for the online reference) x tokens/s / peak, N the parameters outside the input embedding; on
+    a device without a known peak (a CPU) it is not logged unless peak_tflops says what the peak is."""
+    assert not any("throughput/mfu" in r for r in metrics(dpo_run[0]))
+    train(tmp_path / "run", "loss=dpo", "n_examples=16", "peak_tflops=0.5", "minimum_log_interval_secs=0")
+    model = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    steps = [r for r in metrics(tmp_path / "run") if "throughput/mfu" in r]
+    assert steps and all(r["throughput/mfu"] == pytest.approx(8 * n * r["throughput/tokens_per_second"] / 0.5e12, rel=1e-6)
+                         for r in steps)
 
 
 def reference_state(run_dir) -> dict:

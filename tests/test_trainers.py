@@ -11,7 +11,9 @@ import torch
 from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
                           GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM)
 
+import logps
 import preference_datasets as data
+import sharding
 import train as train_py
 import trainers
 from config import load_config
@@ -44,10 +46,10 @@ def skewed_inputs():
     tok.pad_token = tok.eos_token
     batch = next(data.get_batch_iterator(["toy"], tok, split="test", batch_size=8, shuffle=False, n_epochs=1, silent=True,
                                          max_length=64, max_prompt_length=32))
-    inputs = trainers.concatenated_inputs(batch)
+    inputs = logps.concatenated_inputs(batch)
     long = torch.randint(3, 500, (2, 90))
     width = 90
-    padded = {k: trainers.pad_to_length(v, width, {"input_ids": 0, "attention_mask": 0, "labels": -100}[k]) for k, v in inputs.items()}
+    padded = {k: logps.pad_to_length(v, width, {"input_ids": 0, "attention_mask": 0, "labels": -100}[k]) for k, v in inputs.items()}
     padded["input_ids"][:2], padded["attention_mask"][:2] = long, 1
     padded["labels"][:2] = torch.where(torch.arange(width) < 20, -100, long)
     return padded
@@ -56,11 +58,11 @@ def skewed_inputs():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
 def test_packed_and_tiled_logps_equal_padded(skewed_inputs, name):
     model = tiny_models()[name].eval()
-    base_sums, base_counts, base_entropy = trainers.forward_logps(model, skewed_inputs, entropy={})
-    kwargs, _, owner = trainers.packed_inputs(skewed_inputs, 96)
+    base_sums, base_counts, base_entropy = logps.forward_logps(model, skewed_inputs, entropy={})
+    kwargs, _, owner = logps.packed_inputs(skewed_inputs, 96)
     assert kwargs["input_ids"].numel() < skewed_inputs["input_ids"].numel() * 0.6  # the padding really went away
     for options in ({"packed_capacity": 96}, {"tiled": True}, {"packed_capacity": 96, "tiled": True}):
-        sums, counts, entropy = trainers.forward_logps(model, skewed_inputs, entropy={}, **options)
+        sums, counts, entropy = logps.forward_logps(model, skewed_inputs, entropy={}, **options)
         torch.testing.assert_close(sums, base_sums, atol=1e-5, rtol=0)
         assert torch.equal(counts, base_counts)
         torch.testing.assert_close(entropy, base_entropy, atol=1e-5, rtol=0)
@@ -71,7 +73,7 @@ def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
     grads = []
     for options in ({}, {"packed_capacity": 96, "tiled": True}):
         model = tiny_models()[name]
-        sums, counts, _ = trainers.forward_logps(model, skewed_inputs, **options)
+        sums, counts, _ = logps.forward_logps(model, skewed_inputs, **options)
         (sums / counts).sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k in grads[0]:
@@ -79,7 +81,7 @@ def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
 
 
 def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
-    kwargs, labels, owner = trainers.packed_inputs(skewed_inputs, 64)
+    kwargs, labels, owner = logps.packed_inputs(skewed_inputs, 64)
     lengths = skewed_inputs["attention_mask"].sum(1)
     for i in range(len(lengths)):  # every sequence appears once, whole, with positions 0..len-1
         rows, cols = (owner == i).nonzero(as_tuple=True)
@@ -148,7 +150,7 @@ def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
     for name in ("plain", "bf16"):
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         traces[name] = [r["loss/train"] for r in records if "loss/train" in r]
-        assert all(r["throughput/tokens_per_second"] > 0 and r["throughput/mfu"] > 0 for r in records if "loss/train" in r)
+        assert all(r["throughput/tokens_per_second"] > 0 for r in records if "loss/train" in r)
     assert len(traces["bf16"]) == 2 and traces["bf16"] != traces["plain"]  # bf16 really ran
     assert traces["bf16"][0] == pytest.approx(0.6931472, abs=1e-6)  # the reference computes in bf16 too: step 0 is ln 2
     assert max(abs(a - b) for a, b in zip(traces["plain"], traces["bf16"])) < 1e-2
@@ -181,7 +183,7 @@ def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkey
     # torch's config modules serve their attributes through a module __getattr__: patch them with their own
     # `patch`, which restores the value, not with monkeypatch, whose undo deletes the attribute (pytest >= 9.2)
     with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-        sums, counts, _ = trainers.forward_logps(model, skewed_inputs, tiled=tiled)
+        sums, counts, _ = logps.forward_logps(model, skewed_inputs, tiled=tiled)
     n = skewed_inputs["input_ids"].size(0)
     assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
 
@@ -194,8 +196,8 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
-    trainer = object.__new__(trainers.FSDPTrainer)  # only the hook under test: no process group needed
-    trainer.fsdp, trainer.optimizer, trainer.device = SimpleNamespace(optimizer_offload=True), optimizer, torch.device("meta")
+    shards = object.__new__(sharding.FSDP2)  # only the step under test: no process group needed
+    shards.fsdp, shards.device = SimpleNamespace(optimizer_offload=True), torch.device("meta")
     expected = torch.nn.Linear(4, 3)
     expected.load_state_dict(layer.state_dict())
     expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=0.1)
@@ -203,86 +205,18 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
         for model in (layer, expected):
             model.zero_grad()
             model(torch.ones(2, 4)).pow(2).sum().backward()
-        trainer.step_optimizer()
+        shards.step(optimizer)
         expected_optimizer.step()
     assert {v.device.type for s in optimizer.state.values() for v in s.values()} == {"cpu"}
     for a, b in zip(layer.parameters(), expected.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_executed_flops_count_the_head_where_it_runs_and_attention():
-    """Llama, 2 layers, width 32, vocab 512, untied: head = 512 x 32 = 16384; body = flops_params - head.
-    One forward of 10 tokens, 4 projected by the head, sequences of 6 and 4 tokens (36 + 16 = 52 query-key pairs):
-    2 body 10 + 2 16384 4 + 4 2 32 52; training = 3 forwards."""
-    model = tiny_models()["llama"]
-    shape = trainers.flops_shape(model, trainers.flops_params(model))
-    assert shape["head"] == 16384 and shape["layers"] == 2 and shape["width"] == 32
-    assert shape["body"] == sum(p.numel() for p in model.parameters()) - 2 * 16384  # less embedding and head
-    forward = 2 * shape["body"] * 10 + 2 * 16384 * 4 + 4 * 2 * 32 * 52
-    assert trainers.executed_flops(shape, 10, 4, 52, passes=3) == 3 * forward
-    tied = tiny_models()["gpt2"]  # GPT-2 ties its head to the input embedding: flops_params has no head in it
-    assert trainers.flops_shape(tied, trainers.flops_params(tied))["body"] == trainers.flops_params(tied)
-
-
-def test_row_layout_takes_the_cheapest_width_within_the_attention_memory_of_fixed_rows():
-    """A share of bench_dpo.py's workload: two ~500-token sequences and two short ones. Rows of 512 need three
-    (3 x 502 positions for 1152 tokens); two rows of 583 cost fewer FLOPs (attention_cost of its 4-layer width-512
-    Llama) and need smaller attention matrices (2 x 583^2 < 3 x 502^2)."""
-    lengths, cost = [502, 486, 97, 67], 2.44e-4
-    shape = lambda rows: (len(rows), max(sum(lengths[i] for i in row) for row in rows))
-    assert shape(trainers.best_fit_decreasing(lengths, 512)) == (3, 502)
-    assert shape(trainers.row_layout(lengths, 512, cost)) == (2, 583)
-    # attention that costs more per key pair picks narrower rows: for six sequences of 80-150 tokens, rows of 150 take
-    # 6 x 150; four rows of 180 are the fewest positions (720), five rows of 160 the fewest query-key pairs
-    lengths = [150, 120, 100, 80, 80, 80]
-    assert shape(trainers.best_fit_decreasing(lengths, 150)) == (6, 150)
-    assert shape(trainers.row_layout(lengths, 150, 0.0)) == (4, 180)
-    assert shape(trainers.row_layout(lengths, 150, 1.0)) == (5, 160)
-    generator = torch.Generator().manual_seed(0)
-    for trial in range(200):
-        n = int(torch.randint(1, 40, (1,), generator=generator))
-        lengths = torch.randint(1, 300, (n,), generator=generator).tolist()
-        capacity, multiple = int(torch.randint(1, 600, (1,), generator=generator)), 1 + trial % 3
-        cost = [0.0, 1e-4, 1e-2][trial % 3]
-        rows = trainers.row_layout(lengths, capacity, cost, multiple)
-        assert sorted(i for row in rows for i in row) == list(range(n))  # every sequence once
-        flops = lambda rows: (len(rows), -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple)
-        (r, w), (r0, w0) = flops(rows), flops(trainers.best_fit_decreasing(lengths, max(capacity, max(lengths))))
-        assert r * w * (1 + cost * w) <= r0 * w0 * (1 + cost * w0) and r * w * w <= r0 * w0 * w0, (lengths, capacity)
-
-
-def test_share_flops_count_the_rows_forward_logps_runs(tiny_trainer_cpu):
-    """The cost balance_batch evens out is executed_flops of the layout the forward really gets: packed rows
-    (row_layout on the micro-batch's sequences), the LM head at the scored positions under tiled_lm_head, else at
-    every position; padded rows as wide as the share's longest sequence."""
-    trainer = tiny_trainer_cpu[0]
-    examples, _ = data.load_tokenized(["toy"], trainer.tokenizer, "test", silent=True, **trainer.data_kwargs)
-    examples = examples[:6]
-    batch = data.collate(examples, trainer.tokenizer.eos_token_id)
-    inputs = trainers.concatenated_inputs(batch)
-    scored = int((inputs["labels"][:, 1:] != -100).sum())
-    shape = trainer.model_shape
-    original = trainer.config
-    try:
-        for padding_free, tiled in ((True, True), (True, False), (False, True), (False, False)):
-            trainer.config = dataclasses.replace(original, padding_free=padding_free, tiled_lm_head=tiled)
-            options = trainer.forward_options()
-            if padding_free:
-                ids = trainers.packed_inputs(inputs, options["packed_capacity"], 1, options["attention_cost"])[0]["input_ids"]
-            else:
-                ids = inputs["input_ids"]
-            rows, width = ids.shape
-            expected = trainers.executed_flops(shape, rows * width, scored if tiled else rows * width, rows * width ** 2, 1)
-            assert trainer.share_flops(examples) == expected, (padding_free, tiled)
-    finally:
-        trainer.config = original
-
-
 def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
     """null (the default) compiles the entropy kernel only on CUDA; true set explicitly is honoured on CPU."""
     default, explicit = tiny_trainer_cpu
-    assert default.entropy_kwargs["use_compile"] is False
-    assert explicit.entropy_kwargs["use_compile"] is True
+    assert default.entropy_options["use_compile"] is False
+    assert explicit.entropy_options["use_compile"] is True
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +263,7 @@ def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_th
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path), reference, tokenizer=tokenizer)
     batch = next(iter(trainer.train_batches()))
-    got = trainer.kl_reference_point(batch).item()
+    got = trainer.reference.kl_point(batch).item()
 
     def sums(model, rows=slice(None)):
         with torch.no_grad():
@@ -342,28 +276,27 @@ def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_th
     assert expected > 0 and got == pytest.approx(expected, abs=1e-4)
 
     step = trainer.step_statistics(batch)
-    whole, _ = trainer.get_batch_metrics(step, "train")
-    halves = [trainer.get_batch_metrics(micro, "train")[0] for micro in trainers.split_batch(step, 2)]
+    whole, _ = trainer.batch_metrics(step, "train")
+    halves = [trainer.batch_metrics(micro, "train")[0] for micro in trainers.split_batch(step, 2)]
     assert torch.stack(halves).mean().item() == pytest.approx(whole.item(), abs=1e-6)
     own = [(sums(policy, rows) - sums(reference, rows)).mean().item() for rows in (slice(0, 4), slice(4, 8))]
     assert abs(own[0] - own[1]) > 0.05 and min(own) > 0  # so the split would matter for a per-micro-batch KL
 
 
 def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
-    """fsdp.strategy picks a Sharding implementation once (trainers.SHARDINGS); the loop never compares the
-    strategy name, so a new strategy is a new class and an entry, not branches through the file."""
+    """fsdp.strategy picks a sharding implementation once (trainers.SHARDINGS); the loop never compares the strategy
+    name, so a new strategy is a new class and an entry, not branches through the file."""
     import ast
 
     import config
     assert set(trainers.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
-    assert all(issubclass(cls, trainers.Sharding) for cls in trainers.SHARDINGS.values())
     for cls in trainers.SHARDINGS.values():  # each implements what differs between the strategies
-        assert all(name in vars(cls) for name in ("shard", "gradient_sync", "clip")), cls
-    tree = ast.parse((REPO / "trainers.py").read_text())
-    compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-                and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
-    assert compared == [], f"trainers.py compares fsdp.strategy at lines {compared}"
-
+        assert issubclass(cls, sharding.OneProcess) and all(name in vars(cls) for name in ("shard", "gradient_sync", "clip", "reshard")), cls
+    for path in ("trainers.py", "sharding.py"):
+        tree = ast.parse((REPO / path).read_text())
+        compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                    and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
+        assert compared == [], f"{path} compares fsdp.strategy at lines {compared}"
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "qwen2", "gemma2", "mistral"])
@@ -412,7 +345,7 @@ def test_evaluation_averages_exactly_n_eval_examples_and_precomputed_equals_onli
 def test_kto_kl_pass_keeps_to_the_token_budget(tmp_path, monkeypatch):
     """max_tokens_per_microbatch bounds every forward of a KTO step, the KL pass over the mismatched rows too
     (before: all of a rank's KL rows in one forward), and the step is the same as without the budget."""
-    sizes, forward_logps = [], trainers.forward_logps
+    sizes, forward_logps = [], logps.forward_logps
 
     def recorded(model, inputs, **kwargs):
         if model.training:  # the policy's forwards of a training step (evaluation is not split)
@@ -440,13 +373,13 @@ def test_long_rows_build_no_quadratic_masks_beyond_what_attention_needs():
     owner = torch.zeros(1, t, dtype=torch.long)
     mask = (owner[:, :, None] == owner[:, None, :]).tril_()[:, None]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        window = trainers.packed_attention_mask(mask, config)
+        window = logps.packed_attention_mask(mask, config)
     largest = max(e.cpu_memory_usage for e in prof.events())
     assert largest <= t * t, f"largest allocation {largest} bytes for a {t} x {t} bool mask"
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
     assert torch.equal(window[0, 0], (j <= i) & (i - j < 16))  # the window by its definition
     config._attn_implementation = "eager"
-    additive = trainers.packed_attention_mask(mask, config)
+    additive = logps.packed_attention_mask(mask, config)
     assert additive.dtype == torch.bfloat16 and torch.equal(additive[0, 0] == 0, (j <= i) & (i - j < 16))
 
 

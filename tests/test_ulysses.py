@@ -74,6 +74,20 @@ def compare(rank: int, port: int, out: str) -> None:
                     "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
                     "entropy": 0.0 if tiled else (split_entropy - entropy).abs().max().item(),
                     "grads": max(((grads[n] - whole[n]).abs().max() / whole[n].abs().max().clamp(min=1e-12)).item() for n in whole)}
+    # FSDP2 swaps a sharded module's class for a dynamic FSDP<cls> subclass defined in torch's own module: eager
+    # attention must still find its architecture's function (before: AttributeError on torch's module)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = tiny_llama(2, "eager")
+    ulysses.install(model, sp)
+    with ulysses.paused():
+        sums, _, _ = trainers.forward_logps(model, rows())
+    for layer in model.model.layers:
+        fully_shard(layer.self_attn, mesh=init_device_mesh("cpu", (2,)))
+    assert type(model.model.layers[0].self_attn).__module__.startswith("torch.")
+    split_sums, _, _ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
+    worst["fsdp2-eager"] = {"counts_equal": True, "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
+                            "entropy": 0.0, "grads": 0.0}
     torch.save(worst, Path(out) / f"compare-{rank}.pt")
     dist.destroy_process_group()
 
@@ -88,8 +102,9 @@ def compared(tmp_path_factory):
 def test_split_sequences_equal_whole_rows(compared):
     """Per sequence: summed log-probs (relative 1e-5), token counts (exact), mean entropies (1e-5) and the weighted
     loss's gradients (relative to each tensor's largest entry, 1e-5): sdpa and eager, KV heads split or repeated,
-    padded and packed rows, full logits and the tiled LM head, on both ranks."""
-    assert len(compared[0]) == 16
+    padded and packed rows, full logits and the tiled LM head, on both ranks; and the log-probs of eager attention
+    modules sharded by FSDP2 (whose class then lives in torch)."""
+    assert len(compared[0]) == 17
     for rank, worst in enumerate(compared):
         for key, w in worst.items():
             assert w["counts_equal"], (rank, key)

@@ -1,0 +1,417 @@
+"""How the trainer's models are spread over processes: one small interface, picked once from fsdp.strategy.
+
+`OneProcess` is its plain behaviour (nothing to sync, gather or agree on). `FSDP1` (FullyShardedDataParallel) and
+`FSDP2` (fully_shard) shard each model as the original DPO FSDPTrainer did: every transformer block its own unit,
+FULL_SHARD, BACKWARD_PRE prefetch (FSDP1), MixedPrecision, NO_REENTRANT activation checkpointing per block; rank 0
+loads the weights and the others build empty (meta) models that rank 0's values fill. The trainer calls the same
+methods on any of the three; every torch.distributed call of training is here, in utils.py's helpers or in
+ulysses.py. The reference is always resharded after its forward (it has no backward to keep parameters for).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel as FSDP,
+                                    MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+import ulysses
+from utils import (all_gather_if_needed, all_ranks_true, dtype_of, find_block_class_names, get_block_class_from_model,
+                   rank0_print, wait_for_rank0)
+
+
+class OneProcess:
+    """The interface in one process (the model's own device, state dicts and generate; nothing to agree on):
+    gradient_sync(model, sync) is the context of one micro-batch's backward, whose gradients FSDP reduces across
+    ranks when `sync`; clip clips (all shards together) and returns the norm before; all_true / any_true decide once
+    for all ranks (a CPU-GPU sync point); agree_max is the largest count over the ranks (every rank runs as many
+    collective forwards); gather concatenates every rank's tensor along dim 0; gather_objects every data-parallel
+    rank's items; barrier waits for rank 0's lone work with a timeout slow disks do not trip; reshard frees every
+    gathered parameter; params_on_device brings offloaded parameters for a phase; save / load what a resume needs
+    besides policy.pt (the optimizer state, or a model without one: TR-DPO's reference)."""
+
+    autocasts = True  # fsdp.mixed_precision in one process is torch.autocast; FSDP casts the parameters itself
+
+    def __init__(self, model: nn.Module, config):
+        self.device, self.rank = self.input_device(model), 0
+        if config.activation_checkpointing:  # FSDP applies it while sharding
+            checkpoint_blocks(model, tuple(block_classes(model, config.fsdp.wrap_policy)))
+
+    def input_device(self, model: nn.Module) -> torch.device:
+        return model.get_input_embeddings().weight.device  # device_map: the first GPU
+
+    def gradient_sync(self, model: nn.Module, sync: bool): return contextlib.nullcontext()
+    def all_true(self, flag: bool) -> bool: return flag
+    def any_true(self, flag: bool) -> bool: return flag
+    def agree_max(self, n: int) -> int: return n
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor: return tensor
+    def gather_objects(self, items: list, sp_size: int = 1) -> list: return items
+    def barrier(self) -> None: pass
+    def reshard(self, model: nn.Module) -> None: pass
+    def params_on_device(self, model: nn.Module): return contextlib.nullcontext()
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor: return model.generate(**kwargs)
+    def step(self, optimizer: torch.optim.Optimizer) -> None: optimizer.step()
+
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The consolidated state dict on rank 0, on CPU ({} on the others; a collective under FSDP)."""
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def save(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
+        else:
+            torch.save(self.full_state_dict(model), ckpt / f"{name}.pt")
+
+    def load(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
+        state = torch.load(ckpt / f"{name}.pt", weights_only=True)
+        model.load_state_dict(state["state"] if name == "policy" else state)
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+
+
+class Sharded(OneProcess):
+    """What FSDP1 and FSDP2 share: the mesh, the units, collectives, sampling, offloaded optimizer state, sharded
+    checkpoints (torch.distributed.checkpoint reads either)."""
+    autocasts = False
+
+    def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
+        self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
+        size = fsdp.fsdp_size  # 1 <= fsdp_size < world: a 2-D mesh, replicate x shard (hybrid)
+        shape = (world_size,) if size in (-1, world_size) else (world_size // size, size)
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("shard",) if len(shape) == 1 else ("replicate", "shard"))
+        mnp = fsdp.wrap_policy.get("min_num_params")  # a size policy, else the block classes that become units
+        self.blocks = ("min_num_params", mnp) if mnp is not None else block_classes(policy, fsdp.wrap_policy)
+
+    def describe(self) -> str:
+        units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
+        return (f"units {units}, mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward}, "
+                f"mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
+
+    def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
+        """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to fp32
+        (as verl): gradients summed in bf16 lose bits, and rotary tables rounded to bf16 shift every angle."""
+        mp = self.fsdp.mixed_precision
+        return None if mp is None else {"param_dtype": dtype_of(mp.get("param_dtype", self.fsdp.dtype)),
+                                        "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")),
+                                        "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32"))}
+
+    def input_device(self, model: nn.Module) -> torch.device:
+        return self.device
+
+    def all_true(self, flag: bool) -> bool:
+        return all_ranks_true(flag, self.device)
+
+    def any_true(self, flag: bool) -> bool:
+        return not all_ranks_true(not flag, self.device)
+
+    def agree_max(self, n: int) -> int:
+        count = torch.tensor([n], device=self.device)  # on the device: NCCL reduces CUDA tensors only
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_gather_if_needed(tensor, self.rank, self.world_size)
+
+    def gather_objects(self, items: list, sp_size: int = 1) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, items)
+        return [x for part in out[::sp_size] for x in part]
+
+    def barrier(self) -> None:
+        wait_for_rank0()
+
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        """Every rank runs as many forwards (synced_gpus: the original's sampling hung when ranks stopped at
+        different lengths), each through the root unit (through_root_unit), over whole prompts (Ulysses paused)."""
+        with ulysses.paused(), through_root_unit(model):
+            return model.generate(**kwargs, synced_gpus=True)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl), and comes for the step
+        to each parameter's device (CPU too, under FSDP1's CPUOffload or FSDP2's CPUOffloadPolicy)."""
+        if self.fsdp.optimizer_offload:
+            move_optimizer_state(optimizer, None)
+        optimizer.step()
+        if self.fsdp.optimizer_offload:
+            move_optimizer_state(optimizer, torch.device("cpu"))
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        # on CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu there)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available()))
+        return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
+
+    def save(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
+        """Each rank's shards (torch.distributed.checkpoint): model and optimizer in ckpt/sharded, a model without
+        an optimizer (TR-DPO's reference) in ckpt/<name>_sharded."""
+        if optimizer is not None:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(ckpt / "sharded"))
+        else:
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(ckpt / f"{name}_sharded"))
+
+    def load(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
+        if optimizer is not None:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(ckpt / f"{name}_sharded"))
+            set_model_state_dict(model, state["model"])
+
+
+class FSDP1(Sharded):
+    """FullyShardedDataParallel: the model is wrapped, each unit one FlatParameter."""
+
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True) -> nn.Module:
+        """The sharded model; `mixed_precision=False`: it computes in the dtype it was loaded in."""
+        if self.fsdp.offload_policy:
+            raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
+        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
+        if isinstance(self.blocks, tuple):
+            size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
+            head = model.get_output_embeddings()  # stays in the root unit: the tiled path reads its weight there
+            policy = lambda module, recurse, nonwrapped_numel: (  # noqa: E731
+                size_policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) and (recurse or module is not head))
+        else:
+            policy = ModuleWrapPolicy(self.blocks)
+        hybrid = self.mesh.ndim == 2 and self.mesh.shape[1] > 1
+        strategy = {(False, True): ShardingStrategy.FULL_SHARD, (False, False): ShardingStrategy.SHARD_GRAD_OP,
+                    (True, True): ShardingStrategy.HYBRID_SHARD, (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2}[hybrid, reshard_after_forward]
+        if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
+            strategy = ShardingStrategy.NO_SHARD  # fsdp_size=1: every rank holds everything
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first
+            broadcast_module(model, self.rank)
+        wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=self.device,
+                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),  # pinned memory: GPU only
+                       backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
+                       mixed_precision=MixedPrecision(**dtypes) if dtypes else None, use_orig_params=self.fsdp.use_orig_params,
+                       # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU (memory); torch
+                       # advises it off only for CPU-bound runs with low memory pressure, as gloo on CPU
+                       limit_all_gathers=on_gpu,
+                       # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
+                       sync_module_states=on_gpu, param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
+                       device_mesh=self.mesh if hybrid else None)
+        if on_gpu:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid): once more
+            for buffer in wrapped.buffers():
+                dist.broadcast(buffer, src=0)
+        if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
+            checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
+        return wrapped
+
+    def gradient_sync(self, model: nn.Module, sync: bool):
+        return contextlib.nullcontext() if sync else model.no_sync()
+
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        return model.clip_grad_norm_(max_norm).item()
+
+    def reshard(self, model: nn.Module) -> None:
+        """FSDP1 keeps the root unit's gathered parameters after a forward (for the backward), every unit's under
+        SHARD_GRAD_OP, and its next forward reuses them without gathering."""
+        for unit in FSDP.fsdp_modules(model):
+            if unit._handle is not None and unit._handle.uses_sharded_strategy:
+                unit._handle.reshard(free_unsharded_flat_param=True)
+
+
+class FSDP2(Sharded):
+    """fully_shard: the model keeps its class, its parameters become DTensors, each unit's hooks all-gather."""
+
+    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True) -> nn.Module:
+        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
+        mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+        if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:  # FSDP2 casts no buffers: once, here
+            for buffer in filter(torch.is_floating_point, model.buffers()):
+                buffer.data = buffer.data.to(dtypes["buffer_dtype"])
+        ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter
+        full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (the others: meta)
+        buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
+        if self.rank == 0:
+            model.to("meta")  # every rank shards the same empty structure, then rank 0's values are scattered
+            retie(ties)
+        if checkpoint:  # before sharding: each sharded unit is then the checkpointed block
+            checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
+        units = self.unit_modules(model)
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
+        for unit in (*units, model):  # on a 2-D mesh: replicate over the first dimension, shard over the second
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
+        model.to_empty(device="cpu" if self.fsdp.offload_policy else self.device)
+        retie(ties)  # a tied embedding must be ONE sharded Parameter on every rank
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buffer in model.named_buffers():  # non-persistent buffers (rotary tables) are not in the state dict
+            if self.rank == 0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
+        if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
+            for unit, following in zip(units, units[1:]):
+                unit.set_modules_to_forward_prefetch([following])
+        return model
+
+    def unit_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules that become units; a checkpointed block's unit is its checkpoint wrapper."""
+        if isinstance(self.blocks, tuple):
+            return size_based_modules(model, self.blocks[1])
+        blocks = tuple(self.blocks)
+        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+        return [m for m in model.modules() if (isinstance(m, blocks) and id(m) not in wrapped)
+                or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
+
+    def gradient_sync(self, model: nn.Module, sync: bool):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+    def reshard(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    @contextlib.contextmanager
+    def params_on_device(self, model: nn.Module):
+        """fsdp.param_offload: the (sharded) parameters live on CPU between steps and evaluations, as verl's (FSDP1
+        uses its own CPUOffload instead)."""
+        if self.fsdp.param_offload:
+            model.to(self.device)
+        try:
+            yield
+        finally:
+            if self.fsdp.param_offload:
+                model.to("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers of the two
+# ---------------------------------------------------------------------------------------------------------------
+def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
+    """The transformer block classes to wrap: fsdp.wrap_policy's names, else the model's _no_split_modules."""
+    names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
+    if not names:
+        candidates = sorted({type(m).__name__ for m in model.modules() if len(list(m.children())) > 1})
+        raise ValueError(f"cannot tell which blocks of {type(model).__name__} to shard: set model.block_name "
+                         f"(or fsdp.wrap_policy.transformer_layer_cls_to_wrap); candidates: {', '.join(candidates)}")
+    return {get_block_class_from_model(model, n) for n in names}
+
+
+def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """Modules to shard under a size policy, leaves first: a module is wrapped once the parameters it holds that no
+    wrapped descendant holds reach min_num_params (FSDP1's size_based_auto_wrap_policy, for FSDP2). The LM head
+    stays in the root unit: the tiled path reads its weight inside the root's forward."""
+    chosen, head = [], model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def remaining(module: nn.Module) -> int:
+        n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())
+        if module is not model and module is not head and n >= min_num_params:
+            chosen.append(module)
+            return 0
+        return n
+    remaining(model)
+    return chosen
+
+
+def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
+    """Recompute each block of class `units` in backward (NO_REENTRANT), as the original FSDPTrainer did (one process
+    too); unlike the original, a failure to apply it is an error, not a printed warning."""
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, units),
+                                   checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    n = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
+
+
+@contextlib.contextmanager
+def through_root_unit(model: nn.Module):
+    """`generate` calls the causal LM's own `self(...)`: under FSDP1 the module inside the wrapper, under LoRA (peft,
+    either strategy) the base model inside the PeftModel; either call would skip the root unit's pre-forward (the
+    all-gather of the embeddings, final norm and LM head; mixed precision's input casts). Inside this block that
+    causal LM's forward goes through the root (`model(...)`), which calls down to its class forward."""
+    inner = model.module if isinstance(model, FSDP) else model
+    lm = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    if lm is model:  # FSDP2 without LoRA: generate's call is the root's already
+        yield
+        return
+
+    def forward(*args, **kwargs):
+        del lm.forward  # the root calls down to lm's class forward this time
+        try:
+            return model(*args, **kwargs)
+        finally:
+            lm.forward = forward
+    lm.forward = forward
+    try:
+        yield
+    finally:
+        del lm.forward
+
+
+def tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) that share one Parameter (a tied embedding): `to`, `to_empty` and
+    per-module materialization give each module its own copy, `retie` restores the sharing."""
+    groups: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                groups[id(param)].append((module, name))
+    return [slots for slots in groups.values() if len(slots) > 1]
+
+
+def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every slot of each group at one Parameter: the first that has memory (else the first)."""
+    for slots in ties:
+        params = [module._parameters[name] for module, name in slots]
+        keep = next((p for p in params if not p.is_meta), params[0])
+        for module, name in slots:
+            module._parameters[name] = keep
+
+
+def broadcast_module(model: nn.Module, rank: int) -> None:
+    """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first, then
+    are re-tied: the broadcast must see the same tensors on every rank)."""
+    if rank != 0:
+        ties = tied_slots(model)
+        model.to_empty(device="cpu")
+        retie(ties)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+def materialize(device: torch.device, ties: list):
+    """FSDP1's param_init_fn, once per module of each unit: the module's meta tensors get real (uninitialized)
+    memory, sharing a tied Parameter another module already has; sync_module_states then fills them."""
+    def init(module: nn.Module) -> None:
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+        retie(ties)
+    return init
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> None:
+    """Every state tensor (not the step counters, which stay on CPU) to `device`, or with None to its parameter's."""
+    for param, state in optimizer.state.items():
+        target = param.device if device is None else device
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                # non_blocking only towards the GPU: a non-blocking copy to pageable CPU memory can be read early
+                state[key] = value.to(target, non_blocking=target.type == "cuda")
