@@ -1,14 +1,13 @@
 """The training machinery: the step, the loop, evaluation and sampling, the reference model, checkpoints.
 
-`BasicTrainer` trains in one process (several GPUs: naive model parallel through `device_map`). `FSDPTrainer` is the
-same trainer with policy and reference sharded by FSDP1 or FSDP2: every place where several processes differ from
-one (gradient sync, clipping, the non-finite decision, gathering metrics, state dicts) is a call on `self.sharding`,
-one small object picked once: `OneProcess` here, `FSDP1` or `FSDP2` in FSDPTrainer. The loop never asks which.
+`BasicTrainer` trains in one process (several GPUs: naive model parallel through `device_map`); `FSDPTrainer` is the
+same trainer with policy and reference sharded. Where several processes differ from one (gradient sync, clipping,
+the non-finite decision, gathering, state dicts) the loop calls `self.sharding`, picked once (sharding.py).
 
 A step: the rank's pairs are split into micro-batches (gradient_accumulation_steps, or groups within the token
 budget); each runs ONE policy forward over chosen and rejected concatenated (and one reference forward, or a table
-lookup), and its loss is weighted by its share of the rank's pairs, so that the summed gradient is the gradient of
-the mean loss over the whole batch; then clip, one decision on non-finite values for all ranks, step.
+lookup), its loss weighted by its share of the rank's pairs, so that the summed gradient is that of the batch's mean
+loss; then clip, one decision on non-finite values for all ranks, step.
 """
 from __future__ import annotations
 
@@ -107,13 +106,9 @@ def stop_on_signals(stop: dict):
             signal.signal(s, h)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The trainer
-# ---------------------------------------------------------------------------------------------------------------
 class BasicTrainer:
-    """The loop in one process: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint
-    cadence. The reference model (or its precomputed table, LoRA's adapters-off view, TR-DPO's updates) is
-    `self.reference`; checkpoints are written and resumed by `self.checkpoints`."""
+    """The loop: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint cadence. The
+    reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`."""
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):

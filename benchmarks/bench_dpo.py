@@ -3,7 +3,8 @@
 One run of this script builds the workload, measures this machine's fp32 matmul peak, then trains each
 variant in a fresh subprocess, alternating ours and TRL, and prints one table:
 
-    python -u benchmarks/bench_dpo.py                       # everything: ~17 min on 2 idle CPU cores
+    python -u benchmarks/bench_dpo.py                       # everything: ~17 min on 2 idle CPU cores (TRL's variants
+                                                            # are skipped when trl is not installed)
     python -u benchmarks/bench_dpo.py --which ours --rounds 1
     python -u benchmarks/bench_dpo.py --profile-only        # the one-step profile of ours, nothing else
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
@@ -32,9 +33,9 @@ Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e
   ours_best    train.py padding_free=true precompute_ref_log_probs=true tiled_lm_head=true (defaults otherwise)
   ours_padded  the same with padding_free=false                                  (P4: padding-free speedup)
   ours_online  the same with precompute_ref_log_probs=false (reference forward every step)  (P5)
-  ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch  (P6: its
-               pairs/s over ours_best's; the per-round ratios pair the runs of one round, which ran back to back)
-  ours_fsdp_consecutive  the same with balance_batch=false: each rank takes consecutive halves of the batch
+  ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch, with the
+               steps of ours_best (P6: its pairs/s over ours_best's; the per-round ratios pair the runs of one round,
+               which ran back to back)
   trl_best     DPOTrainer, precompute_ref_log_probs=True, padding_free=True (TRL 1.16 warns and falls back
                to padding: recorded), its always-on fused LM head, optim=adamw_torch_fused (its default),
                gradient_checkpointing=False (TRL's default True recomputes the forward: slower), fp32
@@ -57,6 +58,7 @@ machine (square 1024-4096, 2 threads) measured in this run. Model FLOPs count re
 attention 12 h s(s+1)/2 per layer and sequence of s tokens, plus 2 N + 4 h s(s+1)/2 per layer per
 reference token when the reference runs online (0 when precomputed). "exec" is the same with the LM head
 counted only on the positions that are scored (the response tokens), i.e. what a tiled head must compute.
+Both are this script's own count (train.py logs throughput/mfu only for GPUs of known peak).
 
 This machine may be shared: every run reports the CPU time used by other processes while it ran
 ("bg cores"), from /proc/stat minus the child's own CPU time.
@@ -98,12 +100,10 @@ OURS_VARIANTS = {
     # ours_best under FSDPTrainer (--fsdp-strategy, 2 ranks): with ours_best in --variants the two alternate, and
     # the report prints their ratio round by round (the sharding overhead on the same cores and global batch)
     "ours_fsdp": dict(padding_free=True, precompute=True, trainer="FSDPTrainer"),
-    "ours_fsdp_consecutive": dict(padding_free=True, precompute=True, trainer="FSDPTrainer", balance_batch=False),
 }
-TRL_VARIANTS = {
-    "trl_best": dict(precompute=True),
-    "trl_online": dict(precompute=False),
-}
+LONG_RUNS = ("ours_best", "ours_fsdp")  # --warmup + --steps; the other variants of ours: --aux-warmup + --aux-steps
+TRL_VARIANTS = {"trl_best": dict(precompute=True), "trl_online": dict(precompute=False)}
+PROFILE_STEPS = 4  # the profile's run: 2 untimed steps, 1 timed by phase, 1 under torch.profiler
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -162,15 +162,8 @@ def design_pairs(n_steps: int, seed: int) -> list[dict]:
 
 def our_order(n: int) -> list[list[int]]:
     """The row indices of each of our training batches (train.py seed 0, one epoch, batch 8)."""
-    sys.path.insert(0, str(REPO))
-    try:
-        from preference_datasets import iter_batch_indices
-        return list(iter_batch_indices(n, batch_size=BATCH, shuffle=True, seed=SEED, n_examples=n))
-    except Exception as e:  # the same permutation, replicated (preference_datasets.iter_batch_indices)
-        print(f"[bench] preference_datasets.iter_batch_indices unavailable ({type(e).__name__}: {e}); replicating it")
-        import numpy as np
-        order = np.random.default_rng((SEED, 0)).permutation(n)
-        return [order[i:i + BATCH].tolist() for i in range(0, n, BATCH)]
+    from preference_datasets import iter_batch_indices
+    return list(iter_batch_indices(n, batch_size=BATCH, shuffle=True, seed=SEED, n_examples=n))
 
 
 def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
@@ -232,7 +225,6 @@ def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
 def verify_our_batches(meta: dict, workdir: Path) -> str:
     """Check that our batch iterator yields the designed steps (same prompts), using a scratch cache."""
     try:
-        sys.path.insert(0, str(REPO))
         import preference_datasets as pd
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(meta["model_dir"])
@@ -320,14 +312,14 @@ def matmul_peak(seconds_per_size: float = 3.0) -> dict:
 class ChildRun:
     """Popen + timestamped output (chunks split on \\r and \\n) + wait4 rusage + background CPU."""
 
-    def __init__(self, cmd: list[str], log: Path, timeout: float, cwd: Path, env: Optional[dict] = None):
-        self.cmd, self.log_path, self.timeout, self.cwd, self.extra_env = cmd, log, timeout, cwd, env or {}
+    def __init__(self, cmd: list[str], log: Path, timeout: float):
+        self.cmd, self.log_path, self.timeout = cmd, log, timeout
         self.lines: list[tuple[float, str]] = []
 
     def run(self) -> dict:
-        env = dict(os.environ, **OFFLINE_ENV, **self.extra_env)
+        env = dict(os.environ, **OFFLINE_ENV)
         busy0, t0 = busy_seconds(), time.perf_counter()
-        p = subprocess.Popen(self.cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         timer = threading.Timer(self.timeout, lambda: p.kill())  # only our own child, by its handle
         timer.start()
         buf = b""
@@ -356,60 +348,62 @@ class ChildRun:
         rx = re.compile(pattern)
         return next((t for t, line in self.lines if rx.search(line)), None)
 
-    def last(self, pattern: str):
-        rx = re.compile(pattern)
-        return next((t for t, line in reversed(self.lines) if rx.search(line)), None)
-
     def tail(self, n: int = 25) -> str:
         return "\n".join(line for _, line in self.lines[-n:])
 
 
-def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args, n_steps: int) -> dict:
+def our_args(data: str, n_pairs: int, model_dir: str, padding_free: bool, precompute: bool, trainer: str,
+             local_dir: Path, run_dir: Path) -> list[str]:
+    """train.py's arguments for a run of ours (and the profile's trainer): DPO, AdamW, evaluation only at the end."""
+    return ["loss=dpo", f"datasets=[{data}]", f"model.name_or_path={model_dir}", "model.reference_dtype=float32",
+            f"trainer={trainer}", "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}",
+            f"max_length={MAX_LENGTH}", f"max_prompt_length={MAX_PROMPT_LENGTH}", "sample_during_eval=false",
+            "do_first_eval=false", "n_eval_examples=8", f"eval_every={BATCH * 100000}", "wandb.enabled=false",
+            "fsdp.use_torch_compile=false", "debug=true", "n_epochs=null", f"n_examples={n_pairs}", "warmup_steps=0",
+            "minimum_log_interval_secs=0", "tiled_lm_head=true", f"padding_free={str(padding_free).lower()}",
+            f"precompute_ref_log_probs={str(precompute).lower()}", f"seed={SEED}", f"local_dirs=[{local_dir}]",
+            f"run_dir={run_dir}"]
+
+
+def run_length(name: str, args) -> tuple[int, int]:
+    """(warmup, timed) steps of each run of variant `name`."""
+    if name in TRL_VARIANTS:
+        return args.trl_warmup, args.trl_steps
+    return (args.warmup, args.steps) if name in LONG_RUNS else (args.aux_warmup, args.aux_steps)
+
+
+def run_variant(name: str, meta: dict, workdir: Path, round_idx: int, args) -> dict:
+    """One run of `name` in a fresh process and a fresh runs/<name>_r<round> directory."""
     rdir = workdir / "runs" / f"{name}_r{round_idx}"
     shutil.rmtree(rdir, ignore_errors=True)
     rdir.mkdir(parents=True)
-    n = n_steps * BATCH
+    warmup, timed = run_length(name, args)
+    res = (run_trl if name in TRL_VARIANTS else run_ours)(name, meta, rdir, args, warmup + timed)
+    res.update(name=name, round=round_idx, warmup=warmup, n_steps=warmup + timed, log=str(rdir / "output.log"),
+               precompute_pairs=(warmup + timed) * BATCH)
+    return res
+
+
+def run_ours(name: str, meta: dict, rdir: Path, args, n_steps: int) -> dict:
+    spec, n = OURS_VARIANTS[name], n_steps * BATCH
     trainer = spec.get("trainer", args.trainer)
-    cmd = [sys.executable, "-u", "train.py", "loss=dpo", f"datasets=[{meta['data'][str(n_steps)]}]",
-           f"model.name_or_path={meta['model_dir']}", "model.reference_dtype=float32", f"trainer={trainer}",
-           *([f"fsdp.strategy={args.fsdp_strategy}"] if trainer == "FSDPTrainer" else []),
-           "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}", f"max_length={MAX_LENGTH}",
-           f"max_prompt_length={MAX_PROMPT_LENGTH}", "sample_during_eval=false", "do_first_eval=false",
-           "n_eval_examples=8", f"eval_every={BATCH * 100000}", "wandb.enabled=false", "fsdp.use_torch_compile=false",
-           "debug=true", "n_epochs=null", f"n_examples={n}", "warmup_steps=0", "minimum_log_interval_secs=0",
-           "tiled_lm_head=true", f"padding_free={str(spec['padding_free']).lower()}",
-           f"precompute_ref_log_probs={str(spec['precompute']).lower()}", f"seed={SEED}",
-           *(["balance_batch=false"] if spec.get("balance_batch") is False else []),
-           f"local_dirs=[{rdir / 'cache'}]", f"run_dir={rdir / 'run'}", f"exp_name={name}", *args.set]
-    child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO, env=spec.get("env"))
-    res = child.run()
-    res.update(name=name, side="ours", round=round_idx, cmd=" ".join(cmd), log=str(rdir / "output.log"),
-               precompute_pairs=n, n_steps=n_steps)
-    if res["rc"] != 0:
-        res["error"] = child.tail()
-        return res
-    # per-step end times from metrics.jsonl (exact: step / examples_per_second)
-    ends, method = [], "metrics.jsonl"
+    cmd = [sys.executable, "-u", "train.py",
+           *our_args(meta["data"][str(n_steps)], n, meta["model_dir"], spec["padding_free"], spec["precompute"], trainer,
+                     rdir / "cache", rdir / "run"),
+           *([f"fsdp.strategy={args.fsdp_strategy}"] if trainer == "FSDPTrainer" else []), f"exp_name={name}", *args.set]
+    child = ChildRun(cmd, rdir / "output.log", args.run_timeout)
+    res = dict(child.run(), side="ours", cmd=" ".join(cmd), timing_method="metrics.jsonl")
+    # per-step end times from metrics.jsonl (exact: step / examples_per_second; eval records have neither)
     mfile = rdir / "run" / "metrics.jsonl"
-    if mfile.exists():
-        for line in mfile.read_text().splitlines():
-            rec = json.loads(line)
-            if "examples_per_second" in rec and rec.get("examples_per_second"):
-                ends.append(rec["step"] / rec["examples_per_second"])
-    if len(ends) != n // BATCH:  # fallback: when each training-bar update reached us
-        method = "tqdm bar timestamps"
-        seen = {}
-        for t, line in child.lines:
-            m = re.search(r"\b(\d+)/(\d+) \[", line)
-            if m and int(m.group(2)) == n // BATCH and "pairs_per_s" in line:
-                seen.setdefault(int(m.group(1)), t)
-        ends = [seen[k] - seen.get(0, seen[min(seen)]) for k in sorted(seen) if k > 0] if seen else []
+    records = [json.loads(line) for line in mfile.read_text().splitlines()] if mfile.exists() else []
+    ends = [r["step"] / r["examples_per_second"] for r in records if r.get("examples_per_second")]
+    if res["rc"] != 0 or len(ends) != n_steps:
+        res["error"] = f"{len(ends)} of {n_steps} steps in {mfile}\n{child.tail()}"
+        return res
     res["step_times"] = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
-    res["timing_method"] = method
-    # reference precompute pass: timestamps of our tqdm bars (train split only, then with the eval split)
-    t_train = child.first(r"reference log-probs( of train|.*\(train\))")
-    t_test = child.first(r"reference log-probs( of test|.*\(test\))")
-    t_done = child.first(r"reference log-probs (precomputed|ready)")
+    # the reference precompute pass, from our progress lines: the train split, then the eval split
+    t_train, t_test = child.first(r"reference log-probs of train"), child.first(r"reference log-probs of test")
+    t_done = child.first(r"reference log-probs ready")
     if t_train is not None and t_test is not None:
         res["precompute_train_s"] = t_test - t_train
     if t_train is not None and t_done is not None:
@@ -418,18 +412,13 @@ def run_ours(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, a
     return res
 
 
-def run_trl(name: str, spec: dict, meta: dict, workdir: Path, round_idx: int, args, n_steps: int) -> dict:
-    rdir = workdir / "runs" / f"{name}_r{round_idx}"
-    shutil.rmtree(rdir, ignore_errors=True)
-    rdir.mkdir(parents=True)
-    child_spec = dict(spec, model_dir=meta["model_dir"], data=meta["data_in_step_order"][str(n_steps)], out=str(rdir),
+def run_trl(name: str, meta: dict, rdir: Path, args, n_steps: int) -> dict:
+    child_spec = dict(TRL_VARIANTS[name], model_dir=meta["model_dir"], data=meta["data_in_step_order"][str(n_steps)], out=str(rdir),
                       max_steps=n_steps, optim=args.trl_optim,
                       gradient_checkpointing=args.trl_gradient_checkpointing, padding_free=args.trl_padding_free)
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--_child", "trl", "--_spec", json.dumps(child_spec)]
-    child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
-    res = child.run()
-    res.update(name=name, side="trl", round=round_idx, log=str(rdir / "output.log"), precompute_pairs=n_steps * BATCH,
-               n_steps=n_steps, cmd=" ".join(cmd[:4]) + " '<spec>'", spec=child_spec)
+    child = ChildRun(cmd, rdir / "output.log", args.run_timeout)
+    res = dict(child.run(), side="trl", cmd=" ".join(cmd[:4]) + " '<spec>'", spec=child_spec)
     out = rdir / "result.json"
     if res["rc"] != 0 or not out.exists():
         res["error"] = child.tail()
@@ -500,7 +489,7 @@ def trl_child(spec: dict) -> None:
     if spec["padding_free"] and not getattr(trainer, "padding_free", False):
         notes.append("TRL padding_free=True was turned off by DPOTrainer (falls back to padding)")
     notes.append(f"TRL optimizer: {spec['optim']}; gradient_checkpointing={spec['gradient_checkpointing']}; "
-                 f"fused LM head: {'always on in TRL 1.16 (add_fused_lm_head)'}")
+                 "fused LM head: always on in TRL 1.16 (add_fused_lm_head)")
     notes.append(f"TRL model.is_gradient_checkpointing={getattr(trainer.model, 'is_gradient_checkpointing', '?')}, "
                  f"attn_implementation={trainer.model.config._attn_implementation}, precompute={spec['precompute']}")
     startup = time.perf_counter() - t_start
@@ -520,63 +509,54 @@ def profile_child(spec: dict) -> None:
     """Builds our trainer as train.py does, runs 2 steps, then times one step by phase (wall clock) and
     profiles one more with torch.profiler for the LM head, attention and matmul shares."""
     import tempfile
-    sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     from torch.profiler import ProfilerActivity, profile, record_function
-    import losses
+    import logps
     import trainers
     from config import load_config
     from train import load_models
     from utils import seed_everything
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_profile_"))
-    argv = ["loss=dpo", f"datasets=[{spec['data']}]", f"model.name_or_path={spec['model_dir']}",
-            "model.reference_dtype=float32", "trainer=BasicTrainer", "optimizer=AdamW", f"batch_size={BATCH}",
-            f"eval_batch_size={BATCH}", f"max_length={MAX_LENGTH}", f"max_prompt_length={MAX_PROMPT_LENGTH}",
-            "sample_during_eval=false", "do_first_eval=false", "n_eval_examples=8", f"eval_every={BATCH * 100000}",
-            "wandb.enabled=false", "fsdp.use_torch_compile=false", "debug=true", "n_epochs=null",
-            f"n_examples={spec['n_pairs']}", "warmup_steps=0", "minimum_log_interval_secs=0", "tiled_lm_head=true",
-            f"padding_free={str(spec['padding_free']).lower()}", "precompute_ref_log_probs=true",
-            f"local_dirs=[{tmp}]", f"run_dir={tmp / 'run'}"]
-    cfg, _ = load_config(argv)
+    cfg, _ = load_config(our_args(spec["data"], spec["n_pairs"], spec["model_dir"], spec["padding_free"], True,
+                                  "BasicTrainer", tmp, tmp / "run"))
     seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     tokenizer, policy, reference = load_models(cfg)
-    trainer = trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference,
-                                    tokenizer=tokenizer)
+    trainer = trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference, tokenizer=tokenizer)
     trainer.build_optimizer()
-    trainer.precompute_reference()
+    trainer.reference.precompute()
     batches = trainer.train_batches()
 
-    # wrap the tiled LM head so its forward shows as one range
-    original_head = losses.linear_token_logps
+    # wrap the tiled LM head (looked up in logps at each forward_logps) so that its forward shows as one range
+    original_head = logps.linear_token_logps
 
     def head(*a, **kw):
         with record_function("lm_head.forward"):
             return original_head(*a, **kw)
 
-    losses.linear_token_logps = head
+    logps.linear_token_logps = head
 
-    def step(batch, timers=None):
+    def step(batch):  # BasicTrainer.train_step's phases for one micro-batch, timed apart
         trainer.policy.train()
         t0 = time.perf_counter()
         with record_function("phase.forward"):
-            loss, _ = trainer.get_batch_metrics(batch, "train")
+            loss, _ = trainer.batch_metrics(batch, "train")
         t1 = time.perf_counter()
         with record_function("phase.backward"):
             loss.backward()
         t2 = time.perf_counter()
         with record_function("phase.clip"):
-            trainer.clip_gradient()
+            trainer.sharding.clip(trainer.policy, cfg.max_grad_norm)
         t3 = time.perf_counter()
         with record_function("phase.optimizer"):
-            trainer.optimizer.step()
+            trainer.sharding.step(trainer.optimizer)
             trainer.optimizer.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         return dict(forward=t1 - t0, backward=t2 - t1, clip=t3 - t2, optimizer=t4 - t3, total=t4 - t0)
 
     step(next(batches))  # warmup (allocates the optimizer state)
     step(next(batches))
-    walls = [step(next(batches)) for _ in range(spec.get("timed", 2))]
+    walls = [step(next(batches)) for _ in range(PROFILE_STEPS - 3)]
     wall = {k: statistics.mean(w[k] for w in walls) for k in walls[0]}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         prof_wall = step(next(batches))
@@ -606,13 +586,12 @@ def profile_child(spec: dict) -> None:
 
 
 def run_profile(meta: dict, workdir: Path, args) -> dict:
-    k = args.aux_warmup + args.aux_steps
-    spec = dict(model_dir=meta["model_dir"], data=meta["data"][str(k)], n_pairs=k * BATCH, padding_free=True,
-                timed=max(1, k - 3))
+    spec = dict(model_dir=meta["model_dir"], data=meta["data"][str(PROFILE_STEPS)], n_pairs=PROFILE_STEPS * BATCH,
+                padding_free=True)
     rdir = workdir / "runs" / "profile"
     rdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--_child", "profile", "--_spec", json.dumps(spec)]
-    child = ChildRun(cmd, rdir / "output.log", args.run_timeout, REPO)
+    child = ChildRun(cmd, rdir / "output.log", args.run_timeout)
     res = child.run()
     for _, line in child.lines:
         if line.startswith("PROFILE_RESULT "):
@@ -670,6 +649,39 @@ def fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def succeeded(summary: dict, name: str) -> Optional[dict]:
+    """The summary of variant `name`; None when it was not run or failed."""
+    s = summary.get(name)
+    return s if s and "error" not in s else None
+
+
+def goals(summary: dict) -> list[tuple[str, float, str, Optional[bool]]]:
+    """(label, value, goal, met) of each goal the summary can answer; met None: information only."""
+    g = lambda name: succeeded(summary, name)  # noqa: E731
+    rows = []
+    if g("ours_best") and g("trl_best"):
+        r = g("ours_best")["pairs_s"] / g("trl_best")["pairs_s"]
+        rows.append(("P1 throughput ours_best / trl_best", r, ">= 2.0x", r >= 2.0))
+        m = g("ours_best")["peak_rss_gib"] / g("trl_best")["peak_rss_gib"]
+        rows.append(("P2 peak RSS ours_best / trl_best", m, "<= 0.6x", m <= 0.6))
+    if g("ours_best"):
+        rows.append(("P3 MFU ours_best (model FLOPs)", g("ours_best")["mfu"], ">= 40%", g("ours_best")["mfu"] >= 0.40))
+    if g("ours_best") and g("ours_padded"):
+        r = g("ours_best")["pairs_s"] / g("ours_padded")["pairs_s"]
+        rows.append(("P4 padding-free / padded (ours)", r, ">= 1.5x", r >= 1.5))
+    if g("ours_best") and g("ours_online"):
+        r = g("ours_best")["pairs_s"] / g("ours_online")["pairs_s"]
+        rows.append(("P5 precomputed / online reference (ours)", r, ">= 1.25x", r >= 1.25))
+    if g("ours_best") and g("ours_fsdp"):  # per round: the runs of one round ran back to back
+        r = g("ours_best")["s_step_median"] / g("ours_fsdp")["s_step_median"]
+        rounds = [f"{a / b:.2f}x" for a, b in zip(g("ours_best")["per_round"], g("ours_fsdp")["per_round"])]
+        rows.append((f"P6 ours_fsdp / ours_best pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
+    if g("trl_best") and g("trl_online"):
+        r = g("trl_best")["pairs_s"] / g("trl_online")["pairs_s"]
+        rows.append(("(TRL precomputed / online)", r, "info", None))
+    return rows
+
+
 def report(summary: dict, meta: dict, machine: dict, args, started: float, profile: dict | None) -> str:
     lines = []
     add = lines.append
@@ -693,12 +705,12 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
         f"{meta['n_params'] / 1e6:.2f}M params, fp32; batch {BATCH} pairs, max_length {MAX_LENGTH}; AdamW")
     add(f"data: {meta['n_pairs']} pairs, every step {SHORT_PER_STEP} short + {LONG_PER_STEP} long pairs; step 0: {f0['tokens']} real tokens "
         f"in 16 sequences (padded: {f0['padded_slots']} slots, {f0['padded_slots'] / f0['tokens']:.2f}x), {f0['scored']} scored")
-    add(f"steps (warmup+timed): ours_best {args.warmup}+{args.steps}, TRL {args.trl_warmup}+{args.trl_steps}, "
+    add(f"steps (warmup+timed): ours_best/ours_fsdp {args.warmup}+{args.steps}, TRL {args.trl_warmup}+{args.trl_steps}, "
         f"ours_padded/online {args.aux_warmup}+{args.aux_steps}; {args.rounds} round(s), order {' > '.join(args.order)}; "
         f"s/step = median of the pooled timed steps (mean in brackets)")
     add(f"our trainer: {args.trainer}" + (f" ({args.fsdp_strategy}, 2 ranks)" if args.trainer == "FSDPTrainer" else " (one process)")
-        + (f"; overrides {' '.join(args.set)}" if args.set else "")
-        + "".join(f"; {k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith(("MALLOC_", "OMP_", "GLIBC_TUNABLES"))))
+        + (f"; ours_fsdp: FSDPTrainer ({args.fsdp_strategy}, 2 ranks)" if "ours_fsdp" in summary else "")
+        + (f"; overrides {' '.join(args.set)}" if args.set else ""))
     add("-" * 110)
     add(f"{'variant':<12} {'pairs/s':>8} {'s/step':>15} {'min-max':>12} {'tok/s':>7} {'peakRSS GiB':>11} {'MFU':>6} {'MFU exec':>8} "
         f"{'precomp pairs/s':>15} {'bg cores':>12}  per-run s/step")
@@ -711,31 +723,8 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
             f"{s['mfu'] * 100:>5.1f}% {s['mfu_exec'] * 100:>7.1f}% {fmt(s['precompute_pairs_s'], '.2f'):>15} "
             f"{','.join(str(b) for b in s['bg_cores']):>12}  {s['per_round']}")
     add("-" * 110)
-    g = lambda n: summary.get(n) if summary.get(n) and "error" not in summary.get(n) else None  # noqa: E731
-    rows = []
-    if g("ours_best") and g("trl_best"):
-        r = g("ours_best")["pairs_s"] / g("trl_best")["pairs_s"]
-        rows.append(("P1 throughput ours_best / trl_best", r, ">= 2.0x", r >= 2.0))
-        m = g("ours_best")["peak_rss_gib"] / g("trl_best")["peak_rss_gib"]
-        rows.append(("P2 peak RSS ours_best / trl_best", m, "<= 0.6x", m <= 0.6))
-    if g("ours_best"):
-        rows.append(("P3 MFU ours_best (model FLOPs)", g("ours_best")["mfu"], ">= 40%", g("ours_best")["mfu"] >= 0.40))
-    if g("ours_best") and g("ours_padded"):
-        r = g("ours_best")["pairs_s"] / g("ours_padded")["pairs_s"]
-        rows.append(("P4 padding-free / padded (ours)", r, ">= 1.5x", r >= 1.5))
-    if g("ours_best") and g("ours_online"):
-        r = g("ours_best")["pairs_s"] / g("ours_online")["pairs_s"]
-        rows.append(("P5 precomputed / online reference (ours)", r, ">= 1.25x", r >= 1.25))
-    # per round: the runs of one round ran back to back
-    for fsdp, one in (("ours_fsdp", "ours_best"), ("ours_fsdp_consecutive", "ours_best")):
-        if g(one) and g(fsdp):
-            r = g(one)["s_step_median"] / g(fsdp)["s_step_median"]
-            rounds = [f"{a / b:.2f}x" for a, b in zip(g(one)["per_round"], g(fsdp)["per_round"])]
-            rows.append((f"P6 {fsdp} / {one} pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
-    if g("trl_best") and g("trl_online"):
-        r = g("trl_best")["pairs_s"] / g("trl_online")["pairs_s"]
-        rows.append(("(TRL precomputed / online)", r, "info", None))
-    for label, value, goal, met in rows:
+    g = lambda name: succeeded(summary, name)  # noqa: E731
+    for label, value, goal, met in goals(summary):
         shown = f"{value * 100:.1f}%" if "MFU" in label else f"{value:.2f}x"
         add(f"{label:<45} {shown:>8}   goal {goal:<9} {'' if met is None else ('MET' if met else 'MISSED')}")
     if g("trl_best") and g("trl_best").get("compute_s_median") is not None:
@@ -800,12 +789,13 @@ def main() -> int:
     ap.add_argument("--which", choices=("all", "ours", "trl"), default="all")
     ap.add_argument("--trainer", choices=("BasicTrainer", "FSDPTrainer"), default="BasicTrainer",
                     help="our trainer: FSDPTrainer starts 2 ranks on CPU (n_workers), the same global batch of 8 pairs")
-    ap.add_argument("--fsdp-strategy", choices=("fsdp", "fsdp2"), default="fsdp2", help="with --trainer FSDPTrainer")
+    ap.add_argument("--fsdp-strategy", choices=("fsdp", "fsdp2"), default="fsdp2",
+                    help="the FSDP of ours_fsdp, and of every run of ours with --trainer FSDPTrainer")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override added to every run of ours (e.g. fsdp.reshard_after_forward=false)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated subset/extension of ours_best,ours_padded,ours_online,ours_fsdp,ours_fsdp_consecutive,trl_best,trl_online "
-                         "(default: all but trl_online, filtered by --which)")
+                    help=f"comma-separated subset/extension of {','.join([*OURS_VARIANTS, *TRL_VARIANTS])} "
+                         "(default: all but ours_fsdp and trl_online, filtered by --which)")
     ap.add_argument("--workdir", default="/tmp/bench_dpo", help="model, tokenizer, data and every run's logs")
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
                     help="one-step profile of ours_best: auto = when a goal is missed")
@@ -834,7 +824,7 @@ def main() -> int:
     started = time.perf_counter()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    sizes = [args.warmup + args.steps, args.trl_warmup + args.trl_steps, args.aux_warmup + args.aux_steps]
+    sizes = [PROFILE_STEPS, *(sum(run_length(n, args)) for n in (*OURS_VARIANTS, *TRL_VARIANTS))]
     meta = build_workload(workdir, max(sizes), sizes)
     print(f"[bench] workload in {workdir}: {meta['n_pairs']} pairs, {meta['n_params'] / 1e6:.2f}M params; "
           f"{verify_our_batches(meta, workdir)}", flush=True)
@@ -850,9 +840,15 @@ def main() -> int:
 
     if args.variants:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [n for n in names if n not in OURS_VARIANTS and n not in TRL_VARIANTS]
+        if unknown:
+            ap.error(f"unknown variant(s) {unknown}; known: {[*OURS_VARIANTS, *TRL_VARIANTS]}")
     else:
         names = [n for n in ("ours_best", "trl_best", "ours_padded", "ours_online")
                  if args.which == "all" or n.startswith(args.which)]
+    if machine["trl"] == "not installed" and any(n in TRL_VARIANTS for n in names):
+        print(f"[bench] trl is not installed: skipping {[n for n in names if n in TRL_VARIANTS]}", flush=True)
+        names = [n for n in names if n not in TRL_VARIANTS]
     # alternating: ours_best, TRL, the other variants of ours, (next round), then ours_best once more
     runs: dict[str, list[dict]] = {n: [] for n in names}
     order = [(r, n) for r in range(args.rounds) for n in names]
@@ -862,16 +858,7 @@ def main() -> int:
     for r, name in order:
         t = time.perf_counter()
         waited, bg_before = wait_for_quiet(args.idle_wait)
-        if name in ("ours_best", "ours_fsdp", "ours_fsdp_consecutive"):
-            res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.warmup + args.steps)
-            res["warmup"] = args.warmup
-        elif name in OURS_VARIANTS:
-            res = run_ours(name, OURS_VARIANTS[name], meta, workdir, r, args, args.aux_warmup + args.aux_steps)
-            res["warmup"] = args.aux_warmup
-        else:
-            res = run_trl(name, TRL_VARIANTS[name], meta, workdir, r, args, args.trl_warmup + args.trl_steps)
-            res["warmup"] = args.trl_warmup
-        res.update(idle_waited_s=waited, bg_cores_before=bg_before)
+        res = dict(run_variant(name, meta, workdir, r, args), idle_waited_s=waited, bg_cores_before=bg_before)
         runs[name].append(res)
         steps = res.get("step_times") or []
         print(f"[bench] round {r} {name}: rc {res['rc']}, {time.perf_counter() - t:.0f} s (waited {waited:.0f} s for "
@@ -885,16 +872,7 @@ def main() -> int:
     machine["peak"]["peak"] = peak
     summary = {n: summarize(n, runs[n], meta, peak, args.max_bg) for n in names}
 
-    missed = False
-    s = summary
-    if "ours_best" in s and "error" not in s["ours_best"]:
-        missed = s["ours_best"]["mfu"] < 0.40
-        if "trl_best" in s and "error" not in s["trl_best"]:
-            missed |= s["ours_best"]["pairs_s"] / s["trl_best"]["pairs_s"] < 2.0
-            missed |= s["ours_best"]["peak_rss_gib"] / s["trl_best"]["peak_rss_gib"] > 0.6
-        for other, goal in (("ours_padded", 1.5), ("ours_online", 1.25)):
-            if other in s and "error" not in s[other]:
-                missed |= s["ours_best"]["pairs_s"] / s[other]["pairs_s"] < goal
+    missed = any(met is False for label, _, _, met in goals(summary) if not label.startswith("P6"))  # P1-P5: ours_best
     prof = None
     if args.profile == "always" or (args.profile == "auto" and missed and "ours_best" in names):
         print("[bench] profiling one step of ours_best", flush=True)

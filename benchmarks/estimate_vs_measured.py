@@ -10,7 +10,7 @@ max_length (the estimate's worst case is then the actual case). A run's memory i
 RSS after every import and a warm-up step on the 2 MB toy model (one-time costs of the libraries, ~120 MB
 whatever the model size, belong to no estimate), before anything of the run is built. The estimate is computed from the config and config.json
 alone, as `--estimate` does. debug=true: no checkpoints are written (their serialization is not a training
-phase); peak_tflops is given so the matmul probe of the MFU metric allocates nothing; torch.compile is off.
+phase); torch.compile is off.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ MODELS = {  # name: Llama-style geometry (the toy tokenizer's 512 ids are a subs
     "llama-21M": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8, vocab_size=8192),
 }
 COMMON = ["datasets=[{data}/{{split}}.jsonl]", "optimizer=AdamW", "warmup_steps=0", "lr=1e-5", "debug=true",
-          "do_first_eval=false", "sample_during_eval=false", "peak_tflops=1", "fsdp.use_torch_compile=false",
+          "do_first_eval=false", "sample_during_eval=false", "fsdp.use_torch_compile=false",
           "wandb.enabled=false", "n_epochs=null", "model.reference_dtype=float32", "minimum_log_interval_secs=0"]
 CONFIGS = [  # (model, arguments): model size, batch, length, checkpointing, FSDP, precomputed reference, accumulation
     ("llama-4M", ["loss=sft", "batch_size=4", "max_length=256"]),
@@ -98,6 +98,7 @@ def worker(args: list[str], out: str) -> None:
     import torch  # noqa: F401  everything the run imports, before the baseline
     import transformers  # noqa: F401
 
+    import logps
     import losses  # noqa: F401
     import train
     import trainers  # noqa: F401
@@ -107,10 +108,10 @@ def worker(args: list[str], out: str) -> None:
     import gc
     model = transformers.AutoModelForCausalLM.from_pretrained(REPO / "toy/tiny-llama")
     inputs = {"chosen_input_ids": torch.randint(0, 512, (2, 16))}
-    inputs = trainers.concatenated_inputs({**inputs, "chosen_attention_mask": torch.ones(2, 16, dtype=torch.long),
-                                           "chosen_labels": inputs["chosen_input_ids"].clone()})
+    inputs = logps.concatenated_inputs({**inputs, "chosen_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                                        "chosen_labels": inputs["chosen_input_ids"].clone()})
     opt = torch.optim.AdamW(model.parameters())
-    trainers.forward_logps(model, inputs, tiled=True, entropy={})[0].sum().backward()
+    logps.forward_logps(model, inputs, tiled=True, entropy={})[0].sum().backward()
     opt.step()
     del model, opt, inputs
     gc.collect()

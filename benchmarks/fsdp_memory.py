@@ -2,8 +2,8 @@
 
 Each variant runs in a fresh pair of gloo ranks (torch.multiprocessing.spawn). Every rank builds the same
 random Llama-style model (hidden --hidden, --layers layers, untied head, vocab --vocab, fp32), shards each block
-and then the root with fully_shard (as trainers.FSDP2 does), and runs ONE forward + backward of the sum of
-sequence log-probs through trainers.forward_logps, the trainers' one log-prob path (under FSDP it is the root
+and then the root with fully_shard (as sharding.FSDP2 does), and runs ONE forward + backward of the sum of
+sequence log-probs through logps.forward_logps, the trainers' one log-prob path (under FSDP it is the root
 unit's forward). Each rank holds --rows sequences of --length tokens, the first --prompt of each unscored (as a
 DPO prompt).
 
@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
-import trainers  # noqa: E402
+import logps  # noqa: E402
 from utils import get_open_port  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def join_two_ranks(rank: int, port: int) -> None:
 
 def random_llama(vocab: int, hidden: int, layers: int, length: int, heads: int = 8, install=None):
     """The same random fp32 Llama on every rank (untied head, sdpa), `install(model)` applied before sharding,
-    then each block and the root fully_shard-ed over the ranks, as trainers.FSDP2 does."""
+    then each block and the root fully_shard-ed over the ranks, as sharding.FSDP2 does."""
     import transformers
     from torch.distributed.fsdp import fully_shard
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
@@ -65,17 +65,17 @@ def pair_rows(seed: int, rows: int, length: int, vocab: int, prompt: int) -> dic
     """`rows` random full-length sequences, the first `prompt` tokens of each unscored."""
     ids = torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
     labels = ids.clone()
-    labels[:, :prompt] = -100
+    labels[:, :prompt] = logps.IGNORE_INDEX
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
 def measured_step(model, inputs: dict, **options) -> tuple[torch.Tensor, dict]:
-    """One forward + backward of the mean log-probs through trainers.forward_logps; returns them and the step's
+    """One forward + backward of the mean log-probs through logps.forward_logps; returns them and the step's
     memory: VmHWM reset through /proc/self/clear_refs first, peak = VmHWM - VmRSS before (GiB), and its seconds."""
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = status_kib("VmRSS")
     start = time.time()
-    sums, counts, _ = trainers.forward_logps(model, inputs, **options)
+    sums, counts, _ = logps.forward_logps(model, inputs, **options)
     (sums / counts).sum().backward()
     seconds = time.time() - start
     peak = status_kib("VmHWM") - base

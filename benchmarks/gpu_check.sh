@@ -9,8 +9,9 @@
 #   bash benchmarks/gpu_check.sh --cpu           # the script's own check on CPU: tiny Llama, 1 process + 2 gloo ranks
 #
 # Environment: ARCHS ("gpt2 llama qwen2"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS (the GPU's bf16
-# matmul peak for MFU, e.g. 989 for an H100 SXM; unset = measured by each run), WORK (a temporary directory),
-# RUN_TIMEOUT (seconds per run, 900), ONLY (a regular expression: run only the settings whose name matches it).
+# matmul peak for MFU, e.g. 989 for an H100 SXM; unset = trainers.PEAK_TFLOPS's entry for a known GPU, else MFU
+# shows "-"), WORK (a temporary directory), RUN_TIMEOUT (seconds per run, 900), ONLY (a regular expression: run
+# only the settings whose name matches it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,7 +1,8 @@
 """The helper benchmarks/gpu_check.sh calls: build small random models, summarize a run.
 
     python benchmarks/gpu_models.py build OUT_DIR [--size tiny|small]   # prints "name<TAB>path" per model
-    python benchmarks/gpu_models.py summarize RUN_DIR                   # prints "pairs/s<TAB>MFU" (median of steps)
+    python benchmarks/gpu_models.py summarize RUN_DIR                   # prints "pairs/s<TAB>MFU" (median of steps;
+                                                                        # MFU "-" where the run logged none)
 
 Models are built offline from transformers config classes, with random weights and the toy tokenizer's vocabulary
 (512), one per architecture family whose quirks break distributed code: GPT-2 (tied embeddings, learned positions,
@@ -51,7 +52,8 @@ def build(out: Path, size: str) -> None:
 
 
 def summarize(run_dir: Path) -> int:
-    """Median pairs/s and MFU over the training steps after the first (warm-up, compilation, allocator)."""
+    """Median pairs/s and MFU over the training steps after the first (warm-up, compilation, allocator). train.py
+    logs throughput/mfu only with peak_tflops or on a GPU in trainers.PEAK_TFLOPS: otherwise MFU is "-"."""
     path = run_dir / "metrics.jsonl"
     steps = [r for r in map(json.loads, path.read_text().splitlines())
              if "throughput/pairs_per_second" in r] if path.exists() else []
@@ -60,8 +62,8 @@ def summarize(run_dir: Path) -> int:
         print(f"no finite training step in {path}", file=sys.stderr)
         return 1
     pairs = statistics.median(r["throughput/pairs_per_second"] for r in steps)
-    mfu = statistics.median(r["throughput/mfu"] for r in steps)
-    print(f"{pairs:.2f}\t{100 * mfu:.2f}%")
+    mfu = [r["throughput/mfu"] for r in steps if r.get("throughput/mfu") is not None]
+    print(f"{pairs:.2f}\t" + (f"{100 * statistics.median(mfu):.2f}%" if mfu else "-"))
     return 0
 
 

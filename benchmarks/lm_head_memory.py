@@ -1,10 +1,11 @@
-"""Peak memory and time of the LM head + label log-probs: tiled (losses.linear_token_logps) vs plain.
+"""Peak memory and time of the LM head + label log-probs: tiled (logps.linear_token_logps) vs plain.
 
 Measures forward + backward of `sum of label log-probs` of N already-selected positions through an
 LM head weight (V, H), hidden and weight both requiring grad (the weight gradient (V, H) is made by
 both variants, so it is in both peaks).
   plain: logits = hidden @ W.T (N, V), then log_softmax and gather in fp32.
-  tiled: linear_token_logps, `chunk_size` rows at a time; never holds (N, V).
+  tiled: linear_token_logps, `chunk_size` rows at a time (default: logps.head_tile_rows, as training uses);
+         never holds (N, V).
 Default: N = 4096 positions, H = 512, V = 32000 (Llama 2), fp32, i.e. 0.49 GiB of logits.
 
     python benchmarks/lm_head_memory.py                              # the default shape, ~1 min on 2 cores
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: import logps_memory
 
 from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
-from losses import linear_token_logps  # noqa: E402
+from logps import head_tile_rows, linear_token_logps  # noqa: E402
 
 
 def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
@@ -113,11 +114,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--chunk-size", type=int, default=1024, help="rows per tile (losses' default)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="rows per tile; default: logps.head_tile_rows")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls; the fastest is reported")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.chunk_size is None:
+        args.chunk_size = head_tile_rows(args.vocab, getattr(torch, args.dtype))
     if args.child:
         measure_cpu_child(args)
         return

@@ -1,4 +1,4 @@
-"""Peak memory of losses.per_token_logps (chunked) against the plain fp32 log_softmax gather.
+"""Peak memory of logps.target_logps (chunked) against the plain fp32 log_softmax gather.
 
 Measures forward + backward of `sum of label log-probs` on bf16 logits that require grad, the
 realistic case (the lm_head output of a bf16 model). Default: 8 sequences x 1024 tokens, vocab
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import losses
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import logps
 
-from losses import per_token_logps  # noqa: E402
+from logps import IGNORE_INDEX, target_logps  # noqa: E402
 
 GIB = 2**30
 
@@ -38,13 +38,15 @@ GIB = 2**30
 def plain_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The textbook path: fp32 copy of the logits, full log_softmax, gather. Shape (B, T-1)."""
     labels = labels[:, 1:]
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     logps = logits[:, :-1].float().log_softmax(-1)
     return logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
 
 
 def chunked_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return per_token_logps(logits, labels)[0]
+    """The same log-probs through target_logps: targets shifted (position t's target is labels[t+1]), the logits
+    whole (a [:, :-1] slice would make target_logps copy them); the last position is unscored. Shape (B, T)."""
+    return target_logps(logits, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
 
 
 VARIANTS = {"plain": plain_logps, "chunked": chunked_logps}
@@ -56,7 +58,7 @@ def make_inputs(args, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.empty(args.seqs, args.tokens, args.vocab, dtype=getattr(torch, args.dtype), device=device)
     logits.normal_(generator=gen).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.seqs, args.tokens), generator=gen, device=device)
-    labels[:, : args.tokens // 4] = -100  # a prompt: the first quarter of each sequence is not scored
+    labels[:, : args.tokens // 4] = IGNORE_INDEX  # a prompt: the first quarter of each sequence is not scored
     return logits, labels
 
 

@@ -164,6 +164,8 @@ def test_aliases_resolve_in_both_directions():
     assert cfg.fsdp.seed == 5
     cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"])  # same knob, same value
     assert cfg.fsdp.model_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="set the same knob"):  # a block class and a size policy: no longer one dropped silently
+        load_config(["trainer=FSDPTrainer", "model.block_name=Block", "fsdp.wrap_policy={min_num_params: 1000}"])
 
 
 def test_exp_name_is_derived_when_null():
@@ -194,6 +196,13 @@ def test_bad_config_is_reported_with_key_value_and_expectation(args, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(args)
     assert fragment in str(info.value)
+
+
+def test_a_required_value_is_one_problem_naming_the_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=blank_model"])
+    assert info.value.problems == [f"{k}: a value is required (set it on the command line: {k}=...)"
+                                   for k in ("model.name_or_path", "model.block_name")]
 
 
 def test_there_are_at_least_twenty_bad_configs():
@@ -233,9 +242,9 @@ def test_help_lists_every_field_of_every_config_class_without_importing_torch():
 
 def test_loss_names_known_to_config_are_the_registered_losses():
     import losses
-    assert config._single_losses() == sorted(losses.LOSSES)
-    with pytest.raises(ConfigError, match="loss.name='mpo': unknown loss"):
+    with pytest.raises(ConfigError, match="loss.name='mpo': unknown loss") as info:
         load_config(["loss.name=mpo"])
+    assert f"expected one of {', '.join(sorted(losses.LOSSES))};" in str(info.value)
     cfg, _ = load_config(["loss=mpo"])  # the preset is a mixture of registered losses
     assert cfg.loss_names == ["dpo", "bco_pair", "sft"]
 

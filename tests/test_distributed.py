@@ -111,6 +111,8 @@ def node_local_cache(rank: int, out: Path) -> dict:
 
 
 def worker(rank, world_size, ports, out_dir):
+    from datetime import timedelta
+    utils.RANK0_WORK_TIMEOUT = timedelta(seconds=300)  # a rank left alone by a failed peer ends the test, not CI
     out = Path(out_dir)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}

@@ -647,10 +647,10 @@ BAD_CASES = {
     "mixed_forms.jsonl": ["mix strings and message lists", "prompt=string, chosen=list"],
     "unknown_role.jsonl": ["field 'prompt' message 0", "unknown role 'human'", "did you mean 'user'"],
     "role_not_string.jsonl": ["'role': expected a string", "got number 1"],
-    "message_missing_role.jsonl": ["field 'prompt' message 0", "missing 'role'"],
-    "message_missing_content.jsonl": ["field 'chosen' message 0", "missing 'content'"],
+    "message_missing_role.jsonl": ["field 'prompt' message 0", "missing field 'role'"],
+    "message_missing_content.jsonl": ["field 'chosen' message 0", "missing field 'content'"],
     "message_content_not_string.jsonl": ["'content': expected a string", "got list"],
-    "message_not_object.jsonl": ["message 0", "expected an object with role and content", "got string"],
+    "message_not_object.jsonl": ["message 0", "expected a JSON object with fields role, content", "got string"],
     "chat_prompt_empty.jsonl": ["field 'prompt'", "empty list"],
     "chat_chosen_empty.jsonl": ["field 'chosen'", "expected one assistant message", "got 0 messages"],
     "chat_reply_not_assistant.jsonl": ["field 'chosen'", "role 'assistant'", "got role 'user'"],
@@ -664,7 +664,7 @@ BAD_CASES = {
     "item_missing_field.json": ["item 2", "missing field 'rejected'"],
     "wrong_extension.csv": ["expected a .jsonl or .json file", "'.csv'"],
     "hh_missing_rejected.jsonl": ["line 2", "missing field 'rejected'", "Anthropic HH fields chosen, rejected"],
-    "hh_then_pairs.jsonl": ["line 2", "first row has the Anthropic HH {chosen, rejected} transcript shape"],
+    "hh_then_pairs.jsonl": ["line 2", "first row has the Anthropic HH {chosen, rejected} shape"],
     "shp_labels_not_binary.jsonl": ["line 1", "field 'labels'", "expected 0 or 1"],
     "ultrafeedback_reply_not_assistant.jsonl": ["line 2", "field 'rejected'", "last message must be the assistant"],
 }
@@ -765,6 +765,20 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
     with pytest.raises(pd.DataError, match="holds pairs"):
         pd.validate_sources(["toy"], unpaired=True)
     pd.validate_sources(["kto_mix"], unpaired=True)  # a hub source known to be unpaired
+
+
+def test_se_holds_out_the_first_percent_of_its_shuffled_train_split_as_test(tmp_path):
+    """stack-exchange-preferences has only a train split: as the original, shuffled with seed 42, its first 1% is
+    'test' and the rest 'train' (fetch_hub's held_out, the SE source's fetch); here on a local copy, no network."""
+    import datasets
+    rows = [{"question": f"q{i}", "answers": [{"text": "a", "pm_score": 1}]} for i in range(300)]
+    copy = tmp_path / "se"
+    copy.mkdir()
+    write_jsonl(copy / "train.jsonl", rows)
+    assert pd.SOURCES["se"].fetch.keywords == {"held_out": 0.01}
+    test, train = (pd.fetch_hub(str(copy), split, None, held_out=0.01)["question"] for split in ("test", "train"))
+    shuffled = datasets.Dataset.from_list(rows).shuffle(seed=42)["question"]
+    assert (test, train) == (shuffled[:3], shuffled[3:])
 
 
 def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok):
