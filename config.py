@@ -5,6 +5,8 @@ problems are raised at once, as one ConfigError. losses.py (and torch) loads on 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -14,7 +16,6 @@ import sys
 import traceback
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
@@ -27,26 +28,22 @@ POSITIVE, NON_NEGATIVE = "(0, inf)", "[0, inf)"  # the commonest `allowed` inter
 
 
 def param(default: Any, doc: str, allowed: Any = None) -> Any:
-    """A dataclass field with its one-line doc (shown by `--help`) and the values it allows: a tuple of choices; an
-    interval as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end; null passes where the type allows it); or
-    (test, what is expected) for anything else."""
+    """A dataclass field with its one-line doc (shown by `--help`) and the non-null values it allows: a tuple of
+    choices; an interval as text, "(0, inf)" or "[0, 0.5)" (round bracket = open end); or (test, what is expected)."""
     metadata = {"doc": doc, "allowed": allowed}
     if isinstance(default, (BaseConfig, list, dict)):  # a fresh copy for each instance
-        return field(default_factory=lambda d=default: type(d)() if isinstance(d, BaseConfig) else type(d)(d), metadata=metadata)
-    return field(default=default, metadata=metadata)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclasses.dataclass
 class BaseConfig(collections.abc.Mapping):
-    """A dataclass that reads like a dict (verl's BaseConfig): `cfg.key`, `cfg["key"]`, `cfg.get(key)`, iteration. It is
-    frozen after construction but for the fields in `_mutable_fields` (a subclass adds `Parent._mutable_fields | {...}`)."""
+    """A dataclass that reads like a dict (verl's BaseConfig): `cfg.key`, `cfg["key"]`, `cfg.get(key)`, iteration. Each
+    field is set once, by __init__, but for `_mutable_fields` (a subclass adds `Parent._mutable_fields | {...}`)."""
     _mutable_fields: ClassVar[frozenset] = frozenset()
 
-    def __post_init__(self):
-        object.__setattr__(self, "_frozen", True)
-
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_frozen", False) and name not in self._mutable_fields:
+        if (name in self.__dict__ or name not in list(self)) and name not in self._mutable_fields:
             raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}' of frozen {type(self).__name__}")
         object.__setattr__(self, name, value)
 
@@ -67,100 +64,98 @@ class BaseConfig(collections.abc.Mapping):
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}  # spelling -> torch name
-MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype")
-WRAP_POLICY_KEYS = ("transformer_layer_cls_to_wrap", "min_num_params")
-DICT_FIELDS = ("fsdp.wrap_policy", "fsdp.mixed_precision")  # dict-valued fields whose sub-keys can be overridden
+DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineConfig(BaseConfig):
     """Fields every training engine shares (verl's EngineConfig)."""
-    param_offload: bool = param(False, "keep parameters on CPU between compute phases (moved to the device only for forward/backward)")
+    param_offload: bool = param(False, "keep parameters on CPU, moved to the device only for forward/backward")
     optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
-    seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (one source of truth, both set and different is an error)")
-    full_determinism: bool = param(False, "deterministic algorithms everywhere (torch.use_deterministic_algorithms); slower, for debugging")
-    dtype: str = param("bfloat16", "dtype of mixed-precision compute; the param_dtype when fsdp.mixed_precision leaves it out")
+    seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (both set and different is an error)")
+    full_determinism: bool = param(False, "torch.use_deterministic_algorithms: slower, for debugging")
+    dtype: str = param("bfloat16", "dtype of mixed-precision compute: param_dtype where fsdp.mixed_precision has none", DTYPE)
     forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
 
 
-@dataclass
+@dataclasses.dataclass
 class FSDPEngineConfig(EngineConfig):
     """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. model.block_name, model.policy_dtype and
     model.fsdp_policy_mp (the original code's names) are aliases of wrap_policy, model_dtype and mixed_precision."""
     _mutable_fields: ClassVar[frozenset] = EngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}  # as verl's
     wrap_policy: dict = param({}, "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block")
-    offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU); pinned memory only with a GPU")
-    reshard_after_forward: bool = param(True, "free gathered params after forward (FULL_SHARD); false keeps them until backward (SHARD_GRAD_OP)")
-    fsdp_size: int = param(-1, "ranks per shard group; -1 = all ranks; 1 < fsdp_size < world = hybrid (replicate x shard)", (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"))
+    offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU)")
+    reshard_after_forward: bool = param(True, "free gathered params after forward (FULL_SHARD); false: after backward (SHARD_GRAD_OP)")
+    fsdp_size: int = param(-1, "ranks per shard group; -1 = all; 1 < fsdp_size < world = hybrid (replicate x shard)", (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"))
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
-    model_dtype: str = param("fp32", "dtype of the master weights the model is loaded in (alias: model.policy_dtype)")
-    use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (needed for per-parameter optimizer groups)")
-    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype (bf16) for param_dtype; param_dtype defaults to fsdp.dtype, the other two to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
-    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism: ranks per group that split every sequence (FSDPTrainer; divides the world size and the attention heads); 1 = off", (lambda v: type(v) is int and v >= 1, "a positive integer (1 = off)"))
+    model_dtype: str = param("fp32", "dtype of the master weights (alias: model.policy_dtype)", DTYPE)
+    use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (for per-parameter optimizer groups)")
+    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
+    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism: ranks that split every sequence (FSDPTrainer; divides world size and attention heads); 1 = off", (lambda v: v >= 1, "a positive integer (1 = off)"))
     entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
-    use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA, where compiling pays")
+    use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA")
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
 
 
-@dataclass
+@dataclasses.dataclass
 class WandbConfig(BaseConfig):
     enabled: bool = param(True, "log to Weights & Biases (online with an API key, else offline)")
     entity: Optional[str] = param(None, "W&B entity (team or user); null = your default")
     project: str = param("direct-preference-optimization", "W&B project")
 
 
-@dataclass
+@dataclasses.dataclass
 class ModelConfig(BaseConfig):
     name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
     archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
-    block_name: Optional[str] = param(None, "transformer block class name for FSDP wrapping (alias of fsdp.wrap_policy); null = from _no_split_modules")
-    policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)")
-    fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision); null = none")
-    reference_dtype: Optional[str] = param(None, "dtype of the frozen reference model; null = the policy's (fsdp.model_dtype): fp16 overflows bf16-native models")
-    reference_mixed_precision: Optional[bool] = param(None, "compute the reference under fsdp.mixed_precision (FSDP MixedPrecision / autocast); null = as the policy does; false = in reference_dtype")
-    chat_template: Optional[str] = param(None, "chat template for chat-form data when the tokenizer has none (or to replace its own): chatml, or a path to a Jinja template file; null = the tokenizer's")
+    block_name: Optional[str] = param(None, "transformer block class FSDP wraps (alias of fsdp.wrap_policy); null = from _no_split_modules")
+    policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)", DTYPE)
+    fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision)", DTYPE)
+    reference_dtype: Optional[str] = param(None, "dtype of the reference; null = the policy's: fp16 overflows bf16-native models", DTYPE)
+    reference_mixed_precision: Optional[bool] = param(None, "compute the reference under fsdp.mixed_precision; null = as the policy does; false = in reference_dtype")
+    chat_template: Optional[str] = param(None, "chat template for chat-form data (replaces the tokenizer's): chatml, or a Jinja file; null = the tokenizer's")
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
-@dataclass
+@dataclasses.dataclass
 class LossConfig(BaseConfig):
     """The loss and its hyperparameters: a loss function reads `loss.<key>` by naming it as a keyword-only parameter."""
     name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`", (lambda v: isinstance(v, str) or v and all(isinstance(n, str) for n in v), "a loss name or a list of names"))
-    weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0", (lambda v: v is None or all(type(w) in (int, float) for w in v), "numbers"))
+    weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0", (lambda v: all(type(w) in (int, float) for w in v), "numbers"))
     reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
-    entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = entropy only logged)")
+    entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = only logged)")
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
-    label_smoothing: float = param(0.0, "assumed fraction of flipped labels, in [0, 0.5): dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)")
+    label_smoothing: float = param(0.0, "assumed fraction of flipped labels: dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)")
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
-    f_divergence: str = param("reverse_kl", "f-DPO divergence: reverse_kl | forward_kl | js_divergence | alpha_divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
-    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence, in (0, 1]: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]")
+    f_divergence: str = param("reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
+    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", POSITIVE)
     desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE)
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
 
 
-@dataclass
+@dataclasses.dataclass
 class RefUpdateConfig(BaseConfig):
     """TR-DPO (arXiv:2404.09656): every `tau` optimizer steps, ref <- alpha * policy + (1 - alpha) * ref."""
     tau: Optional[int] = param(None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)", POSITIVE)
-    alpha: float = param(0.6, "weight of the policy in the update, in (0, 1]: 0.6 = TR-DPO's soft update, 1.0 = the hard update", "(0, 1]")
+    alpha: float = param(0.6, "weight of the policy in the update: 0.6 = TR-DPO's soft update, 1.0 = the hard update", "(0, 1]")
 
 
-@dataclass
+@dataclasses.dataclass
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
-    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning (no adapters)", (lambda v: v is None or v >= 1, "a positive rank, or null (no adapters)"))
+    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning (no adapters)", (lambda v: v >= 1, "a positive rank, or null (no adapters)"))
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
-    target_modules: Union[str, list] = param("all-linear", "modules that get adapters: a list of names (q_proj, v_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)")
+    target_modules: Union[str, list] = param("all-linear", "names (q_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)", (bool, "module names or 'all-linear'"))
 
 
-@dataclass
+@dataclasses.dataclass
 class Config(BaseConfig):
     seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
     exp_name: Optional[str] = param(None, "name of the run (directory and W&B); null = '<loss>_<model>'")
@@ -168,9 +163,9 @@ class Config(BaseConfig):
     eval_batch_size: int = param(16, "pairs per evaluation step, over all ranks", POSITIVE)
     debug: bool = param(False, "debug mode: no W&B and no checkpoints")
     fsdp_port: Optional[int] = param(None, "port of the rendezvous for the single-node FSDP launcher; null = a free port")
-    datasets: list = param(["toy"], "dataset names (hh, shp, se, ultrafeedback, toy) or paths to .jsonl/.json files", (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)"))
+    datasets: list = param(["toy"], "dataset names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths", (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)"))
     wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
-    local_dirs: list = param([".cache"], "directories for caches and runs; the first one that exists or can be made is used", (bool, "at least one directory"))
+    local_dirs: list = param([".cache"], "directories for caches and runs; the first that exists or can be made is used", (bool, "at least one directory"))
     sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
     n_eval_model_samples: int = param(16, "prompts sampled at each evaluation", NON_NEGATIVE)
     do_first_eval: bool = param(True, "evaluate before the first training step")
@@ -179,7 +174,7 @@ class Config(BaseConfig):
     max_grad_norm: float = param(10.0, "clip the gradient norm to this (the pre-clip norm is logged as grad_norm)", POSITIVE)
     max_length: int = param(512, "max tokens of prompt + response", POSITIVE)
     max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)", POSITIVE)
-    truncation_mode: Optional[str] = param(None, "keep_start | keep_end for prompts; null = each source's default (hh: keep_end)", (None, "keep_start", "keep_end"))
+    truncation_mode: Optional[str] = param(None, "how prompts are truncated; null = each source's default (hh: keep_end)", ("keep_start", "keep_end"))
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_examples: Optional[int] = param(None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)", POSITIVE)
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
@@ -197,14 +192,14 @@ class Config(BaseConfig):
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
-    pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each training pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps the pairs")
-    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (every trainer; under FSDP inside the root unit's forward)")
+    pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs")
+    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
-    max_tokens_per_microbatch: Optional[int] = param(None, "token-budget micro-batching: pairs grouped up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE)
-    balance_batch: bool = param(True, "deal each training step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive equal shares, as the original code")
-    no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients only after a step's last micro-batch (less communication; every rank then holds the whole model's unsharded gradients, fp32 under FSDP2, between micro-batches); false = after every micro-batch, as the original")
+    max_tokens_per_microbatch: Optional[int] = param(None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE)
+    balance_batch: bool = param(True, "deal each step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive shares, as the original")
+    no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients after a step's last micro-batch, not after each (less communication; each rank holds unsharded gradients, fp32 under FSDP2, meanwhile)")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
-    peak_tflops: Optional[float] = param(None, "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged throughput/mfu (6N FLOPs per token); null = from a table of known GPUs, else MFU is not logged", POSITIVE)
+    peak_tflops: Optional[float] = param(None, "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged mfu (6N FLOPs per token); null = from a table of known GPUs, else no mfu", POSITIVE)
     max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run", NON_NEGATIVE)
     collective_timeout_secs: int = param(600, "a distributed collective waiting longer than this raises (a dead rank ends the job)", POSITIVE)
     n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU", POSITIVE)
@@ -242,31 +237,57 @@ def _leaves(cls=Config, prefix: str = ""):
             yield prefix + f.name, f, hints[f.name]
 
 
-def schema(cls=Config, prefix: str = "") -> dict[str, tuple]:
+def schema() -> dict[str, tuple]:
     """{dotted key: (type hint, default, doc)} for every leaf field, e.g. 'loss.beta'."""
-    return {key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"]) for key, f, t in _leaves(cls, prefix)}
+    return {key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"]) for key, f, t in _leaves()}
 
 
-def loss_hyperparameters() -> dict[str, tuple[Any, str, Any]]:
-    """{key: (default, one-line doc, allowed)} of LossConfig's fields that loss functions may read."""
-    return {f.name: (f.default, f.metadata["doc"], f.metadata["allowed"]) for f in dataclasses.fields(LossConfig)
-            if f.name not in {"name", "weights", "reference_free", "average_log_prob", "entropy_coeff"}}
+def _members(t) -> tuple:
+    """The types a hint allows: Optional[int] -> (int, NoneType), str -> (str,)."""
+    return typing.get_args(t) if typing.get_origin(t) in (Union, types.UnionType) else (t,)
+
+
+def _type_name(t) -> str:
+    return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in _members(t))
+
+
+def _is_text(t) -> bool:
+    """True for `str` and `Optional[str]`: a value typed on the command line is then taken as text."""
+    return set(_members(t)) - {type(None)} == {str}
+
+
+def _coerce(value: Any, t) -> tuple[bool, Any]:
+    """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's 1e-6) a float."""
+    for a in _members(t):
+        if a is float and type(value) in (int, str):
+            with contextlib.suppress(ValueError, OverflowError):
+                return True, float(value)
+        elif isinstance(value, typing.get_origin(a) or a) and (a is bool) == isinstance(value, bool):
+            return True, value
+    return False, value
 
 
 def _expectation(key: str, allowed: Any, t) -> tuple:
-    """(test of a value, what is expected) for a field's `allowed` (see param)."""
-    if isinstance(allowed, tuple):  # (test, what is expected) as given, or the choices
-        return allowed if callable(allowed[0]) else ((lambda v: v in allowed), f"one of {', '.join(map(str, allowed))}")
+    """(test of a non-null value, what is expected) for a field's `allowed` (see param)."""
+    if isinstance(allowed, tuple) and callable(allowed[0]):
+        return allowed
+    null = " or null" * (type(None) in _members(t))
+    if isinstance(allowed, tuple):
+        return (lambda v: v in allowed), f"one of {', '.join(map(str, allowed))}{null}"
     (low, high), low_in, high_in = (float(x) for x in allowed[1:-1].split(",")), allowed[0] == "[", allowed[-1] == "]"
     words = (f"{'>=' if low_in else '>'} {low:g}" if high == float("inf") else
              f"{low:g} {'<=' if low_in else '<'} {key.rpartition('.')[2]} {'<=' if high_in else '<'} {high:g}")
-    return (lambda v: v is None or (v >= low if low_in else v > low) and (v <= high if high_in else v < high),
-            words + " or null" * (type(None) in typing.get_args(t)))
+    return (lambda v: (v >= low if low_in else v > low) and (v <= high if high_in else v < high)), words + null
 
 
-ALLOWED = {key: (t, f.metadata["allowed"]) for key, f, t in _leaves() if f.metadata.get("allowed") is not None}
-RULES = {key: _expectation(key, allowed, t) for key, (t, allowed) in ALLOWED.items()}  # {key: (test, what is expected)}
-CHOICES = {key: allowed for key, (_, allowed) in ALLOWED.items() if isinstance(allowed, tuple) and not callable(allowed[0])}
+RULES = {key: _expectation(key, f.metadata["allowed"], t)  # {key: (test, what is expected)}
+         for key, f, t in _leaves() if f.metadata["allowed"] is not None}
+CHOICES = {key: a for key, f, _ in _leaves() if isinstance(a := f.metadata["allowed"], tuple) and not callable(a[0])}
+# The sub-keys of dict-valued fields with their rules; the command line may set them one by one (fsdp.wrap_policy.x=1).
+SUBKEYS = {"fsdp.mixed_precision": dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), DTYPE),
+           "fsdp.wrap_policy": {
+               "transformer_layer_cls_to_wrap": (lambda v: isinstance(v, (str, list)), "block class names"),
+               "min_num_params": (lambda v: v is None or type(v) is int and v >= 0, "a non-negative integer")}}
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()
 # FSDP2 always keeps the original parameters (as DTensors); CPUOffloadPolicy is FSDP2's (FSDP1: param_offload).
@@ -275,32 +296,6 @@ STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "n_epochs", "epochs": "n_epochs", "beta": "loss.beta", "warmup": "warmup_steps",
                "label_smoothing": "loss.label_smoothing", "loss_type": "loss.name", "max_prompt_len": "max_prompt_length", "seq_len": "max_length",
                "per_device_train_batch_size": "batch_size", "model_name_or_path": "model.name_or_path", "gradient_checkpointing": "activation_checkpointing"}
-
-
-def _type_name(t) -> str:
-    args = typing.get_args(t)
-    if typing.get_origin(t) in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args if a is not type(None)) + (" or null" if type(None) in args else "")
-    return getattr(t, "__name__", str(t))
-
-
-def _is_text(t) -> bool:
-    """True for `str` and `Optional[str]`: a value typed on the command line is then taken as text."""
-    return {a for a in (typing.get_args(t) or (t,)) if a is not type(None)} == {str}
-
-
-def _coerce(value: Any, t) -> tuple[bool, Any]:
-    """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's 1e-6) a float."""
-    if typing.get_origin(t) in (Union, types.UnionType):
-        if value is None:
-            return type(None) in typing.get_args(t), None
-        return next((r for r in (_coerce(value, a) for a in typing.get_args(t) if a is not type(None)) if r[0]), (False, value))
-    if t is float and (type(value) is int or isinstance(value, str)):
-        try:
-            return True, float(value)
-        except (ValueError, OverflowError):
-            return False, value
-    return t is Any or (isinstance(value, typing.get_origin(t) or t) and (t is bool) == isinstance(value, bool)), value
 
 
 def _suggest(word: str, candidates) -> str:
@@ -343,7 +338,7 @@ def _flag(name: Any, flag: str) -> bool:
 
 
 def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
-    """Keys changed from their default that this run would ignore, each with why (fsdp.* only from the command line)."""
+    """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
     readers = {f"loss.{k}": sorted(n for n, spec in loss_registry().items() if k in spec["reads"]) for k in LossConfig()}
     why = {k: f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(r)}"
@@ -360,7 +355,7 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         why |= {f"fsdp.{k}": f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})" for k, s in STRATEGY_ONLY.items() if s != cfg.fsdp.strategy}
     flat, defaults = _flatten(cfg.to_dict()), {k: d for k, (_, d, _) in schema().items()}
     return [f"{key}={flat[key]!r}: {reason}" for key, reason in why.items()
-            if explicit.get(key, 0) >= (2 if key.startswith("fsdp.") else 1) and flat[key] != defaults[key]]
+            if key in explicit and flat[key] != defaults[key]]
 
 
 # --- Loading: YAML files + command line -> {dotted key: value} -> Config ---
@@ -393,9 +388,8 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, st
             try:
                 value = yaml.safe_load(raw)
             except yaml.YAMLError:
-                value = raw
-            if isinstance(value, str) and raw.startswith("[") and raw.endswith("]"):
-                value = [item.strip() for item in raw[1:-1].split(",") if item.strip()]
+                items = [item.strip() for item in raw[1:-1].split(",") if item.strip()]
+                value = items if raw[:1] + raw[-1:] == "[]" else raw
             overrides.append((key, value, raw))
     return choices, overrides, flags, problems
 
@@ -408,30 +402,39 @@ def _flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
     return out
 
 
+def typed(keys: dict, key: str, value, raw: str):
+    """A command-line value: a text key keeps the text typed (exp_name=123 is the name "123"), null is None."""
+    return raw if key in keys and _is_text(keys[key][0]) and raw not in ("null", "~") else value
+
+
 def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     """Defaults, group files, overrides -> ({dotted key: value}, {key: layer that set it: 1 group file, 2 command line}, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
     keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
     choices = {**{k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()}, **choices}
+    layers = [("config/config.yaml", 0, _flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
+    for group, name in ((g, choices[g]) for g in GROUPS if choices.get(g) is not None):
+        if name in (known := _group_choices(group)):
+            flat = _flatten(_read_yaml(CONFIG_DIR / group / f"{name}.yaml"), f"{group}.", keys)
+            layers.append((f"config/{group}/{name}.yaml", 1, flat))
+        else:
+            problems.append(f"{group}={name}: no such choice; expected one of {', '.join(known)}" + _suggest(str(name), known))
+    layers += [("command line", 2, {key: typed(keys, key, value, raw)}) for key, value, raw in overrides]
     values, explicit = {k: d for k, (_, d, _) in keys.items()}, {}
-
-    def apply(origin: str, flat: dict, layer: int) -> None:
+    for origin, layer, flat in layers:
         for key, value in flat.items():
             head, _, sub = key.rpartition(".")
-            if key not in keys and head in DICT_FIELDS and layer == 2:  # fsdp.mixed_precision.param_dtype=bf16
-                key, value = head, dict(values[head] or {}, **{sub: value})
+            if key not in keys and head in SUBKEYS:  # fsdp.mixed_precision.param_dtype=bf16
+                held = values[head] or {}  # the one-dtype form of fsdp.mixed_precision is its param_dtype
+                held = {"param_dtype": held} if isinstance(held, str) and head == "fsdp.mixed_precision" else held
+                if not isinstance(held, dict):
+                    problems.append(f"{origin}: {key}: {head} is {held!r}, not a dict of {', '.join(SUBKEYS[head])}")
+                    continue
+                key, value = head, {**held, sub: value}
             if key not in keys:
                 problems.append(f"{origin}: unknown key '{key}'" + _suggest(key, keys))
             else:
                 values[key], explicit[key] = value, layer
-    apply("config/config.yaml", _flatten(base, "", keys), 0)
-    for group, name in ((g, choices[g]) for g in GROUPS if choices.get(g) is not None):
-        if (CONFIG_DIR / group / f"{name}.yaml").exists():
-            apply(f"config/{group}/{name}.yaml", _flatten(_read_yaml(CONFIG_DIR / group / f"{name}.yaml"), f"{group}.", keys), 1)
-        else:
-            problems.append(f"{group}={name}: no such choice; expected one of {', '.join(_group_choices(group))}" + _suggest(name, _group_choices(group)))
-    for key, value, raw in overrides:  # a text key keeps the text typed: exp_name=123 is the name "123", not a number
-        apply("command line", {key: raw if key in keys and _is_text(keys[key][0]) and raw not in ("null", "~") else value}, 2)
     if problems:
         raise ConfigError(problems)
     return values, {k: layer for k, layer in explicit.items() if layer}, flags
@@ -444,43 +447,43 @@ def _build(cls, values: dict, prefix: str, problems: list[str]):
         t, key = hints[f.name], prefix + f.name
         if isinstance(t, type) and issubclass(t, BaseConfig):
             kwargs[f.name] = _build(t, values, key + ".", problems)
-            continue
-        value = values[key]
-        ok, kwargs[f.name] = _coerce(None if value == REQUIRED else value, t)
-        if value == REQUIRED:
+        elif values[key] == REQUIRED:
+            kwargs[f.name] = None
             problems.append(f"{key}: a value is required (set it on the command line: {key}=...)")
-        elif not ok:
-            problems.append(f"{key}={value!r}: expected {_type_name(t)}, got {type(value).__name__}")
+        else:
+            ok, kwargs[f.name] = _coerce(values[key], t)
+            if not ok:
+                problems.append(f"{key}={values[key]!r}: expected {_type_name(t)}, got {type(values[key]).__name__}")
     return cls(**kwargs)
 
 
 # --- Aliases: the original DPO keys follow the FSDPEngineConfig fields that name the same knob ---
 def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
-    """Check the dtypes and dict sub-keys the aliases read; then each alias and its field take the value of the later layer
-    (command line > group file > defaults); both set by one layer to different values is an error."""
-    mp, wp, names, blocks = values["fsdp.mixed_precision"], values["fsdp.wrap_policy"], ", ".join(DTYPES), "transformer_layer_cls_to_wrap"
+    """Check what the aliases read; then each alias and its field take the value of the later layer (command line >
+    group file > defaults); both set by one layer to different values is an error."""
+    mp, blocks = values["fsdp.mixed_precision"], "transformer_layer_cls_to_wrap"
     if mp in tuple(DTYPES):  # one dtype, as model.fsdp_policy_mp: the compute dtype; reductions and buffers (rotary
         values["fsdp.mixed_precision"] = mp = {"param_dtype": mp}  # tables) stay fp32, as verl's
-    found = [f"{key}={values[key]!r}: expected a dtype, one of {names}" for key in ("model.policy_dtype", "fsdp.model_dtype",
-             "model.fsdp_policy_mp", "model.reference_dtype", "fsdp.dtype") if values[key] not in (None, *DTYPES)]
+    dtypes = ("model.policy_dtype", "fsdp.model_dtype", "model.fsdp_policy_mp", "fsdp.dtype")
+    found = _broken({k: values[k] for k in dtypes}, RULES)
     if isinstance(mp, str):
-        found.append(f"fsdp.mixed_precision={mp!r}: expected one dtype ({names}), a dict {{{', '.join(MIXED_PRECISION_KEYS)}}} of dtypes, or null")
-    for name, allowed, sub in (("mixed_precision", MIXED_PRECISION_KEYS, mp), ("wrap_policy", WRAP_POLICY_KEYS, wp)):
-        sub = sub if isinstance(sub, dict) else {}
-        found += [f"fsdp.{name}.{k}: unknown key; expected one of {', '.join(allowed)}" + _suggest(k, allowed) for k in sub if k not in allowed]
-        found += [f"fsdp.{name}.{k}={v!r}: expected a dtype, one of {names}" for k, v in sub.items() if name == "mixed_precision" and k in allowed and v not in tuple(DTYPES)]
+        found.append(f"fsdp.mixed_precision={mp!r}: expected one dtype ({', '.join(DTYPES)}), a dict "
+                     f"{{{', '.join(SUBKEYS['fsdp.mixed_precision'])}}} of dtypes, or null")
+    for key, rules in SUBKEYS.items():
+        given = values[key] if isinstance(values[key], dict) else {}
+        found += [f"{key}.{k}: unknown key; expected one of {', '.join(rules)}" + _suggest(k, rules) for k in given if k not in rules]
+        found += [f"{key}.{k}={v!r}: expected {rules[k][1]}" for k, v in given.items() if k in rules and not rules[k][0](v)]
+    wp = values["fsdp.wrap_policy"]
     if found or not isinstance(wp, dict) or not (mp is None or isinstance(mp, dict)):
         return found  # types are reported by _build; aliases need valid values
     if isinstance(wp.get(blocks), str):
         values["fsdp.wrap_policy"] = wp = {**wp, blocks: [wp[blocks]]}
-    if values["fsdp.seed"] is None:  # null = the top-level seed
-        values["fsdp.seed"], explicit["fsdp.seed"] = values["seed"], explicit.get("seed", 0)
     mp_dtype = lambda s: None if s is None else DTYPES.get(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
     for alias, source, to_source, from_source in (  # from_source(a source value) = the alias value it stands for
             ("model.policy_dtype", "fsdp.model_dtype", lambda a: a, DTYPES.get),
             ("model.fsdp_policy_mp", "fsdp.mixed_precision", lambda a: a and {"param_dtype": a}, mp_dtype),
             ("model.block_name", "fsdp.wrap_policy", lambda a: {**wp, blocks: [a]} if a else wp, lambda s: s[blocks][0] if len(s.get(blocks) or []) == 1 else None),
-            ("seed", "fsdp.seed", lambda a: a, lambda s: s)):
+            ("fsdp.seed", "seed", lambda a: values["seed"] if a is None else a, lambda s: s)):  # null: the seed
         a, s, layer_a, layer_s = values[alias], values[source], explicit.get(alias, 0), explicit.get(source, 0)
         if layer_a == layer_s > 0 and from_source(to_source(a)) != from_source(s):
             found.append(f"{alias}={a!r} and {source}={s!r} set the same knob to different values; set only {source}")
@@ -491,26 +494,29 @@ def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
 
 
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
+def _broken(flat: dict, rules: dict) -> list[str]:
+    """Each non-null value of `flat` that its rule refuses, with what was expected (null is the type's business)."""
+    return [f"{k}={v!r}: expected {rules[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
+            for k, v in flat.items() if k in rules and v is not None and not rules[k][0](v)]
+
+
 def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
     """Ranks that see different pairs (Ulysses groups share theirs), and how a message names them."""
     ws, sp = world_size or 1, cfg.fsdp.ulysses_sequence_parallel_size
-    if isinstance(sp, int) and sp > 1 and ws % sp == 0:
+    if sp > 1 and ws % sp == 0:
         return ws // sp, f"data-parallel size (world size {ws} / fsdp.ulysses_sequence_parallel_size {sp})"
     return ws, "world size"
 
 
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
-    flat, (ws, ranks), world = _flatten(c.to_dict()), data_parallel_size(c, world_size), world_size or 0
+    (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
     bs, accum, budget, mp = c.batch_size, c.gradient_accumulation_steps, c.max_tokens_per_microbatch, c.fsdp.mixed_precision
-    names, known, lora, tau, mnp = c.loss_names, sorted(loss_registry()), c.lora.r, c.ref_update.tau, c.fsdp.wrap_policy.get("min_num_params")
-    sp = c.fsdp.ulysses_sequence_parallel_size if type(c.fsdp.ulysses_sequence_parallel_size) is int else 1  # else RULES refuses it
+    names, lora, tau, sp = c.loss_names, c.lora.r, c.ref_update.tau, c.fsdp.ulysses_sequence_parallel_size
     fp16 = {"fsdp.model_dtype": c.fsdp.model_dtype, "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype)}
     batch_level, kto = [n for n in names if _flag(n, "batch_statistics")], next((n for n in names if _flag(n, "unpaired")), None)
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1) + [f"max_tokens_per_microbatch={budget}"] * (budget is not None) + [f"{ranks} {ws}"] * (ws > 1)
-    return [message for broken, message in [  # (broken, what the user reads): each key against its `allowed`, then across keys
-        *((not ok(flat[k]), f"{k}={flat[k]!r}: expected {expected}"
-           + (_suggest(str(flat[k]), map(str, CHOICES[k])) if k in CHOICES else "")) for k, (ok, expected) in RULES.items()),
+    return _broken(_flatten(c.to_dict()), RULES) + [message for broken, message in [  # (broken, what the user reads)
         (c.max_prompt_length >= c.max_length,
          f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)"),
         (c.n_epochs is None and c.n_examples is None, "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on"),
@@ -535,7 +541,6 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
          f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)"),
         (sp > 1 and c.trainer == "FSDPTrainer" and world % sp,
          f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"),
-        (mnp is not None and (type(mnp) is not int or mnp < 0), f"fsdp.wrap_policy.min_num_params={mnp!r}: expected a non-negative integer"),
         *((True, f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + (f"; {n} is a preset of several losses: loss={n}"
            if (CONFIG_DIR / "loss" / f"{n}.yaml").exists() else _suggest(n, known))) for n in names if isinstance(n, str) and n not in known),
         (c.loss.weights is not None and len(c.loss.weights) != len(names),
@@ -549,7 +554,6 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),
-        (lora is not None and not c.lora.target_modules, f"lora.target_modules={c.lora.target_modules!r}: expected module names or 'all-linear'"),
         (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "
          "fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one parameter, so it needs "
          "fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)"),
@@ -567,13 +571,12 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     """Compose, type-check, resolve aliases and validate (world_size None: $WORLD_SIZE if set). Returns (config, flags)."""
     values, explicit, flags = compose(sys.argv[1:] if argv is None else argv)
     problems = _resolve_aliases(values, explicit)
-    bs, every = values["batch_size"], values["eval_every"]
-    if "eval_every" not in explicit and isinstance(bs, int) and isinstance(every, int) and bs > 0:
-        # the default adapts: the original's `example_counter % eval_every` never fired if batch_size did not divide it
-        values["eval_every"] = max(bs, every // bs * bs)
     cfg = _build(Config, values, "", problems)
     if problems:  # types must be right before the cross-field rules can read them
         raise ConfigError(problems)
+    if "eval_every" not in explicit and (bs := cfg.batch_size) > 0:
+        # the default adapts: the original's `example_counter % eval_every` never fired if batch_size did not divide it
+        cfg = dataclasses.replace(cfg, eval_every=max(bs, cfg.eval_every // bs * bs))
     if problems := validate(cfg, world_size or int(os.environ.get("WORLD_SIZE") or 0) or None) + _ignored_problems(cfg, explicit):
         raise ConfigError(problems)
     if cfg.exp_name is None:
@@ -586,13 +589,15 @@ def to_yaml(cfg: Config) -> str:
 
 
 def help_text() -> str:
-    """Every key with its type, default and doc; then train.py's flags and exit codes."""
+    """Every key with its type, default, doc and allowed values; then train.py's flags and exit codes."""
     return "\n".join([
         "usage: python -u train.py [group=choice ...] [key=value ...] [--cfg | --estimate [gpu=NAME]]",
         "       python -u train.py --replay <run dir> [--cfg]", "", "groups:",
         *(f"  {g}=  one of: {', '.join(_group_choices(g))}" for g in GROUPS), "",
-        "keys (key: type = default  # doc); values are YAML (datasets=[hh,shp] n_epochs=null); --key=value means key=value:",
-        *(f"  {key}: {_type_name(t)} = {default!r}  # {doc}" for key, (t, default, doc) in schema().items()), "",
+        "keys (key: type = default  # doc [allowed values]); values are YAML (datasets=[hh,shp] n_epochs=null);",
+        "--key=value means key=value:",
+        *(f"  {key}: {_type_name(t)} = {default!r}  # {doc}" + (f" [{RULES[key][1]}]" if key in RULES else "")
+          for key, (t, default, doc) in schema().items()), "",
         "flags: --cfg                  run every check that needs no weights, print the resolved config as YAML, exit",
         "       --estimate [gpu=NAME]  memory per rank and FLOPs per step from config.json alone (gpu=: time, fit)",
         "       --replay <run dir>     run a recorded run again into a new directory, compare every logged metric", "",

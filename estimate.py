@@ -3,8 +3,8 @@
     python -u train.py <args> --estimate             # memory per rank, FLOPs per step
     python -u train.py <args> --estimate gpu=H100    # and time per step at an assumed MFU, and whether it fits
 
-It reads config.json alone (no weights, tokenizer or data), so it answers before a run would load anything, for the
-worst case (every sequence max_length long). The peak is the largest phase, each on top of the weights (+ an online
+No weights, tokenizer or data are read, so it answers before a run would load anything, for the worst case
+(every sequence max_length long). The peak is the largest phase, each on top of the weights (+ an online
 reference) and optimizer state, sharded over fsdp_size ranks:
   backward   activations, logits or head tiles, FSDP-gathered units, and the larger of its start (earlier micro-
              batches' gradients; the head's workspace or an online reference's root) and its end (gradients, which
@@ -30,8 +30,7 @@ DEVICES = {"H200": (989.0, 67.0, 141), "H100": (989.0, 67.0, 80), "A100": (312.0
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
 USABLE = 0.9       # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
 STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per parameter (SGD without momentum)
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-               "float64": 8, "fp64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch name, as config.DTYPES maps each spelling
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3"}
 FAMILIES = sorted(LLAMA_LIKE | {"gpt2", "gpt_neox"})
 Geometry = namedtuple("Geometry", "hidden layers vocab tied block_params embed_params head_params saved_per_token params")
@@ -42,8 +41,8 @@ class EstimateError(ValueError):
 
 
 def geometry(config: dict) -> Geometry:
-    """Parameter counts per part and the elements autograd saves per token in one block, from config.json
-    (Llama-style, GPT-2, GPT-NeoX); raises EstimateError otherwise."""
+    """Parameter counts per part and the elements autograd saves per token in one block, from config.json of a
+    family in FAMILIES; raises EstimateError otherwise."""
     family = config.get("model_type")
     get = lambda *names, default=None: next((config[n] for n in names if config.get(n) is not None), default)
     h, vocab = get("hidden_size", "n_embd", "d_model"), get("vocab_size")
@@ -74,9 +73,9 @@ def geometry(config: dict) -> Geometry:
 
 def dtype_bytes(name, key: str) -> int:
     """Bytes per element of the dtype `name`, which the config key `key` gave."""
-    if str(name).replace("torch.", "") not in DTYPE_BYTES:
-        raise EstimateError(f"{key}={name!r}: expected a dtype, one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[str(name).replace("torch.", "")]
+    if name not in config.DTYPES:
+        raise EstimateError(f"{key}={name!r}: expected a dtype, one of {sorted(config.DTYPES)}")
+    return DTYPE_BYTES[config.DTYPES[name]]
 
 
 def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
@@ -116,7 +115,7 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     w, c, r, ref_w, ref_c = _element_bytes(cfg)
     ref_online = _needs_reference(cfg) and not cfg.precompute_ref_log_probs
-    pairs = 1 if set(cfg.loss_names) == {"sft"} else 2  # as losses.is_sft_only
+    pairs = 1 if set(cfg.loss_names) == {"sft"} else 2  # sft alone: no rejected responses
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
     budget = cfg.max_tokens_per_microbatch
     micro = cfg.batch_size // (world_size // sp) // (1 if budget else cfg.gradient_accumulation_steps)
@@ -143,8 +142,7 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     unsynced = P * (r if cfg.fsdp.strategy == "fsdp2" else c) if fsdp and cfg.no_sync_accumulation and several else 0
     out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
-    # gradients are None between steps (zero_grad(set_to_none=True)): backward allocates them as it frees
-    # activations, so the phase peaks at its start (activations + head) or at its end (gradients + one block)
+    # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
     start = held + out["activations"] + out["logits"] + max(out["LM-head backward"], ref_root)
     backward = max(start, unsynced + out["gradients"] + out["block activations"] + root_reduce) + gathered
     optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)  # foreach sqrt(second moment)
@@ -180,16 +178,13 @@ def report(cfg, model_dir: str, gpu: str | None = None) -> str:
         try:
             path = Path(hf_hub_download(model_dir, "config.json"))
         except Exception as e:  # noqa: BLE001 - offline, unknown repository, gated: all say the same to the user
-            raise EstimateError(f"model.name_or_path={model_dir}: --estimate reads only its config.json, which is not in "
-                                f"the local Hugging Face cache and could not be downloaded ({type(e).__name__}); fetch it"
-                                f" alone with `hf download {model_dir} config.json` where the hub is reachable, or set "
-                                "model.name_or_path to a local directory that holds it") from None
-    if not path.is_file():
-        raise EstimateError(f"--estimate reads the model's config.json: {path} does not exist")
+            raise EstimateError(f"model.name_or_path={model_dir}: --estimate reads only its config.json, neither "
+                                f"cached nor downloadable here ({type(e).__name__}); fetch it alone with `hf download "
+                                f"{model_dir} config.json`, or set model.name_or_path to a local directory") from None
     try:
         config = json.loads(path.read_text())
-    except ValueError as e:
-        raise EstimateError(f"{path}: not JSON ({e})") from None
+    except (OSError, ValueError) as e:
+        raise EstimateError(f"--estimate reads the model's config.json: {path} is missing or not JSON ({e})") from None
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     world = world_size_of(cfg)

@@ -1,14 +1,11 @@
-"""Sequence log-probs from a causal LM: the inputs it runs on, the kernels that score them, the one path every
-trainer calls (`forward_logps`).
-
-Read top to bottom:
-  1. Per-token log-probs of given targets from logits, chunked (`target_logps`): no full-vocabulary fp32 copy of
-     the logits ever exists; backward recomputes the softmax a chunk at a time.
+"""Sequence log-probs from a causal LM, top to bottom:
+  1. Log-probs of labels, a tile of rows at a time, from given logits (`target_logps`) or through the LM head
+     (`linear_token_logps`, the tiled head: only scored positions, never (rows, vocab) logits). No full-vocabulary
+     fp32 copy is ever made; backward recomputes each tile.
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
-  3. The tiled LM head (`linear_token_logps`): only the scored positions go through the head, a tile of rows at
-     a time, forward and backward: no (rows, vocab) logits at all.
-  4. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
-  5. `forward_logps`: per sequence the summed log-probs of its labelled tokens, their count and the mean entropy.
+  3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
+  4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
+     their count and the mean entropy.
 
 Output t predicts token t+1 everywhere: position t's target is labels[t+1]. None of the options (packing, the
 tiled head, sequence parallelism) changes what the log-probs are, only how they are computed; tests/test_logps.py
@@ -17,7 +14,6 @@ and tests/test_trainers.py compare each with the plain path.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 import warnings
 from typing import Callable, Optional
@@ -44,45 +40,96 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. Per-token log-probs from logits
-# ---------------------------------------------------------------------------------------------------------------
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
+# ---------- 1. Log-probs of labels ----------
+def _tile_logits(hidden: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], logit_scale: float,
+                 softcap: Optional[float], dtype: torch.dtype) -> Tensor:
+    """One tile's logits (n, V) in `dtype`, a fresh tensor: `hidden` itself (weight None) or the LM head on it, the
+    matmul in the inputs' dtype (bf16 on tensor cores, as the model's own head), scale and softcap after the upcast."""
+    if weight is None:
+        return hidden.to(dtype, copy=True)  # copy: the in-place ops must never touch fp32 logits
+    logits = F.linear(hidden, weight, bias).to(dtype)
+    if logit_scale != 1.0:
+        logits.mul_(logit_scale)  # Cohere: logits * logit_scale (Granite: 1 / logits_scaling)
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)  # Gemma-2/3: cap * tanh(logits / cap)
+    return logits
+
+
 class _LabelLogProbs(torch.autograd.Function):
-    """log softmax(logits)[label] = (x_label - max) - log sum exp(x - max), over (N, V) logits a chunk of rows at a
-    time. Forward keeps only the per-row logsumexp (N,); backward recomputes each chunk's softmax and writes the
-    gradient straight into a tensor of the logits' dtype."""
+    """log softmax(logits)[label] per row, a tile of rows at a time (logits: _tile_logits). Forward keeps only the
+    per-row logsumexp (N,); backward recomputes each tile's logits (for the head: one extra matmul) and turns
+    d out / d logits straight into the inputs' gradients. The only (rows, V) memory is a few fp32 tiles."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
-        dtype = _compute_dtype(logits.dtype)
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy):
+        dtype = _compute_dtype(hidden.dtype)
         mask = labels != IGNORE_INDEX
         safe = labels.masked_fill(~mask, 0).long()  # any valid index: masked out below
-        label_logits = logits.gather(1, safe[:, None])[:, 0].to(dtype)
-        row_max = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        log_sum = torch.empty_like(row_max)
-        for rows in _chunks(logits.shape[0], chunk_size):
-            chunk = logits[rows].to(dtype, copy=True)  # copy: the in-place ops must never touch fp32 logits
-            row_max[rows] = chunk.amax(dim=-1)
-            log_sum[rows] = chunk.sub_(row_max[rows, None]).exp_().sum(dim=-1).log_()
-        ctx.save_for_backward(logits, safe, mask, row_max + log_sum)
-        ctx.chunk_size = chunk_size
-        # the same order of roundings as log_softmax: about one fp32 ulp from the exact value
-        return ((label_logits - row_max) - log_sum).masked_fill(~mask, 0.0)
+        out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
+        # autocast off: the forward and the backward's recomputation must see identical logits
+        with torch.autocast(hidden.device.type, enabled=False):
+            for rows in _chunks(hidden.shape[0], chunk_size):
+                logits = _tile_logits(hidden[rows], weight, bias, logit_scale, softcap, dtype)
+                if with_entropy:
+                    entropy[rows] = _entropy_chunk(logits)
+                label_logits = logits.gather(1, safe[rows, None])[:, 0]
+                row_max = logits.amax(dim=-1)
+                log_sum = logits.sub_(row_max[:, None]).exp_().sum(dim=-1).log_()
+                # the same order of roundings as log_softmax: about one fp32 ulp from the exact value
+                out[rows], lse[rows] = (label_logits - row_max) - log_sum, row_max + log_sum
+                del logits  # free this tile before the next one is allocated
+        ctx.save_for_backward(hidden, weight, bias, safe, mask, lse)
+        ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
+        ctx.mark_non_differentiable(entropy)
+        return out.masked_fill_(~mask, 0.0), entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output: Tensor):
-        logits, safe, mask, lse = ctx.saved_tensors
-        grad_rows = grad_output.to(lse.dtype).masked_fill(~mask, 0.0)[:, None]  # masked rows: exactly zero
-        grad = torch.empty_like(logits)
-        for rows in _chunks(logits.shape[0], ctx.chunk_size):  # d out / d logits = g (one_hot(label) - softmax)
-            chunk = logits[rows].to(lse.dtype, copy=True).sub_(lse[rows, None]).exp_().mul_(grad_rows[rows].neg())
-            grad[rows] = chunk.scatter_add_(1, safe[rows, None], grad_rows[rows])
-        return grad, None, None
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(start, start + size) for start in range(0, n, size)]
+    def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
+        hidden, weight, bias, safe, mask, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        # masked rows: exactly zero; logit_scale: d logits / d (hidden @ weight.T + bias), times `slope` below
+        grad_rows = grad_output.to(lse.dtype).masked_fill(~mask, 0.0)[:, None] * ctx.logit_scale
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # weight and bias gradients sum over all tiles: accumulated in fp32, cast once at the end
+        grad_weight = weight.new_zeros(weight.shape, dtype=lse.dtype) if need_weight else None
+        grad_bias = bias.new_zeros(bias.shape, dtype=lse.dtype) if need_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for rows in _chunks(hidden.shape[0], ctx.chunk_size):
+                tile, targets, g = hidden[rows], safe[rows], grad_rows[rows]
+                logits = _tile_logits(tile, weight, bias, ctx.logit_scale, ctx.softcap, lse.dtype)
+                # y = c tanh(z / c): dy/dz = 1 - (y / c)^2
+                slope = None if ctx.softcap is None else logits.div(ctx.softcap).square_().neg_().add_(1.0)
+                # d out / d logits = g (one_hot(label) - softmax) * slope in two parts: `rest` = -g softmax slope
+                # goes through the matmuls; the one-hot part, a row of weight (or hidden) times g slope[label], is
+                # added apart: inside the matmul that one term of ~1 among V of ~1/V costs up to 4e-5 in fp32.
+                label_coef = g if slope is None else g * slope.gather(1, targets[:, None])
+                rest = logits.sub_(lse[rows, None]).exp_().mul_(g.neg())
+                rest = rest if slope is None else rest.mul_(slope)
+                if weight is None:  # hidden held the logits: their gradient, written in their dtype
+                    grad_hidden[rows] = rest.scatter_add_(1, targets[:, None], label_coef)
+                    continue
+                if need_bias:
+                    grad_bias += rest.sum(dim=0)
+                    grad_bias.index_add_(0, targets, label_coef[:, 0])
+                rest = rest.to(hidden.dtype)  # the two matmuls in the inputs' dtype, as the plain path's backward
+                if need_hidden:
+                    grad_hidden[rows] = (rest @ weight).to(lse.dtype).add_(weight[targets].to(lse.dtype).mul_(label_coef))
+                if need_weight:
+                    if grad_weight.dtype == rest.dtype:
+                        grad_weight.addmm_(rest.T, tile)  # in place: no (V, H) temporary
+                    else:
+                        grad_weight += rest.T @ tile
+                    grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
+                del logits, rest, slope
+        return (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None,
+                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None, None)
 
 
 def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
@@ -91,12 +138,44 @@ def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUN
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} and targets "
                          f"{tuple(targets.shape)}")
-    return _LabelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), chunk_size).view(targets.shape)
+    logps, _ = _LabelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size,
+                                    1.0, None, False)
+    return logps.view(targets.shape)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. Entropy
-# ---------------------------------------------------------------------------------------------------------------
+def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a (rows, vocab) tile in the compute dtype
+    would exceed HEAD_TILE_BYTES; at least 1."""
+    return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
+
+
+def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                       chunk_size: Optional[int] = None, with_entropy: bool = False, logit_scale: float = 1.0,
+                       softcap: Optional[float] = None):
+    """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)))[label] per row, chunk_size rows at a time (None:
+    head_tile_rows): never more than a tile of logits; the matmul in the inputs' dtype, the rest in fp32.
+
+    hidden (N, H): the last hidden states at the positions whose next token is scored; weight (V, H) (tied is
+    fine), the same dtype as hidden; labels (N,), IGNORE_INDEX rows give 0 and no gradient; bias (V,) or None;
+    logit_scale, softcap: what some heads do after the matmul (Cohere, Granite, Gemma). Returns logps (N,) in fp32,
+    differentiable w.r.t. hidden, weight and bias; with `with_entropy`, (logps, entropy (N,), detached)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1] \
+            or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
+                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    if len({hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())) > 1:
+        raise TypeError(f"hidden, weight and bias must share a dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
+                        + (f", bias {bias.dtype}" if bias is not None else ""))
+    chunk_size = head_tile_rows(weight.shape[0], weight.dtype) if chunk_size is None else chunk_size
+    if chunk_size < 1 or (softcap is not None and softcap <= 0):
+        raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
+    logps, entropy = _LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap,
+                                          with_entropy)
+    return (logps, entropy) if with_entropy else logps
+
+
+# ---------- 2. Entropy ----------
 def _entropy_chunk(logits: Tensor) -> Tensor:
     """H(softmax(x)) in fp32, (rows, V) -> (rows,), as log s - sum exp(z) z / s with z = x - max(x), s = sum exp(z):
     both terms >= 0, nothing cancels (the textbook logsumexp(x) - sum softmax(x) x loses 3e-5 in fp32 at V=50257)."""
@@ -115,18 +194,15 @@ class _CompileOnFirstCall:
         self.fn, self.impl = fn, None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.impl is not None:
-            return self.impl(x)
-        try:
-            compiled = torch.compile(self.fn, dynamic=True)  # dynamic: the last chunk is shorter
-            out = compiled(x)
-        except Exception as err:  # noqa: BLE001 - any compile failure means "not available here"
-            warnings.warn(f"torch.compile is unavailable here ({type(err).__name__}: {err}); computing "
-                          f"{self.fn.__name__} eagerly instead", RuntimeWarning, stacklevel=2)
-            self.impl = self.fn
-            return self.fn(x)
-        self.impl = compiled
-        return out
+        if self.impl is None:
+            try:
+                self.impl = torch.compile(self.fn, dynamic=True)  # dynamic: the last chunk is shorter
+                return self.impl(x)
+            except Exception as err:  # noqa: BLE001 - any compile failure means "not available here"
+                warnings.warn(f"torch.compile is unavailable here ({type(err).__name__}: {err}); computing "
+                              f"{self.fn.__name__} eagerly instead", RuntimeWarning, stacklevel=2)
+                self.impl = self.fn
+        return self.impl(x)
 
 
 _COMPILED_ENTROPY_CHUNK = _CompileOnFirstCall(_entropy_chunk)
@@ -147,131 +223,7 @@ def entropy_from_logits(logits: Tensor, *, chunking: bool = False, checkpointing
     return torch.cat(pieces).view(logits.shape[:-1])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 3. The tiled LM head
-# ---------------------------------------------------------------------------------------------------------------
-def _head_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logit_scale: float, softcap: Optional[float],
-                 dtype: torch.dtype) -> Tensor:
-    """The LM head on one tile: (n, H) -> (n, V) in `dtype`, a fresh tensor; the matmul in the inputs' dtype (bf16 on
-    tensor cores, as the model's own head), scaling and softcapping after the upcast."""
-    logits = F.linear(hidden, weight, bias).to(dtype)
-    if logit_scale != 1.0:
-        logits.mul_(logit_scale)  # Cohere: logits * logit_scale (Granite: 1 / logits_scaling)
-    if softcap is not None:
-        logits.div_(softcap).tanh_().mul_(softcap)  # Gemma-2/3: cap * tanh(logits / cap)
-    return logits
-
-
-class _LinearLabelLogProbs(torch.autograd.Function):
-    """log softmax(head(hidden))[label] per row, a tile of rows at a time. Forward keeps the per-row logsumexp (N,);
-    backward recomputes each tile's logits (one extra matmul) and turns d out / d logits straight into the
-    gradients of hidden, weight and bias. The only (rows, V) memory is a few fp32 tiles."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy):
-        dtype = _compute_dtype(hidden.dtype)
-        mask = labels != IGNORE_INDEX
-        safe = labels.masked_fill(~mask, 0).long()
-        out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
-        lse = torch.empty_like(out)
-        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
-        # autocast off: the forward and the backward's recomputation must see identical logits
-        with torch.autocast(hidden.device.type, enabled=False):
-            for rows in _chunks(hidden.shape[0], chunk_size):
-                logits = _head_logits(hidden[rows], weight, bias, logit_scale, softcap, dtype)
-                if with_entropy:
-                    entropy[rows] = _entropy_chunk(logits)
-                label_logits = logits.gather(1, safe[rows, None])[:, 0]
-                row_max = logits.amax(dim=-1)
-                log_sum = logits.sub_(row_max[:, None]).exp_().sum(dim=-1).log_()
-                out[rows], lse[rows] = (label_logits - row_max) - log_sum, row_max + log_sum
-                del logits  # free this tile before the next one is allocated
-        ctx.save_for_backward(hidden, weight, bias, safe, mask, lse)
-        ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
-        ctx.mark_non_differentiable(entropy)
-        return out.masked_fill_(~mask, 0.0), entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
-        hidden, weight, bias, safe, mask, lse = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_rows = grad_output.to(lse.dtype).masked_fill(~mask, 0.0)[:, None]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # weight and bias gradients sum over all tiles: accumulated in fp32, cast once at the end
-        grad_weight = weight.new_zeros(weight.shape, dtype=lse.dtype) if need_weight else None
-        grad_bias = bias.new_zeros(bias.shape, dtype=lse.dtype) if need_bias else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            for rows in _chunks(hidden.shape[0], ctx.chunk_size):
-                tile, targets = hidden[rows], safe[rows]
-                logits = _head_logits(tile, weight, bias, ctx.logit_scale, ctx.softcap, lse.dtype)
-                # y = c tanh(z / c): dy/dz = 1 - (y / c)^2, times the logit scale
-                slope = None if ctx.softcap is None else logits.div(ctx.softcap).square_().neg_().add_(1.0).mul_(ctx.logit_scale)
-                # d out / d logits = g (one_hot(label) - softmax) * slope in two parts: `rest` = -g softmax slope
-                # goes through the matmuls; the one-hot part, a row of weight (or hidden) times g slope[label], is
-                # added apart: inside the matmul that one term of ~1 among V of ~1/V costs up to 4e-5 in fp32.
-                label_coef = grad_rows[rows] * (ctx.logit_scale if slope is None else slope.gather(1, targets[:, None]))
-                rest = logits.sub_(lse[rows, None]).exp_().mul_(grad_rows[rows].neg())
-                rest = rest.mul_(slope) if slope is not None else rest.mul_(ctx.logit_scale)
-                if need_bias:
-                    grad_bias += rest.sum(dim=0)
-                    grad_bias.index_add_(0, targets, label_coef[:, 0])
-                rest = rest.to(hidden.dtype)  # the two matmuls in the inputs' dtype, as the plain path's backward
-                if need_hidden:
-                    grad_hidden[rows] = (rest @ weight).to(lse.dtype).add_(weight[targets].to(lse.dtype).mul_(label_coef))
-                if need_weight:
-                    if grad_weight.dtype == rest.dtype:
-                        grad_weight.addmm_(rest.T, tile)  # in place: no (V, H) temporary
-                    else:
-                        grad_weight += rest.T @ tile
-                    grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
-                del logits, rest, slope
-        return (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None,
-                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None, None)
-
-
-def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a (rows, vocab) tile in the compute dtype
-    would exceed HEAD_TILE_BYTES; at least 1."""
-    return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
-
-
-def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
-                       chunk_size: Optional[int] = None, with_entropy: bool = False, logit_scale: float = 1.0,
-                       softcap: Optional[float] = None):
-    """log p(label) of each row under the LM head, never holding more than a tile of logits: equals
-    log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)))[label], computed chunk_size rows at a time (None:
-    head_tile_rows) with the matmul in the inputs' dtype and the rest in fp32.
-
-    hidden (N, H): the last hidden states at the positions whose next token is scored; weight (V, H) (tied is
-    fine), the same dtype as hidden; labels (N,), IGNORE_INDEX rows give 0 and no gradient; bias (V,) or None.
-    logit_scale and softcap: what some heads do after the matmul (lm_head_extras). Returns logps (N,) in fp32,
-    differentiable w.r.t. hidden, weight and bias; with `with_entropy`, (logps, entropy (N,), detached)."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1] \
-            or (bias is not None and bias.shape != weight.shape[:1]):
-        raise ValueError(f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
-                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}")
-    if len({hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())) > 1:
-        raise TypeError(f"hidden, weight and bias must share a dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
-                        + (f", bias {bias.dtype}" if bias is not None else ""))
-    chunk_size = head_tile_rows(weight.shape[0], weight.dtype) if chunk_size is None else chunk_size
-    if chunk_size < 1 or (softcap is not None and softcap <= 0):
-        raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
-    logps, entropy = _LinearLabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap,
-                                                with_entropy)
-    return (logps, entropy) if with_entropy else logps
-
-
-def lm_head_extras(config) -> dict:
-    """What some LM heads do after the matmul (Cohere's logit_scale, Granite's logits_scaling, Gemma's softcap)."""
-    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    return {"logit_scale": scale, "softcap": getattr(config, "final_logit_softcapping", None)}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 4. Inputs
-# ---------------------------------------------------------------------------------------------------------------
+# ---------- 3. Inputs ----------
 PADS = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
 
 
@@ -295,10 +247,9 @@ def padded_inputs(inputs: dict[str, Tensor], multiple: int = 1) -> tuple[dict, T
     sequence, right-padded, T rounded up to a multiple of `multiple` (the sequence-parallel size)."""
     t = -(-inputs["input_ids"].size(1) // multiple) * multiple
     inputs = {k: pad_to_length(inputs[k], t, p) for k, p in PADS.items()}
-    n = inputs["input_ids"].size(0)
-    owner = torch.arange(n, device=inputs["input_ids"].device)[:, None].expand(n, t)
-    owner = torch.where(inputs["attention_mask"].bool(), owner, -1)
-    return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}, inputs["labels"], owner
+    sequence = torch.arange(inputs["input_ids"].size(0), device=inputs["input_ids"].device)[:, None]
+    owner = torch.where(inputs["attention_mask"].bool(), sequence, -1)
+    return {k: inputs[k] for k in ("input_ids", "attention_mask")}, inputs["labels"], owner
 
 
 def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -323,16 +274,14 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: int, multiple: int = 1) -
     lengths = inputs["attention_mask"].sum(1).tolist()
     rows = packed_rows(lengths, capacity)
     width = -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple
-    device, shape = inputs["input_ids"].device, (len(rows), width)
-    ids, positions = torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, dtype=torch.long, device=device)
-    labels, owner = torch.full(shape, IGNORE_INDEX, device=device), torch.full(shape, -1, device=device)
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            end = start + lengths[i]
-            ids[r, start:end], labels[r, start:end] = inputs["input_ids"][i, :lengths[i]], inputs["labels"][i, :lengths[i]]
-            positions[r, start:end], owner[r, start:end] = torch.arange(lengths[i], device=device), i
-            start = end
+    (n, t), device = inputs["input_ids"].shape, inputs["input_ids"].device
+
+    def pack(values: Tensor, pad: int) -> Tensor:  # (N, t), one sequence a row -> (R, width), as `rows` says
+        return torch.stack([pad_to_length(torch.cat([values[i, :lengths[i]] for i in row]), width, pad)
+                            for row in rows])
+    ids, labels = pack(inputs["input_ids"], 0), pack(inputs["labels"], IGNORE_INDEX)
+    positions = pack(torch.arange(t, device=device).expand(n, t), 0)
+    owner = pack(torch.arange(n, device=device)[:, None].expand(n, t), -1)
     # causal within each sequence; padding (owner -1) attends to earlier padding, so no row is empty (NaN); one
     # (R, T, T) allocation: the comparison, made causal in place
     mask = (owner[:, :, None] == owner[:, None, :]).tril_()
@@ -359,9 +308,7 @@ def packed_attention_mask(mask: Tensor, config):
     return masks if layer_types is not None else masks.get("sliding_attention", masks["full_attention"])
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 5. Sequence log-probs
-# ---------------------------------------------------------------------------------------------------------------
+# ---------- 4. Sequence log-probs ----------
 def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacity: Optional[int] = None,
                   tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
                   sequence_parallel: Optional[ulysses.SequenceParallel] = None):
@@ -372,27 +319,20 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
     positions through the LM head in tiles (linear_token_logps). `sequence_parallel` (ulysses.py): every rank of
     the group passes the same inputs, runs its slice of the positions, and gets whole sequences' results.
 
-    Under FSDP (1 or 2) the computation runs as the forward of the root unit (as_root_forward): the root's
-    pre-forward gathers the embeddings, final norm and LM head, so the tiled path may call the backbone and read the
-    head's weight directly, and its post-forward hooks the backward on the returned sums."""
+    Under FSDP (1 or 2) this runs as the root unit's forward, between its pre-forward (which gathers the embeddings,
+    final norm and LM head: the tiled path may call the backbone and read the head's weight directly) and its
+    post-forward (which hooks the backward on the returned sums)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    options = dict(packed_capacity=packed_capacity, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad,
-                   sequence_parallel=sequence_parallel)
+    score = functools.partial(_score, packed_capacity=packed_capacity, tiled=tiled, entropy=entropy,
+                              entropy_grad=entropy_grad, sequence_parallel=sequence_parallel)
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
-        return _score(model, model, inputs, **options)
+        return score(model, model, inputs)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
-    # the inputs go through the root's call: FSDP2's root pre-forward on CUDA moves its arguments to the device
-    with as_root_forward(inner, lambda inputs: _score(inner, functools.partial(type(inner).forward, inner), inputs, **options)):
-        return model(inputs)
-
-
-@contextlib.contextmanager
-def as_root_forward(inner: nn.Module, compute):
-    """While inside, `inner`'s forward is `compute(inputs)`: calling the FSDP root with `inputs` runs the root unit's
-    pre-forward, `compute`, its post-forward. Nothing is wrapped or renamed: state dicts keep the model's keys."""
-    inner.forward = compute
+    # nothing wrapped or renamed: state dicts keep their keys. The inputs go through the root's call: FSDP2's root
+    # pre-forward on CUDA moves its arguments to the device.
+    inner.forward = lambda inputs: score(inner, functools.partial(type(inner).forward, inner), inputs)
     try:
-        yield
+        return model(inputs)
     finally:
         del inner.forward
 
@@ -408,7 +348,7 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
     targets, owner = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), F.pad(owner[:, 1:], (0, 1), value=-1)
     if sp:
-        kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs, targets.size(1))
+        kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs)
         kwargs, targets, owner = ulysses.local_slice(kwargs, targets, owner, sp)
     if kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config)
@@ -419,24 +359,25 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         hidden = backbone(**kwargs, use_cache=False).last_hidden_state
         head = model.get_output_embeddings()
         hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)  # under autocast: the compute dtype
-        targets, owner = targets.to(hidden.device), owner.to(hidden.device)
+        targets = targets.to(hidden.device)
         scored = targets != IGNORE_INDEX
+        config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
+        scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
         out = linear_token_logps(hidden[scored], head.weight, targets[scored], head.bias, with_entropy=entropy is not None,
-                                 **lm_head_extras(model.config))
+                                 logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
         logits = call(**kwargs, use_cache=False).logits
-        targets, owner = targets.to(logits.device), owner.to(logits.device)
+        targets = targets.to(logits.device)
         scored = targets != IGNORE_INDEX
         logps, token_entropy = target_logps(logits, targets)[scored], None
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 token_entropy = entropy_from_logits(logits, **entropy)[scored]
-    owner = owner[scored]
-    sums = logps.new_zeros(n).index_add(0, owner, logps)
-    counts = torch.zeros(n, dtype=torch.long, device=owner.device).index_add(0, owner, torch.ones_like(owner))
-    entropy_sums = None if token_entropy is None else token_entropy.new_zeros(n).index_add(0, owner, token_entropy)
-    if sp:  # each rank scored its slice of every sequence: add the slices (differentiably)
-        sums, counts = ulysses.sum_over_group(sums, sp), ulysses.sum_over_group(counts, sp)
-        entropy_sums = None if entropy_sums is None else ulysses.sum_over_group(entropy_sums, sp)
-    return sums, counts, None if entropy_sums is None else entropy_sums / counts.clamp(min=1)
+    owner = owner.to(scored.device)[scored]
+
+    def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
+        sums = values.new_zeros(n).index_add(0, owner, values)
+        return ulysses.sum_over_group(sums, sp) if sp else sums  # differentiable: each rank scored a slice
+    sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
+    return sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1)

@@ -6,10 +6,10 @@ rejected_rewards)`, each Shape (batch,), and is registered in `LOSSES`. `compute
 calls, turns summed log-probs and token counts into what each loss wants (sum or per-token mean, reference or
 zeros), sums the weighted losses and builds the batch metrics. How log-probs are computed is logps.py's concern.
 
-To add a loss: write a function like `dpo_loss`, add one line to `LOSSES` (and a field to config.LossConfig for a
-new hyperparameter), add `config/loss/<name>.yaml` and a hand-worked test in tests/test_losses.py (README: "Adding
-a loss"). The keyword-only parameters of a function are the config keys it reads: config.py refuses a changed key
-that no selected loss reads (`loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
+To add a loss (README: "Adding a loss"): write a function like `dpo_loss`, add a line to `LOSSES`, a LossConfig
+field for a new hyperparameter, `config/loss/<name>.yaml` and a hand-worked test in tests/test_losses.py. Its
+keyword-only parameters are the config keys it reads: config.py refuses a changed key that no selected loss reads
+(`loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
 
 Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original summed): its scale does not
@@ -46,11 +46,10 @@ def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -
     return logps_sum / lengths.clamp(min=1).to(logps_sum.dtype) if average_log_prob else logps_sum
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The losses. Notation: a = policy_chosen_logps - reference_chosen_logps and b = policy_rejected_logps -
-# reference_rejected_logps are the log-ratios log pi/pi_ref, h = a - b the DPO margin, each Shape (batch,). Rewards
-# are the implicit rewards beta * a, beta * b unless a docstring says otherwise, always detached.
-# ---------------------------------------------------------------------------------------------------------------
+# --- The losses ---
+# Notation: a = policy_chosen_logps - reference_chosen_logps and b = policy_rejected_logps - reference_rejected_logps
+# are the log-ratios log pi/pi_ref, h = a - b the DPO margin, each Shape (batch,). Rewards are the implicit rewards
+# beta * a, beta * b unless a docstring says otherwise, always detached.
 LossReturn = tuple[Tensor, Tensor | None, Tensor | None]
 
 
@@ -70,15 +69,13 @@ def sft_loss(policy_chosen_logps, policy_rejected_logps=None, reference_chosen_l
 
 
 def _exp_capped(x: Tensor) -> Tensor:
-    """exp(x), never inf: x is capped one e below where exp overflows its dtype (88.7 in fp32), the headroom being
-    for the difference of two such terms that follows. Exact below the cap; past it the value stays at finfo.max / e
-    with zero gradient (as TRL's cap_exp), instead of an inf loss and a NaN gradient for the whole step."""
+    """exp(x), capped one e below the dtype's overflow (headroom for the difference that follows): departure 7."""
     return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1.0))
 
 
 # f-DPO (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240): (log u, beta, f_alpha) -> beta * g(log u), g = f'
-# shifted so that g(0) = 0 (departure 3). beta is applied inside so that beta * exp(-log u) can be computed as
-# exp(log beta - log u): in fp32 exp overflows at 88.7, and the gradient of an overflowed exp is NaN.
+# shifted so that g(0) = 0 (departure 3). beta is applied inside, for the form exp(log beta - log u) of departure 7:
+# in fp32 exp overflows at 88.7, and the gradient of an overflowed exp is NaN.
 F_DIVERGENCES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
     # f(u) = u log u, f'(u) = log u + 1: plain DPO
     "reverse_kl": lambda log_u, beta, f_alpha: beta * log_u,
@@ -132,15 +129,13 @@ def robust_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_log
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"robust needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
     a, b = policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
-    z = beta * (a - b)
-    eps = label_smoothing
+    z, eps = beta * (a - b), label_smoothing
     losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)  # the de-biased loss
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
 def ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-    beta: float,
-) -> LossReturn:
+             beta: float) -> LossReturn:
     """Identity Preference Optimization (Azar et al. 2023, arXiv:2310.12036), Eq. 17 with tau = beta.
     loss = (h - 1 / (2 beta))^2, Shape (batch,); per-token mean log-probs by default, as the IPO authors recommend for
     LLMs (`average_log_prob: false` gives the summed form the equation writes).
@@ -319,22 +314,16 @@ def kto_loss(policy_logps: Tensor, reference_logps: Tensor, desirable: Tensor, k
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A registered loss: its function, whether it compares against a reference model, its default sequence log-prob
-    (False: sum over tokens, True: per-token mean), whether it uses statistics of the whole batch (a sort, a mean), so
-    that its value depends on how the step is split, and whether it scores single labelled completions (KTO:
-    fn(policy_logps, reference_logps, desirable, kl, *, hyperparameters) -> (losses, rewards)).
-
-    The keyword-only parameters of `fn` are the hyperparameters it reads, each named as its `loss.<key>` (SUPPLIED
-    excepted): the one declaration, read by compute_loss to pass them and by config.py to refuse unread keys."""
+    """A registered loss; the keyword-only parameters of `fn` (SUPPLIED excepted) are the `loss.<key>`s it reads."""
 
     fn: Callable[..., LossReturn]
     needs_reference: bool
-    average_log_prob: bool
-    batch_statistics: bool = False
-    unpaired: bool = False
+    average_log_prob: bool  # default sequence log-prob: the per-token mean (True) or the sum (False)
+    batch_statistics: bool = False  # a sort or mean over the batch: depends on how a step is split
+    unpaired: bool = False  # scores labelled completions (kto_loss's signature)
 
 
-# The one registry. compute_loss, the configs and the tests all read it.
+# The one registry: compute_loss, config.py and the tests read it.
 LOSSES: dict[str, LossSpec] = {
     "sft": LossSpec(sft_loss, needs_reference=False, average_log_prob=True),
     "dpo": LossSpec(dpo_loss, needs_reference=True, average_log_prob=False),
@@ -357,9 +346,7 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The dispatcher
-# ---------------------------------------------------------------------------------------------------------------
+# --- The dispatcher ---
 class LossOutput(NamedTuple):
     losses: Tensor  # Shape (batch,): weighted sum over the named losses; differentiable
     chosen_rewards: Tensor | None  # Shape (batch,), detached; from the first loss with rewards
@@ -367,27 +354,20 @@ class LossOutput(NamedTuple):
     metrics: dict[str, Tensor]  # per-example detached tensors; the trainer averages/gathers
 
 
-def _as_names(names: str | list[str]) -> list[str]:
-    return [names] if isinstance(names, str) else list(names)
-
-
-def _spec(name: str) -> LossSpec:
-    return _lookup(LOSSES, name, "loss name")
-
-
-def is_sft_only(names: str | list[str]) -> bool:
-    """True when the only loss is SFT: no rejected responses and no reference model are needed."""
-    return set(_as_names(names)) == {"sft"}
+def _specs(names: str | list[str]) -> tuple[list[str], list[LossSpec]]:
+    """The names as a list (a str is one name) and their specs."""
+    names = [names] if isinstance(names, str) else list(names)
+    return names, [_lookup(LOSSES, name, "loss name") for name in names]
 
 
 def is_unpaired(names: str | list[str]) -> bool:
     """True when the losses score single labelled completions (KTO) rather than pairs."""
-    return any(_spec(name).unpaired for name in _as_names(names))
+    return any(spec.unpaired for spec in _specs(names)[1])
 
 
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
-    return not reference_free and any(_spec(name).needs_reference for name in _as_names(names))
+    return not reference_free and any(spec.needs_reference for spec in _specs(names)[1])
 
 
 def average_log_prob(spec: LossSpec, hparams) -> bool:
@@ -402,7 +382,7 @@ SUPPLIED = ("chosen_nll",)
 
 @functools.cache
 def _hyperparameters(fn: Callable) -> tuple[tuple[str, bool], ...]:
-    """(name, required) of each keyword-only parameter of `fn`; inspected once per function."""
+    """(name, required) per keyword-only parameter of `fn`, inspected once."""
     return tuple((p.name, p.default is inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()
                  if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
@@ -424,37 +404,34 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                  policy_rejected_len: Tensor | None = None, reference_chosen_sum: Tensor | None = None,
                  reference_rejected_sum: Tensor | None = None, desirable: Tensor | None = None,
                  kl: Tensor | None = None) -> LossOutput:
-    """Weighted sum of the named losses, with the batch metrics. The only thing the trainer calls.
+    """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
     for all 1.0. hparams: a mapping with .get (dict or the config's loss section): the keys the named losses read,
     reference_free, and average_log_prob (None: each loss's own default). policy_*_sum, reference_*_sum: summed
     token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
     the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
-    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
-    Metrics, per example and detached: logps/chosen, nll/chosen, loss; for pairs logps/rejected and, from the first
-    loss with rewards, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins."""
-    names = _as_names(names)
-    specs = [_spec(name) for name in names]
+    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`."""
+    names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
         raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
-    if any(spec.unpaired for spec in specs):
-        return _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
-                              policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
-    paired = not is_sft_only(names)
-    if paired and (policy_rejected_sum is None or policy_rejected_len is None):
+    unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
+    if not (sft_only or unpaired) and (policy_rejected_sum is None or policy_rejected_len is None):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
-    reference_free = bool(hparams.get("reference_free") or False)
-    if needs_reference(names, reference_free) and (reference_chosen_sum is None or reference_rejected_sum is None):
-        raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
+    reference_free = bool(hparams.get("reference_free"))
     if reference_free:
         reference_chosen_sum = torch.zeros_like(policy_chosen_sum)
-        reference_rejected_sum = torch.zeros_like(policy_rejected_sum) if paired else None
+        reference_rejected_sum = None if policy_rejected_sum is None else torch.zeros_like(policy_rejected_sum)
+    missing = reference_chosen_sum is None or (policy_rejected_sum is not None and reference_rejected_sum is None)
+    if needs_reference(names, reference_free) and missing:
+        raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
+    if unpaired:
+        return _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
+                              policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
     sums_and_lengths = [(policy_chosen_sum, policy_chosen_len), (policy_rejected_sum, policy_rejected_len),
                         (reference_chosen_sum, policy_chosen_len), (reference_rejected_sum, policy_rejected_len)]
-
     total, chosen_rewards, rejected_rewards = 0, None, None
     for name, spec, weight in zip(names, specs, weights):
         average = average_log_prob(spec, hparams)
@@ -465,9 +442,9 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
             chosen_rewards, rejected_rewards = chosen, rejected
 
     metrics = {"logps/chosen": policy_chosen_sum.detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
-    if paired:
+    if not sft_only:
         metrics["logps/rejected"] = policy_rejected_sum.detach()
-    if paired and chosen_rewards is not None:
+    if not sft_only and chosen_rewards is not None:
         metrics.update({"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
                         "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
                         "rewards/margins": chosen_rewards - rejected_rewards})
@@ -476,40 +453,31 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
 
 def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
                    policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl) -> LossOutput:
-    """compute_loss for a loss on labelled completions (KTO).
+    """compute_loss for a loss on labelled completions (KTO), checks done.
 
-    Unpaired batch: policy_chosen_* are the completions (n,), `desirable` (n,) bool their labels, the rejected
-    arguments None. Paired batch (pairs evaluated with an unpaired loss): chosen and rejected (n,) each become
-    completions, chosen desirable and rejected undesirable, and the pair metrics (accuracies, margins) are logged as
-    for DPO. `kl`: Shape () or (1,), the trainer's KL estimate of the step (see kto_loss).
+    Unpaired batch: policy_chosen_* are the completions (n,), `desirable` (n,) bool their labels. Paired batch (eval
+    of pairs): chosen (desirable) and rejected (undesirable) are 2n completions, and accuracies and margins compare
+    each pair as for DPO. `kl`: the trainer's KL estimate of the step, see kto_loss.
     Metrics per completion: rewards/ and logps/chosen on desirable completions, rewards/ and logps/rejected on
     undesirable ones, NaN on the others (the trainer's averages skip NaN); kl, the clamped z0, on every row."""
     if len(names) != 1:
         raise ValueError(f"loss {names}: an unpaired loss (kto) cannot be combined with other losses")
-    name, spec, weight = names[0], _spec(names[0]), weights[0]
-    n = policy_chosen_sum.shape[0]
+    name, spec, n = names[0], LOSSES[names[0]], policy_chosen_sum.shape[0]
+    policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
     paired = policy_rejected_sum is not None
     if paired:
-        policy_sum = torch.cat([policy_chosen_sum, policy_rejected_sum])
-        lengths = torch.cat([policy_chosen_len, policy_rejected_len])
-        reference_sum = (None if reference_chosen_sum is None
-                         else torch.cat([reference_chosen_sum, reference_rejected_sum]))
+        policy_sum, lengths = torch.cat([policy_sum, policy_rejected_sum]), torch.cat([lengths, policy_rejected_len])
+        reference_sum = torch.cat([reference_sum, reference_rejected_sum])
         desirable = torch.arange(2 * n, device=policy_sum.device) < n
     elif desirable is None:
         raise ValueError(f"loss {name!r} scores labelled completions: `desirable` (n,) is missing")
-    else:
-        policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
-    if bool(hparams.get("reference_free") or False):
-        reference_sum = torch.zeros_like(policy_sum)
-    elif reference_sum is None:
-        raise ValueError(f"loss {name!r} needs reference log-probs (or set loss.reference_free=true)")
     average = average_log_prob(spec, hparams)
     losses, rewards = spec.fn(sequence_logps(policy_sum, lengths, average),
                               sequence_logps(reference_sum, lengths, average), desirable, kl,
                               **_kwargs_for(name, spec.fn, hparams, None))
-    total, desirable = weight * losses, desirable.bool()
+    total, desirable = weights[0] * losses, desirable.bool()
     nan, logps = torch.full_like(rewards, float("nan")), policy_sum.detach()
     metrics = {
         "loss": total.detach(),

@@ -1,11 +1,9 @@
 """Preference data: raw sources -> normalized examples -> tokenized pairs (cached on disk) -> batches.
 
-Sources (SOURCES): hh, shp, se, ultrafeedback, kto_mix (Hugging Face Hub), toy, a .jsonl/.json path ('{split}' in it
-replaced). Converters give {prompt: PromptResponses}; tokenize_normalized() makes ids, cached under a key of content,
-tokenizer, LoadOptions and CODE_VERSION; get_batch_iterator() collates this rank's share of each global batch. A local
-file's first row picks its shape (SHAPES): {prompt, chosen, rejected[, sft_target]} as strings (appended verbatim, so a
-response has its own leading space) or {role, content} lists (chat template); unpaired {prompt, completion, label}; raw
-HH, SHP, UltraFeedback. Bad rows raise DataError naming file, line, field and expectation; none is skipped silently.
+Sources (SOURCES): hh, shp, se, ultrafeedback, kto_mix (Hugging Face Hub), toy, or a .jsonl/.json path ('{split}' in
+it replaced) whose first row picks its shape (SHAPES): {prompt, chosen, rejected[, sft_target]} as strings (appended
+verbatim: a response has its own leading space) or {role, content} lists (chat template); unpaired {prompt, completion,
+label}; raw HH, SHP, UltraFeedback. Bad rows raise DataError naming file, line, field and expectation, none skipped.
 
 Departures from the original DPO code:
   1. Tokenized once per run and cached on disk, not on every rank at every step.

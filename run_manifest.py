@@ -23,7 +23,7 @@ import preference_datasets as data
 import utils
 
 REPO = Path(__file__).resolve().parent
-MANIFEST, DIFF, FORMAT = "run_manifest.json", "run_manifest.diff", 1  # in run_dir: the manifest, the diff beside it
+MANIFEST, DIFF, FORMAT = "run_manifest.json", "run_manifest.diff", 1  # in run_dir, side by side
 # A replay repeats the recorded config; only keys that cannot change a number may be given again.
 REPLAY_KEYS = ("run_dir", "exp_name", "wandb.enabled", "wandb.entity", "wandb.project", "fsdp_port", "local_dirs")
 TIMING = ("throughput/", "examples_per_second")  # wall-clock metrics: they differ between any two runs
@@ -51,21 +51,16 @@ def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
             for split in ("train", "test")}
 
 
-def build(cfg, tokenizer, world_size: int) -> tuple[dict, str]:
-    """The manifest of a run starting now, and the diff of the working tree (saved beside it)."""
+def write(run_dir, cfg, tokenizer, world_size: int) -> None:
+    """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
     code, diff = git_state()
     device = ({"type": "cuda", "name": torch.cuda.get_device_name(0)} if torch.cuda.is_available()
               else {"type": "cpu", "name": platform.processor() or platform.machine()})
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 **{name: version(name) for name in ("transformers", "datasets")}}
-    return {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "config": cfg.to_dict(), "code": code, "versions": versions, "device": device,
-            "world_size": world_size, "data": fingerprints(cfg, tokenizer)}, diff
-
-
-def write(run_dir, cfg, tokenizer, world_size: int) -> None:
-    """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
-    manifest, diff = build(cfg, tokenizer, world_size)
+    manifest = {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "config": cfg.to_dict(), "code": code, "versions": versions, "device": device,
+                "world_size": world_size, "data": fingerprints(cfg, tokenizer)}
     if diff:
         utils.atomic_write_text(Path(run_dir) / DIFF, diff)
     utils.atomic_write_text(Path(run_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -114,7 +109,7 @@ def replay_config(original_dir, overrides: list[str]):
                  for key, _, raw in given if key not in REPLAY_KEYS]
     if not problems:
         flat.update(resume_from=None, run_dir=f"{Path(original_dir).resolve()}-replay-{datetime.now():%Y%m%d_%H%M%S_%f}")
-        flat.update({key: raw if config._is_text(keys[key][0]) else value for key, value, raw in given})
+        flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
         cfg = config._build(config.Config, flat, "", problems)
         problems += config.validate(cfg)
     if problems:

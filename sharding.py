@@ -3,9 +3,8 @@
 `OneProcess` is its plain behaviour (nothing to sync, gather or agree on). `FSDP1` (FullyShardedDataParallel) and
 `FSDP2` (fully_shard) shard each model as the original DPO FSDPTrainer did: every transformer block its own unit,
 FULL_SHARD, BACKWARD_PRE prefetch (FSDP1), MixedPrecision, NO_REENTRANT activation checkpointing per block; rank 0
-loads the weights and the others build empty (meta) models that rank 0's values fill. The trainer calls the same
-methods on any of the three; every torch.distributed call of training is here, in utils.py's helpers or in
-ulysses.py. The reference is always resharded after its forward (it has no backward to keep parameters for).
+loads the weights and the others build empty (meta) models that rank 0's values fill. Every torch.distributed call
+of training is here, in utils.py's helpers or in ulysses.py.
 """
 from __future__ import annotations
 
@@ -34,28 +33,27 @@ from utils import (all_gather_if_needed, all_ranks_true, dtype_of, find_block_cl
 
 
 class OneProcess:
-    """The interface in one process (the model's own device, state dicts and generate; nothing to agree on):
-    gradient_sync(model, sync) is the context of one micro-batch's backward, whose gradients FSDP reduces across
-    ranks when `sync`; clip clips (all shards together) and returns the norm before; all_true / any_true decide once
-    for all ranks (a CPU-GPU sync point); agree_max is the largest count over the ranks (every rank runs as many
-    collective forwards); gather concatenates every rank's tensor along dim 0; gather_objects every data-parallel
-    rank's items; barrier waits for rank 0's lone work with a timeout slow disks do not trip; reshard frees every
-    gathered parameter; params_on_device brings offloaded parameters for a phase; save / load what a resume needs
-    besides policy.pt (the optimizer state, or a model without one: TR-DPO's reference)."""
+    """The interface, in one process. gradient_sync(model, sync): the context of a micro-batch's backward (FSDP reduces
+    its gradients across ranks when `sync`); clip: the norm before clipping (all shards together); all_true / any_true:
+    one decision for all ranks (a CPU-GPU sync point); agree_max: the largest count over the ranks (all run as many
+    collective forwards); gather: every rank's tensor along dim 0; gather_objects: every data-parallel rank's items;
+    barrier: wait for rank 0's lone work (a timeout slow disks do not trip); reshard: free gathered parameters;
+    params_on_device: offloaded parameters on device for a phase; save / load: what a resume needs besides policy.pt
+    (the optimizer state, or TR-DPO's reference)."""
 
-    autocasts = True  # fsdp.mixed_precision in one process is torch.autocast; FSDP casts the parameters itself
+    autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
 
     def __init__(self, model: nn.Module, config):
         self.device, self.rank = self.input_device(model), 0
         if config.activation_checkpointing:  # FSDP applies it while sharding
-            checkpoint_blocks(model, tuple(block_classes(model, config.fsdp.wrap_policy)))
+            checkpoint_blocks(model, config.fsdp.wrap_policy)
 
     def input_device(self, model: nn.Module) -> torch.device:
         return model.get_input_embeddings().weight.device  # device_map: the first GPU
 
     def gradient_sync(self, model: nn.Module, sync: bool): return contextlib.nullcontext()
     def all_true(self, flag: bool) -> bool: return flag
-    def any_true(self, flag: bool) -> bool: return flag
+    def any_true(self, flag: bool) -> bool: return not self.all_true(not flag)
     def agree_max(self, n: int) -> int: return n
     def gather(self, tensor: torch.Tensor) -> torch.Tensor: return tensor
     def gather_objects(self, items: list, sp_size: int = 1) -> list: return items
@@ -72,36 +70,36 @@ class OneProcess:
         """The consolidated state dict on rank 0, on CPU ({} on the others; a collective under FSDP)."""
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
-    def save(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
+    def save(self, model: nn.Module, optimizer, ckpt: Path) -> None:
         if optimizer is not None:
             torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
         else:
-            torch.save(self.full_state_dict(model), ckpt / f"{name}.pt")
+            torch.save(self.full_state_dict(model), ckpt / "reference.pt")
 
-    def load(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
-        state = torch.load(ckpt / f"{name}.pt", weights_only=True)
-        model.load_state_dict(state["state"] if name == "policy" else state)
+    def load(self, model: nn.Module, optimizer, ckpt: Path) -> None:
         if optimizer is not None:
+            model.load_state_dict(torch.load(ckpt / "policy.pt", weights_only=True)["state"])
             optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        else:
+            model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
 
 
 class Sharded(OneProcess):
-    """What FSDP1 and FSDP2 share: the mesh, the units, collectives, sampling, offloaded optimizer state, sharded
-    checkpoints (torch.distributed.checkpoint reads either)."""
+    """What FSDP1 and FSDP2 share: mesh, units, collectives, sampling, offloaded optimizer state, sharded checkpoints
+    (torch.distributed.checkpoint reads either's)."""
     autocasts = False
 
     def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
         self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
         size = fsdp.fsdp_size  # 1 <= fsdp_size < world: a 2-D mesh, replicate x shard (hybrid)
         shape = (world_size,) if size in (-1, world_size) else (world_size // size, size)
-        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("shard",) if len(shape) == 1 else ("replicate", "shard"))
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
         mnp = fsdp.wrap_policy.get("min_num_params")  # a size policy, else the block classes that become units
         self.blocks = ("min_num_params", mnp) if mnp is not None else block_classes(policy, fsdp.wrap_policy)
-
-    def describe(self) -> str:
         units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
-        return (f"units {units}, mesh {tuple(self.mesh.shape)}, reshard_after_forward {self.fsdp.reshard_after_forward}, "
-                f"mixed precision {self.fsdp.mixed_precision}, offload params {self.fsdp.param_offload}/policy {self.fsdp.offload_policy}")
+        rank0_print(f"sharding policy with {fsdp.strategy} (units {units}, mesh {tuple(self.mesh.shape)}, "
+                    f"reshard_after_forward {fsdp.reshard_after_forward}, mixed precision {fsdp.mixed_precision}, "
+                    f"offload params {fsdp.param_offload}/policy {fsdp.offload_policy})")
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
         """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to fp32
@@ -116,9 +114,6 @@ class Sharded(OneProcess):
 
     def all_true(self, flag: bool) -> bool:
         return all_ranks_true(flag, self.device)
-
-    def any_true(self, flag: bool) -> bool:
-        return not all_ranks_true(not flag, self.device)
 
     def agree_max(self, n: int) -> int:
         count = torch.tensor([n], device=self.device)  # on the device: NCCL reduces CUDA tensors only
@@ -137,10 +132,26 @@ class Sharded(OneProcess):
         wait_for_rank0()
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
-        """Every rank runs as many forwards (synced_gpus: the original's sampling hung when ranks stopped at
-        different lengths), each through the root unit (through_root_unit), over whole prompts (Ulysses paused)."""
-        with ulysses.paused(), through_root_unit(model):
-            return model.generate(**kwargs, synced_gpus=True)
+        """Every rank runs as many forwards (synced_gpus: the original's sampling hung when ranks stopped at different
+        lengths) over whole prompts (Ulysses paused), through the root unit: `generate` calls the causal LM's own
+        `self(...)` (FSDP1: inside the wrapper; LoRA: the PeftModel's base model), skipping the root's pre-forward."""
+        inner = unwrap(model)
+        lm = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+        def forward(*args, **inputs):
+            del lm.forward  # the root calls down to lm's class forward this time
+            try:
+                return model(*args, **inputs)
+            finally:
+                lm.forward = forward
+        if lm is not model:  # else (FSDP2 without LoRA) generate's call is the root's already
+            lm.forward = forward
+        try:
+            with ulysses.paused():
+                return model.generate(**kwargs, synced_gpus=True)
+        finally:
+            if lm is not model:
+                del lm.forward
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl), and comes for the step
@@ -156,25 +167,22 @@ class Sharded(OneProcess):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available()))
         return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
 
-    def save(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
-        """Each rank's shards (torch.distributed.checkpoint): model and optimizer in ckpt/sharded, a model without
-        an optimizer (TR-DPO's reference) in ckpt/<name>_sharded."""
-        if optimizer is not None:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(ckpt / "sharded"))
-        else:
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(ckpt / f"{name}_sharded"))
+    def sharded_state(self, model: nn.Module, optimizer, ckpt: Path) -> tuple[dict, str]:
+        """Each rank's shards for torch.distributed.checkpoint, and their folder (a model alone: TR-DPO's reference)."""
+        model_state, optim_state = get_state_dict(model, optimizer or ())
+        if optimizer is None:
+            return {"model": model_state}, str(ckpt / "reference_sharded")
+        return {"model": model_state, "optimizer": optim_state}, str(ckpt / "sharded")
 
-    def load(self, model: nn.Module, optimizer, ckpt: Path, name: str = "policy") -> None:
-        if optimizer is not None:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optimizer": optim_state}
-            dcp.load(state, checkpoint_id=str(ckpt / "sharded"))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        else:
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(ckpt / f"{name}_sharded"))
-            set_model_state_dict(model, state["model"])
+    def save(self, model: nn.Module, optimizer, ckpt: Path) -> None:
+        state, where = self.sharded_state(model, optimizer, ckpt)
+        dcp.save(state, checkpoint_id=where)
+
+    def load(self, model: nn.Module, optimizer, ckpt: Path) -> None:
+        state, where = self.sharded_state(model, optimizer, ckpt)
+        dcp.load(state, checkpoint_id=where)
+        set_state_dict(model, optimizer or (), model_state_dict=state["model"],
+                       optim_state_dict=state.get("optimizer", {}))
 
 
 class FSDP1(Sharded):
@@ -188,8 +196,8 @@ class FSDP1(Sharded):
         if isinstance(self.blocks, tuple):
             size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
             head = model.get_output_embeddings()  # stays in the root unit: the tiled path reads its weight there
-            policy = lambda module, recurse, nonwrapped_numel: (  # noqa: E731
-                size_policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) and (recurse or module is not head))
+            policy = lambda module, recurse, **numel: (  # noqa: E731
+                size_policy(module=module, recurse=recurse, **numel) and (recurse or module is not head))
         else:
             policy = ModuleWrapPolicy(self.blocks)
         hybrid = self.mesh.ndim == 2 and self.mesh.shape[1] > 1
@@ -198,14 +206,19 @@ class FSDP1(Sharded):
         if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
             strategy = ShardingStrategy.NO_SHARD  # fsdp_size=1: every rank holds everything
         on_gpu = self.device.type == "cuda"
-        if not on_gpu:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first
-            broadcast_module(model, self.rank)
+        if not on_gpu:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first, into the others'
+            if self.rank != 0:  # meta tensors given CPU memory and re-tied (the broadcast must see the same tensors)
+                ties = tied_slots(model)
+                model.to_empty(device="cpu")
+                retie(ties)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=self.device,
                        cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),  # pinned memory: GPU only
                        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
                        mixed_precision=MixedPrecision(**dtypes) if dtypes else None, use_orig_params=self.fsdp.use_orig_params,
-                       # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU (memory); torch
-                       # advises it off only for CPU-bound runs with low memory pressure, as gloo on CPU
+                       # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU; torch advises
+                       # it off only for CPU-bound runs with low memory pressure, as gloo on CPU
                        limit_all_gathers=on_gpu,
                        # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
                        sync_module_states=on_gpu, param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
@@ -214,7 +227,7 @@ class FSDP1(Sharded):
             for buffer in wrapped.buffers():
                 dist.broadcast(buffer, src=0)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
-            checkpoint_blocks(wrapped, tuple(block_classes(model, self.fsdp.wrap_policy)))
+            checkpoint_blocks(wrapped, self.fsdp.wrap_policy)
         return wrapped
 
     def gradient_sync(self, model: nn.Module, sync: bool):
@@ -247,8 +260,14 @@ class FSDP2(Sharded):
             model.to("meta")  # every rank shards the same empty structure, then rank 0's values are scattered
             retie(ties)
         if checkpoint:  # before sharding: each sharded unit is then the checkpointed block
-            checkpoint_blocks(model, tuple(block_classes(model, self.fsdp.wrap_policy)))
-        units = self.unit_modules(model)
+            checkpoint_blocks(model, self.fsdp.wrap_policy)
+        if isinstance(self.blocks, tuple):
+            units = size_based_modules(model, self.blocks[1])
+        else:  # a checkpointed block's unit is its checkpoint wrapper
+            inner = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+            blocks = tuple(self.blocks)
+            units = [m for m in model.modules()
+                     if id(m) not in inner and isinstance(getattr(m, "_checkpoint_wrapped_module", m), blocks)]
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
         for unit in (*units, model):  # on a 2-D mesh: replicate over the first dimension, shard over the second
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
@@ -263,15 +282,6 @@ class FSDP2(Sharded):
             for unit, following in zip(units, units[1:]):
                 unit.set_modules_to_forward_prefetch([following])
         return model
-
-    def unit_modules(self, model: nn.Module) -> list[nn.Module]:
-        """The modules that become units; a checkpointed block's unit is its checkpoint wrapper."""
-        if isinstance(self.blocks, tuple):
-            return size_based_modules(model, self.blocks[1])
-        blocks = tuple(self.blocks)
-        wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
-        return [m for m in model.modules() if (isinstance(m, blocks) and id(m) not in wrapped)
-                or (isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, blocks))]
 
     def gradient_sync(self, model: nn.Module, sync: bool):
         model.set_requires_gradient_sync(sync)
@@ -302,6 +312,11 @@ class FSDP2(Sharded):
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers of the two
 # ---------------------------------------------------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
+    return model.module if isinstance(model, FSDP) else model
+
+
 def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
     """The transformer block classes to wrap: fsdp.wrap_policy's names, else the model's _no_split_modules."""
     names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
@@ -313,9 +328,8 @@ def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
 
 
 def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
-    """Modules to shard under a size policy, leaves first: a module is wrapped once the parameters it holds that no
-    wrapped descendant holds reach min_num_params (FSDP1's size_based_auto_wrap_policy, for FSDP2). The LM head
-    stays in the root unit: the tiled path reads its weight inside the root's forward."""
+    """Modules to shard under a size policy, leaves first, as FSDP1's size_based_auto_wrap_policy: a module is wrapped
+    once the parameters no wrapped descendant holds reach min_num_params; the LM head stays in the root unit."""
     chosen, head = [], model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def remaining(module: nn.Module) -> int:
@@ -328,38 +342,14 @@ def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]
     return chosen
 
 
-def checkpoint_blocks(model: nn.Module, units: tuple[type, ...]) -> None:
-    """Recompute each block of class `units` in backward (NO_REENTRANT), as the original FSDPTrainer did (one process
+def checkpoint_blocks(model: nn.Module, wrap_policy: dict) -> None:
+    """Recompute each block (block_classes) in backward (NO_REENTRANT), as the original FSDPTrainer did (one process
     too); unlike the original, a failure to apply it is an error, not a printed warning."""
+    units = tuple(block_classes(unwrap(model), wrap_policy))
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, units),
                                    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     n = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
-
-
-@contextlib.contextmanager
-def through_root_unit(model: nn.Module):
-    """`generate` calls the causal LM's own `self(...)`: under FSDP1 the module inside the wrapper, under LoRA (peft,
-    either strategy) the base model inside the PeftModel; either call would skip the root unit's pre-forward (the
-    all-gather of the embeddings, final norm and LM head; mixed precision's input casts). Inside this block that
-    causal LM's forward goes through the root (`model(...)`), which calls down to its class forward."""
-    inner = model.module if isinstance(model, FSDP) else model
-    lm = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    if lm is model:  # FSDP2 without LoRA: generate's call is the root's already
-        yield
-        return
-
-    def forward(*args, **kwargs):
-        del lm.forward  # the root calls down to lm's class forward this time
-        try:
-            return model(*args, **kwargs)
-        finally:
-            lm.forward = forward
-    lm.forward = forward
-    try:
-        yield
-    finally:
-        del lm.forward
 
 
 def tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -380,17 +370,6 @@ def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
         keep = next((p for p in params if not p.is_meta), params[0])
         for module, name in slots:
             module._parameters[name] = keep
-
-
-def broadcast_module(model: nn.Module, rank: int) -> None:
-    """Rank 0's parameters and buffers into every rank's copy (the others' meta tensors get CPU memory first, then
-    are re-tied: the broadcast must see the same tensors on every rank)."""
-    if rank != 0:
-        ties = tied_slots(model)
-        model.to_empty(device="cpu")
-        retie(ties)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=0)
 
 
 def materialize(device: torch.device, ties: list):

@@ -16,11 +16,8 @@ Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HOST:29500 train.py trainer=FSDPTrainer ...
 
-`--help` lists every key, the flags and the exit codes. `--cfg` runs every check the run makes before it loads a
-model, prints the resolved config and exits. Resume where a run stopped: `<same arguments> resume_from=<run dir>`
-(SIGTERM or Ctrl-C stop after the step with a checkpoint and print that command). `--replay <run dir>` runs a
-recorded run again and compares its metrics (run_manifest.py); `--estimate [gpu=H100]` gives memory per rank and
-FLOPs per step from config.json alone (estimate.py).
+`--help` lists every key, the flags (--cfg, --estimate [gpu=H100], --replay <run dir>) and the exit codes. SIGTERM
+or Ctrl-C stop after the step with a checkpoint and print the command that resumes: `<arguments> resume_from=<run dir>`.
 
 Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
   1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.
@@ -75,18 +72,11 @@ CHAT_TEMPLATES = {"chatml": "{% for message in messages %}{{ '<|im_start|>' + me
                             "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"}
 
 
-class ArchiveError(ValueError):
-    """model.archive is missing, unreadable or does not fit the model."""
-
-
 def resolve_local(path: str) -> str:
     """A relative path that exists under the repository (toy/tiny-llama) works from any working directory."""
     return str(REPO / path) if path and not Path(path).exists() and (REPO / path).exists() else path
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------------------------
 def load_tokenizer(cfg):
     """The run's tokenizer (no weights), with a pad token and model.chat_template applied."""
     import transformers
@@ -98,8 +88,7 @@ def load_tokenizer(cfg):
                            f" ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
-    template = cfg.model.chat_template
-    if template is not None:
+    if (template := cfg.model.chat_template) is not None:
         if template not in CHAT_TEMPLATES and not Path(template).is_file():
             raise ConfigError([f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja template file"])
         tokenizer.chat_template = CHAT_TEMPLATES.get(template) or Path(template).read_text()
@@ -114,19 +103,21 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
     path, remote = resolve_local(cfg.model.name_or_path), cfg.model.trust_remote_code
 
-    def load(dtype: str):
+    def load(dtype_name: str):
+        dtype = utils.dtype_of(dtype_name)
         if on_meta:
             with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote),
-                                                                      dtype=utils.dtype_of(dtype), trust_remote_code=remote)
+                config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
         else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=utils.dtype_of(dtype), device_map=device_map,
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
                                                                       trust_remote_code=remote)
         utils.disable_dropout(model)
         return model
 
-    mixed = cfg.fsdp.mixed_precision and trainers.reference_mixed_precision(cfg)
-    utils.rank0_print(f"loading policy {path} in {cfg.fsdp.model_dtype}" + (f", computing in {cfg.model.fsdp_policy_mp}" if mixed else ""))
+    mixed = cfg.fsdp.mixed_precision and trainers.reference_mixed_precision(cfg)  # the reference's; the policy's is
+    utils.rank0_print(f"loading policy {path} in {cfg.fsdp.model_dtype}"  # fsdp.mixed_precision alone
+                      + (f", computing in {cfg.model.fsdp_policy_mp}" if cfg.fsdp.mixed_precision else ""))
     policy, reference = load(cfg.fsdp.model_dtype), None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:
         dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
@@ -153,24 +144,20 @@ def load_archive(path: str, model) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["state"]
     except Exception as e:  # noqa: BLE001 - any unreadable file: say which and why
-        raise ArchiveError(f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})") from None
+        raise ConfigError([f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})"]) from None
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
     if missing or unexpected or shapes:
-        raise ArchiveError(f"model.archive={path} does not fit model {type(model).__name__}: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}")
+        raise ConfigError([f"model.archive={path} does not fit model {type(model).__name__}: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}"])
     return state
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Checks of the user's input, before any model loads (--cfg runs them too)
-# ---------------------------------------------------------------------------------------------------------------
 def work_offline_if_the_hub_is_unreachable(cfg) -> None:
-    """When the run needs the Hugging Face hub (a model, tokenizer or dataset that is not local) and a 3-second
-    connection to it fails, set HF_HUB_OFFLINE and HF_DATASETS_OFFLINE for this process and the ranks it starts:
-    every hub access then reads the local cache and fails at once when the cache lacks the file, instead of
-    retrying for a minute."""
+    """When the run needs the Hugging Face hub and a 3-second connection fails, set HF_HUB_OFFLINE and
+    HF_DATASETS_OFFLINE (this process and its ranks): a file missing from the local cache then fails at once, not
+    after a minute of retries."""
     names = [cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path]
     hub = [n for n in names if not Path(resolve_local(n)).exists()] + [d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None]
     if not hub or any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
@@ -184,17 +171,14 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
 
 
 def check_inputs(cfg, world_size: int) -> None:
-    """Every check of the user's input that needs no model: the config against the world size, dataset names and
-    files, model.archive, the checkpoint a resume reads, sequence parallelism against the model's config.json, and
-    the data after tokenization (cached for the run)."""
-    problems = validate(cfg, world_size)
-    if problems:
+    """Every check of the user's input that needs no model (--cfg runs them too); the data it tokenizes is cached."""
+    if problems := validate(cfg, world_size):  # load_config knew the world size only under torchrun
         raise ConfigError(problems)
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
     data.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
-        raise ArchiveError(f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)")
+        raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])
     if cfg.resume_from:
         ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
         trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
@@ -218,16 +202,15 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
                            f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"])
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):  # each rank sees only its slice
+    if (kind := rope.get("rope_type", rope.get("type"))) in ("dynamic", "longrope"):  # each rank sees only its slice
         raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r}: its RoPE type "
-                           f"{rope.get('rope_type', rope.get('type'))!r} scales frequencies by the longest position of a call, "
-                           "and each rank of a group sees only its slice of the positions: not supported yet"])
+                           f"{kind!r} scales frequencies by the longest position of a call, and each rank of a group"
+                           " sees only its slice of the positions: not supported yet"])
 
 
 def check_data(cfg, world_size: int) -> None:
-    """Tokenize both splits as the trainer will (the result is cached for it); refuse data that leaves fewer training
-    pairs than one step, or fewer eval pairs than ranks, naming each source and its drops; warn of a warmup as long
-    as the run, and of one file serving both splits."""
+    """Tokenize both splits as the trainer will; refuse fewer training pairs than one step, or fewer eval pairs than
+    ranks, naming each source and its drops; warn of a warmup as long as the run, and of one file for both splits."""
     for name in cfg.datasets:
         if name not in data.SOURCES and "{split}" not in name:
             print(f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
@@ -251,8 +234,7 @@ def check_data(cfg, world_size: int) -> None:
 def resume_run_dir(resume_from: str) -> str:
     """The run directory a resume continues, from what users copy: the run directory, its LATEST, or the step-N
     checkpoint LATEST points at (an earlier one would have its later checkpoints overwritten: refused)."""
-    path = Path(resume_from)
-    latest = path.parent / "LATEST"
+    path, latest = Path(resume_from), Path(resume_from).parent / "LATEST"
     if (path / "LATEST").exists():
         return str(path)
     if latest.exists() and (path.name == "LATEST" or path.resolve() == latest.resolve()):
@@ -268,14 +250,11 @@ def resume_run_dir(resume_from: str) -> str:
                             "(or its LATEST, or the step-N checkpoint LATEST points at)")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------------------------------
 def world_size_of(cfg) -> int:
     """Processes that will train: 1 (BasicTrainer), torchrun's WORLD_SIZE, or what `launch` starts."""
     if cfg.trainer == "BasicTrainer":
         return 1
-    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or torch.cuda.device_count() or 2
 
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
@@ -314,10 +293,10 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
     return run_dir, created
 
 
-def remove_orphan(run_dir: Path, created: bool) -> None:
-    """After a failure before training wrote anything: remove the run directory this run created if it holds only
-    what a run writes at its start. Never touches a directory that existed before."""
-    if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {"config.yaml", run_manifest.MANIFEST, run_manifest.DIFF}:
+def remove_orphan(run_dir, created: bool) -> None:
+    """After a failure before training: remove the run directory this run created if it holds only its start files."""
+    start_files = {"config.yaml", run_manifest.MANIFEST, run_manifest.DIFF}
+    if created and Path(run_dir).is_dir() and {p.name for p in Path(run_dir).iterdir()} <= start_files:
         shutil.rmtree(run_dir)
 
 
@@ -339,13 +318,11 @@ def distributed_worker(cfg, run_dir: str | None) -> None:
     created = False
     try:
         if rank == 0 and run_dir is None:  # started by torchrun: rank 0 makes the directory
-            made, created = prepare_run_dir(cfg)
-            run_dir = str(made)
-        run_dir = utils.broadcast_object(run_dir)
+            run_dir, created = prepare_run_dir(cfg)
+        run_dir = str(utils.broadcast_object(run_dir))
         worker_main(rank, world_size, cfg, run_dir)
     except BaseException:
-        if created:
-            remove_orphan(Path(run_dir), created)
+        remove_orphan(run_dir, created)
         raise
     finally:
         utils.destroy_distributed()
@@ -377,29 +354,21 @@ def launch(cfg) -> None:
     if cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         return distributed_worker(cfg, None)
     run_dir, created = prepare_run_dir(cfg)
+    print(f"run directory: {run_dir}", flush=True)
     try:
         if cfg.trainer == "BasicTrainer":
-            print(f"run directory: {run_dir}", flush=True)
             worker_main(0, 1, cfg, str(run_dir))
         else:
-            world_size = world_size_of(cfg)
-            print(f"run directory: {run_dir}\nstarting {world_size} processes", flush=True)
-            spawn_ranks(cfg, world_size, run_dir)
+            print(f"starting {world_size_of(cfg)} processes", flush=True)
+            spawn_ranks(cfg, world_size_of(cfg), run_dir)
     except BaseException:
         remove_orphan(run_dir, created)
         raise
     print(f"done; run directory: {run_dir}", flush=True)
 
 
-def resume_command(argv: list[str], run_dir) -> str:
-    """The command that continues an interrupted run: the same arguments, resume_from=<run dir>."""
-    kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]
-    return "python -u train.py " + " ".join(shlex.quote(a) for a in [*kept, f"resume_from={run_dir}"])
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The command line: flags (--help, --estimate [gpu=NAME], --replay <run dir>, --cfg), then config. Exit codes:
-    0 done, 2 bad input (nothing loaded or written), 3 too many non-finite steps, 128 + signal when stopped."""
+    """The command line: flags, then config; returns the exit code (--help lists both)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -423,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
-        check_inputs(cfg, world_size_of(cfg))  # bad input fails here, before any model is loaded; --cfg too
+        check_inputs(cfg, world_size_of(cfg))
         if cfg.resume_from or replay_of:  # the data must be the recorded run's
             run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg), "resume" if cfg.resume_from else "replay")
         if "--cfg" in flags:
@@ -432,17 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         launch(cfg)
         if replay_of is not None:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
-    except (ConfigError, estimate.EstimateError, data.DataError, FileExistsError, FileNotFoundError, ArchiveError,
-            run_manifest.ManifestError, trainers.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)  # the user's input is wrong: say what, without a traceback
-        return 2
-    except trainers.NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+    except (ConfigError, estimate.EstimateError, data.DataError, FileExistsError, FileNotFoundError,
+            run_manifest.ManifestError, trainers.CheckpointError, trainers.NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)  # bad input (2: nothing loaded or written) or non-finite steps (3)
+        return 3 if isinstance(e, trainers.NonFiniteError) else 2
     except trainers.Interrupted as e:
         if utils.get_rank() == 0:
+            kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]  # as given, but resume_from
             print(f"interrupted at step {e.step} ({e.examples} pairs, {signal.Signals(e.signum).name}); resume with: "
-                  f"{resume_command(argv, e.run_dir)}", file=sys.stderr, flush=True)
+                  f"python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}", file=sys.stderr, flush=True)
         return 128 + e.signum
     return 0
 

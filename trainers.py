@@ -12,7 +12,6 @@ loss; then clip, one decision on non-finite values for all ranks, step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -33,19 +32,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import tqdm
 import yaml
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import losses
 import preference_datasets as data
 import ulysses
 from logps import concatenated_inputs, forward_logps
-from sharding import FSDP1, FSDP2, OneProcess
+from sharding import FSDP1, FSDP2, OneProcess, unwrap
 from utils import (atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
                    rank0_print, set_rng_state, use_shape_free_attention)
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
-# Dense bf16 matmul peak, TFLOP/s, from the vendors' datasheets: what throughput/mfu divides by (peak_tflops wins).
+# Dense bf16 matmul peak TFLOP/s (vendors' datasheets) that throughput/mfu divides by; peak_tflops wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
@@ -113,23 +111,23 @@ class BasicTrainer:
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         c, self.config, self.seed, self.rank, self.world_size = config, config, seed, rank, world_size
-        if not hasattr(self, "sharding"):  # FSDPTrainer sets its own before sharding the models
-            self.sharding = OneProcess(policy, config)
+        self.sharding = getattr(self, "sharding", None) or OneProcess(policy, config)  # FSDPTrainer sets its own
         self.sp = getattr(self, "sp", None)  # FSDPTrainer's Ulysses group, if any
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
-        self.loss_names, self.unpaired = config.loss_names, losses.is_unpaired(config.loss_names)  # KTO: completions
+        self.unpaired = losses.is_unpaired(c.loss_names)  # KTO: completions, not pairs
         use_shape_free_attention(self.device)
         self.entropy_options = dict(chunking=c.fsdp.entropy_from_logits_with_chunking, checkpointing=c.fsdp.entropy_checkpointing,
                                     use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile)
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.last_progress, self.stop, self.log = time.time(), {"signal": None}, RunLog(self.run_dir, rank, config)
+        self.stop, self.log = {"signal": None}, RunLog(self.run_dir, rank, config)
+        self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         train_options, eval_options = data_options(c, "train"), data_options(c, "test")
         self.n_train_pairs = data.count_examples(c.datasets, tokenizer, split="train", silent=rank != 0, **train_options)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=c.batch_size, n_epochs=c.n_epochs, n_examples=c.n_examples)
-        # Every one of the first n_eval_examples test pairs once, the last batch completed with repeats that are left
-        # out; KTO needs >= 2 rows per rank for its KL estimate
+        # The first n_eval_examples test pairs, each once (repeats completing the last batch are left out); KTO needs
+        # >= 2 rows per rank for its KL estimate
         self.n_eval_pairs = min(data.count_examples(c.datasets, tokenizer, split="test", silent=True, **eval_options), c.n_eval_examples)
         self.eval_batch_size = min(c.eval_batch_size, max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size)) * self.dp_size)
         shares = dict(rank=self.dp_rank, world_size=self.dp_size, silent=True)
@@ -142,6 +140,8 @@ class BasicTrainer:
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference (N counted before any sharding)
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * (getattr(self, "n_params", None) or flops_params(policy))
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        self.peak_flops = 1e12 * (c.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0.0))
         unit = "completions" if self.unpaired else "pairs"
         ranks = (f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
                  if self.sp_size > 1 else f"world size {world_size}")
@@ -156,8 +156,7 @@ class BasicTrainer:
                 "tiled": self.config.tiled_lm_head and not entropy_grad, "sequence_parallel": self.sp}
 
     def autocast(self):
-        """fsdp.mixed_precision in one process: the forward computes in its param_dtype (torch.autocast; the weights
-        stay in model_dtype). FSDP casts the parameters itself."""
+        """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
         mp = self.config.fsdp.mixed_precision
         if mp is None or not self.sharding.autocasts:
             return contextlib.nullcontext()
@@ -181,7 +180,7 @@ class BasicTrainer:
         if self.unpaired:
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
             kwargs.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
-        out = losses.compute_loss(self.loss_names, c.loss.weights, c.loss, **kwargs)
+        out = losses.compute_loss(c.loss_names, c.loss.weights, c.loss, **kwargs)
         metrics = dict(out.metrics, **{"entropy/chosen": entropy[:n].detach()})
         if paired:
             metrics["entropy/rejected"] = entropy[n:].detach()
@@ -191,13 +190,12 @@ class BasicTrainer:
         return loss, {split_name(k, split): v for k, v in metrics.items()}
 
     def step_statistics(self, batch: dict) -> dict:
-        """What a loss needs from the whole step before it is split: KTO's KL reference point, stored per row (so that
-        splitting slices it like any other column), its kl_* rows dropped."""
+        """What a loss needs from the whole step before it is split: KTO's KL reference point, stored per row (split
+        like any other column), its kl_* rows dropped."""
         if not self.unpaired:
             return batch
-        kl = self.reference.kl_point(batch)
-        batch = {k: v for k, v in batch.items() if not k.startswith("kl_")}
-        return dict(batch, kl_reference_point=kl.cpu().expand(len(batch["chosen_input_ids"])).clone())
+        kl = self.reference.kl_point(batch).cpu().expand(len(batch["chosen_input_ids"])).clone()
+        return dict({k: v for k, v in batch.items() if not k.startswith("kl_")}, kl_reference_point=kl)
 
     # --- one optimizer step ----------------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict[str, float]:
@@ -205,18 +203,14 @@ class BasicTrainer:
         c, sharding = self.config, self.sharding
         self.policy.train()
         batch = self.step_statistics(batch)
-        micro = split_by_tokens(batch, c.max_tokens_per_microbatch) if c.max_tokens_per_microbatch else split_batch(batch, c.gradient_accumulation_steps)
-        # every forward and backward is a collective under FSDP: a rank with fewer token-budget micro-batches repeats
-        # its last one with weight 0 (no gradient, no metrics)
-        real = len(micro)
-        micro += micro[-1:] * (sharding.agree_max(real) - real)
+        micro, real = micro_batches(batch, c, sharding)
         collected, per_rank = defaultdict(list), c.batch_size / self.dp_size
         for i, mb in enumerate(micro):
             # gradients are reduce-scattered after every micro-batch (each rank keeps its shard) unless
-            # no_sync_accumulation: then after the last only, the whole model's gradients held on every rank meanwhile
+            # no_sync_accumulation: then after the last only, every rank holding all gradients meanwhile
             with sharding.gradient_sync(self.policy, i == len(micro) - 1 or not c.no_sync_accumulation):
                 loss, metrics = self.batch_metrics(mb, "train")
-                (loss * (len(mb["chosen_input_ids"]) / per_rank if i < real else 0.0)).backward()
+                (loss * (len(mb["chosen_input_ids"]) / per_rank if i < real else 0.0)).backward()  # a repeat: weight 0
             for name, v in (metrics.items() if i < real else ()):
                 collected[name].append(v.detach())
         grad_norm = sharding.clip(self.policy, c.max_grad_norm)
@@ -225,7 +219,7 @@ class BasicTrainer:
             sharding.step(self.optimizer)
             self.scheduler.step()
             self.nonfinite_in_a_row = 0
-        else:  # skip: parameters, optimizer state and schedule stay exactly as they were
+        else:  # skip: parameters, optimizer state and schedule stay as they were
             self.nonfinite_in_a_row, self.nonfinite_total = self.nonfinite_in_a_row + 1, self.nonfinite_total + 1
             rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
                         f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
@@ -251,7 +245,7 @@ class BasicTrainer:
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
         with stop_on_signals(self.stop), tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step",
-                                                   disable=not self.show_bars(), dynamic_ncols=True) as bar:
+                                                   disable=not self.bars, dynamic_ncols=True) as bar:
             for batch in self.train_batches():
                 if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
                     if self.example_counter > 0 or c.do_first_eval:
@@ -287,17 +281,12 @@ class BasicTrainer:
         self.reference.update()
         tokens = metrics.pop("tokens")
         metrics.update({"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
-                        # the original's name: pairs seen since the loop started over the seconds since
+                        # the original's name: pairs over seconds since the loop started
                         "examples_per_second": (self.example_counter - self.loop_start[1]) / (time.time() - self.loop_start[0]),
                         "counters/examples": self.example_counter, "counters/updates": self.batch_counter})
-        if self.peak_flops:  # model FLOPs utilization: 6 N per trained token, 2 N per token through an online reference
+        if self.peak_flops:  # model FLOPs utilization
             metrics["throughput/mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * self.world_size)
-        bar.update(1)
-        bar.set_postfix(pairs_per_s=f"{metrics['throughput/pairs_per_second']:.2f}", loss=f"{metrics.get('loss/train', math.nan):.4f}")
-        if bar.disable and self.rank == 0 and (time.time() - self.last_progress >= PROGRESS_EVERY_SECS or self.batch_counter == self.total_steps):
-            print(f"progress: step {self.batch_counter}/{self.total_steps}, pairs seen {self.example_counter}, "
-                  f"pairs/s {metrics['throughput/pairs_per_second']:.2f}, loss/train {metrics.get('loss/train', math.nan):.4f}", flush=True)
-            self.last_progress = time.time()
+        self.log.progress(bar, metrics, self.batch_counter, self.total_steps, self.example_counter)
         self.log(self.example_counter, metrics, every=self.config.minimum_log_interval_secs)
         if self.sharding.any_true(self.stop["signal"] is not None):  # a signal on any rank: all stop after this step
             self.checkpoints.save()
@@ -307,18 +296,6 @@ class BasicTrainer:
             raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
                                  f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
 
-    @functools.cached_property
-    def peak_flops(self) -> Optional[float]:
-        """The matmul FLOP/s per device MFU divides by: peak_tflops, else the datasheet of a known GPU, else None."""
-        if self.config.peak_tflops:
-            return self.config.peak_tflops * 1e12
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        return next((tf * 1e12 for gpu, tf in PEAK_TFLOPS.items() if gpu in name), None)
-
-    def show_bars(self) -> bool:
-        """tqdm bars only on rank 0 and only on a terminal: in a log file they are \\r-redraw noise."""
-        return self.rank == 0 and sys.stderr.isatty()
-
     # --- evaluation and sampling -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate_and_log(self) -> None:
@@ -327,7 +304,7 @@ class BasicTrainer:
         self.policy.eval()
         collected = defaultdict(list)
         with self.sharding.params_on_device(self.policy):
-            for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.show_bars(), leave=False):
+            for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.bars, leave=False):
                 _, metrics = self.batch_metrics(batch, "eval")
                 valid = batch["valid"].to(self.device)
                 for name, v in metrics.items():  # per row (or completion); the repeats completing a batch are left out
@@ -340,11 +317,10 @@ class BasicTrainer:
         self.last_eval_metrics = mean
 
     def sample(self, model: nn.Module, batch: dict, seed: int) -> list[str]:
-        """Completions of the batch's (left-padded) prompts, decoded without the prompt, drawn from their own stream:
-        a function of (weights, prompts, seed), the training RNG left as it was."""
+        """Completions of the batch's (left-padded) prompts, decoded without the prompt, drawn from their own stream
+        (a function of weights, prompts and seed; the training RNG untouched)."""
         ids = batch["prompt_input_ids"].to(self.sharding.input_device(model))
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []  # device_map: any GPU
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # device_map: any GPU
             torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
             out = self.sharding.generate(model, input_ids=ids, attention_mask=batch["prompt_attention_mask"].to(ids.device),
                                          max_new_tokens=self.config.max_new_tokens, do_sample=True, temperature=self.config.temperature,
@@ -352,13 +328,13 @@ class BasicTrainer:
         return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
-        """Samples of policy and reference for the first n_eval_model_samples prompts, in groups with seeds of their
-        own (the same whatever the world size); three printed, all in run_dir/samples.jsonl (and a W&B table), and
-        where the data has a checkable rule (the toy task) the rate samples follow it."""
+        """Samples of policy and reference for the first n_eval_model_samples prompts, in groups seeded on their own
+        (alike at any world size); three printed, all in samples.jsonl (and W&B); where the data has a checkable rule
+        (the toy task), the rate samples follow it."""
         rows = []
         for group, batch in self.sample_batches:  # as many on every rank: each generate is a collective under FSDP
-            # the policy's stream depends on the examples seen, the frozen reference's does not: at step 0 the two
-            # streams are one, and equal weights give equal samples
+            # the policy's stream depends on the examples seen, the frozen reference's not: at step 0 the two are
+            # one, and equal weights give equal samples
             policy = self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, max(group, 0)))
             reference = self.reference.sample(batch, sampling_seed(self.seed, 0, max(group, 0))) or [None] * len(policy)
             rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)] if group >= 0 else []
@@ -380,6 +356,7 @@ class RunLog:
 
     def __init__(self, run_dir: Path, rank: int, config):
         self.run_dir, self.rank, self.config, self.wandb_run, self.last = run_dir, rank, config, None, 0.0
+        self.last_progress = time.time()
 
     def start(self, resumed_wandb_id: Optional[str]) -> None:
         c = self.config
@@ -391,12 +368,22 @@ class RunLog:
                                         id=resumed_wandb_id or None, resume="allow" if resumed_wandb_id else None)
 
     def __call__(self, step: int, metrics: dict[str, float], every: Optional[float] = None) -> None:
-        """One record; with `every` (training), unless the last such record was written less than `every` seconds ago."""
+        """One record; with `every` (training), only if the last such one is at least `every` seconds old."""
         if self.rank == 0 and (every is None or time.time() - self.last >= every):
             self.last = time.time() if every is not None else self.last
             self._append("metrics.jsonl", [{"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}])
             if self.wandb_run is not None:
                 self.wandb_run.log(metrics, step=step)
+
+    def progress(self, bar, metrics: dict[str, float], step: int, total: int, examples: int) -> None:
+        """tqdm's bar; without a terminal, a plain line (PROGRESS_EVERY_SECS)."""
+        speed, loss = f"{metrics['throughput/pairs_per_second']:.2f}", f"{metrics.get('loss/train', math.nan):.4f}"
+        bar.update(1)
+        bar.set_postfix(pairs_per_s=speed, loss=loss)
+        if bar.disable and self.rank == 0 and (time.time() - self.last_progress >= PROGRESS_EVERY_SECS or step == total):
+            print(f"progress: step {step}/{total}, pairs seen {examples}, pairs/s {speed}, "
+                  f"loss/train {loss}", flush=True)
+            self.last_progress = time.time()
 
     def samples(self, step: int, rows: list[tuple]) -> None:
         if self.rank == 0:
@@ -429,24 +416,22 @@ class Reference:
         c, self.trainer, self.tables = trainer.config, trainer, {}  # split -> (n_examples, 2) precomputed sums
         self.lora = c.lora.r is not None
         self.model = trainer.policy if self.lora and losses.needs_reference(c.loss_names, c.loss.reference_free) else model
-        # the reference computes as the policy does (fsdp.mixed_precision) unless model.reference_mixed_precision=false
         self.mixed = reference_mixed_precision(c)
 
     def context(self):
         """Entered around every use of the model: under LoRA it is the policy, with its adapters off."""
-        inner = self.model.module if isinstance(self.model, FSDP) else self.model
-        return inner.disable_adapter() if self.lora else contextlib.nullcontext()
+        return unwrap(self.model).disable_adapter() if self.lora else contextlib.nullcontext()
 
     @torch.no_grad()
     def forward(self, inputs: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """Summed reference log-probs of `inputs`' sequences, or None without a reference model."""
-        if self.model is None or self.trainer.config.loss.reference_free:
-            return None
         t = self.trainer
+        if self.model is None or t.config.loss.reference_free:
+            return None
         with t.autocast() if self.mixed else contextlib.nullcontext(), self.context():
             sums = forward_logps(self.model, {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
                                  **t.forward_options())[0]
-        t.sharding.reshard(self.model)  # a forward-only model has no backward to keep gathered parameters for
+        t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
         return sums
 
     def logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
@@ -458,22 +443,15 @@ class Reference:
 
     @torch.no_grad()
     def kl_point(self, batch: dict) -> torch.Tensor:
-        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the batch's mismatched
-        (prompt, completion) rows (kl_* keys, data.collate), over ALL ranks' rows of the step. Detached by definition,
-        so computed once per step: every micro-batch uses the same value, and the loss does not depend on the split.
-        The rows go in the chunks a training step would use (token budget, else accumulation slices)."""
+        """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the step's mismatched
+        (prompt, completion) rows (kl_* keys) on ALL ranks, in its micro-batches; detached, so one value per step."""
         t, c = self.trainer, self.trainer.config
-        rows = {k: batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-        average = losses.average_log_prob(losses.LOSSES[t.loss_names[0]], c.loss)
-        n = len(rows["input_ids"])
-        parts = (token_groups(rows["attention_mask"].sum(1).tolist(), c.max_tokens_per_microbatch) if c.max_tokens_per_microbatch
-                 else [list(range(n))[part] for part in even_slices(n, c.gradient_accumulation_steps)])
-        real, total = len(parts), torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
-        parts += parts[:1] * (t.sharding.agree_max(real) - real)  # as many forwards on every rank: repeats, not counted
+        average = losses.average_log_prob(losses.LOSSES[c.loss_names[0]], c.loss)
+        rows = {f"chosen_{k}": batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+        parts, real = micro_batches(rows, c, t.sharding)
+        total = torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
         for i, part in enumerate(parts):
-            chunk = {k: v[part].to(t.device) for k, v in rows.items()}
-            if part:  # cut to the chunk's longest row
-                chunk = {k: v[:, :int(chunk["attention_mask"].sum(1).max())] for k, v in chunk.items()}
+            chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in part.items()}
             with t.autocast():
                 sums, counts, _ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
@@ -493,10 +471,9 @@ class Reference:
 
     @torch.no_grad()
     def update(self) -> None:
-        """TR-DPO (Gorbatovski et al. 2024, Eq. 4-5): every ref_update.tau steps ref <- alpha * policy + (1 - alpha)
-        * ref, in place. Policy and reference are sharded by the same code into the same units, so each rank's local
-        shards correspond element by element: no gather. Names without wrapper prefixes: activation checkpointing
-        wraps the policy's blocks only."""
+        """TR-DPO (Gorbatovski et al. 2024, Eq. 4-5), every ref_update.tau steps: ref <- alpha * policy + (1 - alpha)
+        * ref, in place. Both are sharded alike: local shards match element by element (no gather); names lose the
+        wrapper prefixes (activation checkpointing wraps the policy's blocks only)."""
         c = self.trainer.config.ref_update
         if c.tau is None or self.trainer.batch_counter % c.tau:
             return
@@ -504,15 +481,15 @@ class Reference:
         reference = {clean_name(k): v for k, v in self.model.named_parameters()}
         if policy.keys() != reference.keys():
             raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
-        for name, ref in reference.items():
-            ref, pol = local_tensor(ref), local_tensor(policy[name])
+        for name, ref in reference.items():  # this rank's shards: FSDP2's DTensor local part, FSDP1's flat ones
+            ref, pol = (p.to_local() if hasattr(p, "to_local") else p for p in (ref, policy[name]))
             if ref.shape != pol.shape:
                 raise RuntimeError(f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference")
             ref.lerp_(pol.to(ref.device, ref.dtype), c.alpha)  # ref + alpha (policy - ref)
 
     def precompute(self) -> None:
         """precompute_ref_log_probs: one pass of the reference over the pairs this run uses (train and eval), cached on
-        disk, then the model is freed: training runs one model instead of two."""
+        disk, then the model is freed: training runs one model, not two."""
         t, c = self.trainer, self.trainer.config
         if not c.precompute_ref_log_probs or self.model is None:
             return
@@ -524,8 +501,8 @@ class Reference:
 
     def table(self, split: str, wanted: Optional[list[int]]) -> torch.Tensor:
         """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached under a
-        key of model, archive, dtype, tokenizer and the tokenized examples; a later run computes only what the cache
-        lacks. Rank 0 decides what is cached (local_dirs may be node-local) and every rank takes its table."""
+        key of model, archive, dtype, tokenizer and tokenized examples; a later run computes only what the cache lacks.
+        Rank 0 reads the cache (local_dirs may be node-local); every rank takes its table."""
         t, c = self.trainer, self.trainer.config
         options = data_options(c, split)
         examples, _ = data.load_tokenized(c.datasets, t.tokenizer, split, silent=True, **options)
@@ -548,8 +525,7 @@ class Reference:
                 sums = self.forward(concatenated_inputs(data.collate([examples[i] for i in mine[start:start + size]],
                                                                      t.tokenizer.pad_token_id))).float().cpu()
                 values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)  # SFT: one
-            order, gathered = t.sharding.gather(torch.tensor(mine)), t.sharding.gather(torch.cat(values))
-            table[order] = gathered
+            table[t.sharding.gather(torch.tensor(mine))] = t.sharding.gather(torch.cat(values))
             if t.rank == 0:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(table, path.with_suffix(".tmp"))
@@ -587,14 +563,14 @@ class Checkpoints:
         t.sharding.save(t.policy, t.optimizer, tmp)  # what a resume needs of each rank (one process: optimizer.pt)
         torch.save(get_rng_state(), tmp / f"rng-{t.rank}.pt")
         if t.config.ref_update.tau is not None:  # TR-DPO's reference is trained state
-            t.sharding.save(t.reference.model, None, tmp, "reference")
+            t.sharding.save(t.reference.model, None, tmp)
         state = t.sharding.full_state_dict(t.policy)  # a collective under FSDP: rank 0 keeps the result
         if t.rank == 0:
             torch.save({"step_idx": t.example_counter, "state": state, "metrics": getattr(t, "last_eval_metrics", {})}, tmp / "policy.pt")
             torch.save(t.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save({"format": CHECKPOINT_FORMAT, "example_counter": t.example_counter, "batch_counter": t.batch_counter,
                         "nonfinite_in_a_row": t.nonfinite_in_a_row, "nonfinite_total": t.nonfinite_total,
-                        "wandb_id": t.log.wandb_run.id if t.log.wandb_run is not None else None, "model": t.config.model.name_or_path,
+                        "wandb_id": getattr(t.log.wandb_run, "id", None), "model": t.config.model.name_or_path,
                         "datasets": list(t.config.datasets), "seed": t.seed, "batch_size": t.config.batch_size,
                         "world_size": t.world_size}, tmp / "trainer_state.pt")
             self.export_hf(state, tmp / "hf")
@@ -604,8 +580,7 @@ class Checkpoints:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             link = t.run_dir / "LATEST.tmp"
-            if link.is_symlink() or link.exists():
-                link.unlink()
+            link.unlink(missing_ok=True)
             link.symlink_to(final.name)
             os.replace(link, t.run_dir / "LATEST")
             fsync_dir(t.run_dir)
@@ -634,7 +609,7 @@ class Checkpoints:
         check_compatible(state, c, t.world_size)
         t.sharding.load(t.policy, t.optimizer, ckpt)
         if c.ref_update.tau is not None:
-            t.sharding.load(t.reference.model, None, ckpt, "reference")
+            t.sharding.load(t.reference.model, None, ckpt)
         t.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         before = [g["lr"] for g in t.optimizer.param_groups]  # the saved state holds the lr the run was started with
         t.scheduler.base_lrs = [c.lr] * len(before)
@@ -702,9 +677,8 @@ def validate_checkpoint(ckpt: Path) -> Path:
     return ckpt
 
 
-# What a resume may change: the learning rate and its schedule (applied after loading, printed), how long the run
-# goes on, evaluation, sampling and logging, where files go, and placement knobs that change memory, not numbers.
-# Every other key must be the one the run was started with: it changes what the saved state means.
+# What a resume may change: lr and schedule (applied after loading, printed), the run's length, evaluation, sampling,
+# logging, file places, and knobs that change memory, not numbers; any other key changes what the saved state means.
 RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples", "eval_every", "n_eval_examples",
                      "eval_batch_size", "do_first_eval", "sample_during_eval", "n_eval_model_samples", "max_new_tokens",
                      "temperature", "top_p", "minimum_log_interval_secs", "wandb.", "debug", "exp_name", "local_dirs",
@@ -720,8 +694,7 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 
 def check_compatible(state: dict, config, world_size: int) -> None:
-    """Refuse to resume a checkpoint of another model, data, geometry or objective, before anything is loaded
-    (train.check_inputs, before any model; Checkpoints.resume again): a resume continues the same run."""
+    """Refuse, before anything is loaded, to resume a checkpoint of another model, data, geometry or objective."""
     expected = {"model": config.model.name_or_path, "datasets": list(config.datasets), "seed": config.seed,
                 "batch_size": config.batch_size, "world_size": world_size}
     wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
@@ -756,23 +729,24 @@ def split_name(name: str, split: str) -> str:
     return f"{head}_{split}/{tail}" if tail else f"{head}/{split}"
 
 
-def token_groups(sizes: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive indices of `sizes` in groups of at most `max_tokens` (a larger item goes alone)."""
-    groups, load = [[]], 0
-    for i, size in enumerate(sizes):
-        if groups[-1] and load + size > max_tokens:
-            groups, load = groups + [[]], 0
-        groups[-1].append(i)
-        load += size
-    return groups
+def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
+    """The rows in micro-batches (token budget, else gradient_accumulation_steps slices) and how many are real: every
+    forward and backward is a collective under FSDP, so a rank with fewer repeats its last one."""
+    micro = split_by_tokens(batch, c.max_tokens_per_microbatch) if c.max_tokens_per_microbatch else split_batch(batch, c.gradient_accumulation_steps)
+    return micro + micro[-1:] * (sharding.agree_max(len(micro)) - len(micro)), len(micro)
 
 
 def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
     """Micro-batches of consecutive pairs whose real tokens (chosen + rejected) stay within `max_tokens` (a larger
     pair goes alone), each cut to its own longest sequence: a long pair costs what it weighs, not everyone's padding."""
     sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
-    micro_batches = []
-    for group in token_groups(sum(batch[f"{s}_attention_mask"].sum(1) for s in sides).tolist(), max_tokens):
+    groups, load, micro_batches = [[]], 0, []
+    for i, size in enumerate(sum(batch[f"{s}_attention_mask"].sum(1) for s in sides).tolist()):
+        if groups[-1] and load + size > max_tokens:
+            groups, load = groups + [[]], 0
+        groups[-1].append(i)
+        load += size
+    for group in groups:
         micro = {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()}
         for s in sides:
             width = int(micro[f"{s}_attention_mask"].sum(1).max())
@@ -781,19 +755,15 @@ def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
     return micro_batches
 
 
-def even_slices(n: int, k: int) -> list[slice]:
-    """k consecutive slices of range(n) whose sizes differ by at most one (empty ones when n < k)."""
-    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
 def split_batch(batch: dict, k: int) -> list[dict]:
-    """k micro-batches of near-equal size (tensors and lists sliced along the first dimension)."""
-    return [{key: v[part] for key, v in batch.items()} for part in even_slices(len(batch["chosen_input_ids"]), k)]
+    """k consecutive micro-batches whose sizes differ by at most one (empty ones when there are fewer rows than k)."""
+    n = len(batch["chosen_input_ids"])
+    return [{key: v[i * n // k:(i + 1) * n // k] for key, v in batch.items()} for i in range(k)]
 
 
 def rank_share(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """Every world_size-th index from `rank`, completed with indices[0] to ceil(len / world_size): every rank gets as
-    many (none empty while there are indices), so all ranks run the same number of forwards."""
+    """Every world_size-th index from `rank`, padded with indices[0] to ceil(len / world_size): all ranks run as many
+    forwards (none empty while there are indices)."""
     mine = indices[rank::world_size]
     return mine + indices[:1] * (-(-len(indices) // world_size) - len(mine))
 
@@ -803,23 +773,12 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
-    return model.module if isinstance(model, FSDP) else model
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter: an FSDP2 DTensor's local shard, else the tensor (FSDP1's flat parameters are
-    local shards outside forward and backward)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset = frozenset(),
                       adapter: str = "default") -> dict[str, torch.Tensor]:
     """A peft LoRA model's full state dict -> the base model's with each adapter merged, W + scaling * B @ A (scaling
     = lora.alpha / lora.r), keys without peft's prefixes. Layers in `transposed` store W as (in, out) (transformers'
     Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as peft merges it. The live model is untouched."""
-    prefix, merged = "base_model.model.", {}
+    merged = {}
     for key, value in state.items():
         if ".lora_" in key:
             continue
@@ -827,7 +786,7 @@ def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed
             stem = key[: -len(".base_layer.weight")]
             delta = scaling * (state[f"{stem}.lora_B.{adapter}.weight"].double() @ state[f"{stem}.lora_A.{adapter}.weight"].double())
             value = value + (delta.T if stem in transposed else delta).to(value.dtype)
-        merged[key.removeprefix(prefix).replace(".base_layer.", ".")] = value
+        merged[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
     return merged
 
 
@@ -840,15 +799,14 @@ SHARDINGS = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
 
 
 class FSDPTrainer(BasicTrainer):
-    """BasicTrainer with policy and reference sharded over all ranks (the original FSDPTrainer's setup: each
-    transformer block a unit, FULL_SHARD, BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT activation
-    checkpointing per block; sharding.py): `self.sharding` (FSDP1 or FSDP2, from fsdp.strategy) does the rest."""
+    """BasicTrainer with policy and reference sharded as the original FSDPTrainer did (each block a unit, FULL_SHARD,
+    BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (sharding.py) does the rest."""
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
                  rank: int = 0, world_size: int = 1, tokenizer=None):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
-        # torch's own deprecation chatter from inside FSDP state-dict code, once per tensor per rank
+        # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -858,8 +816,7 @@ class FSDPTrainer(BasicTrainer):
                 ulysses.install(model, self.sp)
         self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, device, rank, world_size, policy)
         self.n_params = flops_params(policy)  # meta tensors know their shapes too
-        rank0_print(f"sharding policy with {config.fsdp.strategy} ({self.sharding.describe()})")
         policy = self.sharding.shard(policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward)
-        if reference_model is not None:  # forward only: resharded after every forward, and in its own compute dtype
+        if reference_model is not None:  # in its own compute dtype (reference_mixed_precision)
             reference_model = self.sharding.shard(reference_model, False, mixed_precision=reference_mixed_precision(config))
         super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)

@@ -3,10 +3,9 @@ each a contiguous slice of every row's positions, so everything per token (embed
 log-probs) and its activations shrink by `sp`. Around attention an all-to-all turns sequence slices into head
 slices: each rank attends over WHOLE sequences with `heads / sp` heads, and a second all-to-all turns the result back.
 
-trainers.py calls `make_group` and `install` (the all-to-all around the attention function of that model only, in
-forward and checkpointed recomputation; `paused()` turns it off for sampling); logps.py calls `whole_row_inputs`,
-`local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed log-probs and the
-backward of a sum is a sum, so FSDP's average over all `dp x sp` ranks is exactly the data-parallel mean gradient.
+trainers.py calls `make_group` and `install` (`paused()` turns it off for sampling); logps.py calls
+`whole_row_inputs`, `local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed
+log-probs and the backward of a sum is a sum, so FSDP's average over all `dp x sp` ranks is the data-parallel mean.
 """
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def make_group(device: torch.device, world_size: int, size: int) -> SequencePara
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """x of Shape (sp, ...): chunk j goes to rank j; chunk r of the result came from rank r."""
-    x = x.contiguous()  # the collective reads and writes raw memory in row-major order
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # raw memory, in row-major order
+    dist.all_to_all_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -129,14 +127,15 @@ def _wrap(inner_of, takes_is_causal: bool):
 
 
 def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
-    """`model` attends sequence-parallel over `sp` from now on (see the module docstring)."""
+    """`model` attends sequence-parallel over `sp` from now on: the all-to-all wraps its modules' attention function
+    only, in forward and in checkpointed recomputation."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(f"fsdp.ulysses_sequence_parallel_size={sp.size} with attention {implementation!r}: not supported"
                          f" yet; expected one of {SUPPORTED_ATTENTION} (the model's config._attn_implementation)")
-    if not getattr(ALL_ATTENTION_FUNCTIONS.get(implementation), "ulysses", False):
-        original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
+    original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
+    if not getattr(original, "ulysses", False):
         wrapped = _wrap(_eager_attention if implementation == "eager" else lambda module: original,
                         takes_is_causal=implementation == "sdpa")
         wrapped.ulysses = True
@@ -155,15 +154,14 @@ def paused():
         _PAUSED[0] = paused_before
 
 
-def whole_row_inputs(kwargs: dict, length: int) -> dict:
+def whole_row_inputs(kwargs: dict) -> dict:
     """Padded-row inputs for sequence parallelism: explicit positions (each rank sees a slice of them) and, for the
     2-D padding mask, a one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a
     causal mask never lets a real token see padding): the wrapper runs a causal kernel or builds the mask per call."""
-    device = kwargs["input_ids"].device
-    causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, length, length)
+    ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
+    causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
     causal.causal_only = True
-    positions = torch.arange(length, device=device).expand(kwargs["input_ids"].size(0), length)
-    return {"input_ids": kwargs["input_ids"], "attention_mask": causal, "position_ids": positions}
+    return {"input_ids": ids, "attention_mask": causal, "position_ids": torch.arange(t, device=ids.device).expand_as(ids)}
 
 
 def local_slice(kwargs: dict, targets: torch.Tensor, owner: torch.Tensor, sp: SequenceParallel):

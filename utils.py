@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-from contextlib import closing
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,7 +32,7 @@ def formatted_dict(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (float(f"{v:.5g}") if isinstance(v, float) else v) for k, v in d.items()}
 
 
-# --- models ------------------------------------------------------------------------------------------------------
+# --- models ---
 def get_block_class_from_model(model: torch.nn.Module, block_class_name: str) -> type:
     """The class of the first submodule named `block_class_name` (e.g. 'GPTNeoXLayer'); a ValueError listing the
     model's module classes when there is none, so a typo is obvious."""
@@ -72,7 +71,7 @@ def use_shape_free_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-# --- seeding and state ---------------------------------------------------------------------------------------------
+# --- seeding and state ---
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
     """Seed python, numpy and torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
     random.seed(seed)
@@ -96,7 +95,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# --- files ---------------------------------------------------------------------------------------------------------
+# --- files ---
 def first_usable_dir(dirs: Iterable[str]) -> Path:
     """The first of `dirs` that exists or can be created (the original's get_local_dir)."""
     tried = []
@@ -147,12 +146,12 @@ def fsync_dir(path: Path) -> None:
 
 def get_open_port() -> int:
     """A free TCP port on this machine, for the single-node rendezvous."""
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-# --- distributed (the single-process path never calls these) -------------------------------------------------------
+# --- distributed (the single-process path never calls these) ---
 # How long the other ranks wait for rank 0's lone work (loading the weights; writing, fsyncing and hashing a
 # checkpoint: ~140 GB at 7B with AdamW). Far above collective_timeout_secs on purpose: that one bounds waits for a dead
 # peer inside training, this one disk I/O. A rank 0 that dies still ends the job at once (torchrun, mp.spawn).
@@ -185,21 +184,13 @@ def wait_for_rank0() -> None:
         dist.barrier(group=_rank0_work_group)
 
 
-def collective_device(tensor: torch.Tensor) -> torch.device:
-    """Where a collective on `tensor` can run: its own device when the default group has a backend for that device
-    type ("cpu:gloo,cuda:nccl" has both), else the current GPU (a group of nccl alone: CUDA only)."""
-    types = {part.split(":")[0] for part in dist.get_backend_config().split(",")}
-    return tensor.device if tensor.device.type in types else torch.device("cuda")
-
-
 def all_gather_if_needed(values: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """`values` (the same shape on every rank) concatenated over the ranks along dim 0, on `values`' device."""
     if world_size == 1:
         return values
-    sent = values.to(collective_device(values))
-    gathered = [torch.empty_like(sent) for _ in range(world_size)]
-    dist.all_gather(gathered, sent)
-    return torch.cat(gathered, dim=0).to(values.device)
+    gathered = [torch.empty_like(values) for _ in range(world_size)]
+    dist.all_gather(gathered, values)
+    return torch.cat(gathered, dim=0)
 
 
 def all_ranks_true(flag: bool, device: torch.device) -> bool:
@@ -207,7 +198,6 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    value = value.to(collective_device(value))
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
 

@@ -158,6 +158,8 @@ def test_aliases_resolve_in_both_directions():
     assert cfg.model.policy_dtype == "bfloat16"
     cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision={param_dtype: bf16}"])
     assert cfg.model.fsdp_policy_mp == "bfloat16"
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision=bf16", "fsdp.mixed_precision.reduce_dtype=fp32"])
+    assert cfg.fsdp.mixed_precision == {"param_dtype": "bf16", "reduce_dtype": "fp32"}  # one dtype, then a sub-key
     cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "fsdp.wrap_policy={min_num_params: 1000}"])
     assert cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None  # command line wins over the group file
     cfg, _ = load_config(["seed=5"])
@@ -269,10 +271,11 @@ def test_loss_hyperparameters_are_declared_once_as_loss_config_fields():
     """A hyperparameter is one LossConfig field: its default, --help doc and range; each range is enforced, and
     f_divergence's choices are the implemented ones."""
     import losses
-    declared = config.loss_hyperparameters()
-    for key, (default, doc, allowed) in declared.items():
-        assert f"  loss.{key}: {type(default).__name__} = {default!r}  # {doc}" in help_text(), key
-    assert set(declared["f_divergence"][2]) == set(losses.F_DIVERGENCES)
+    read = {key for entry in config.loss_registry().values() for key in entry["reads"]}
+    for f in dataclasses.fields(config.LossConfig):
+        if f.name in read:
+            assert f"  loss.{f.name}: {type(f.default).__name__} = {f.default!r}  # {f.metadata['doc']}" in help_text(), f.name
+    assert set(config.CHOICES["loss.f_divergence"]) == set(losses.F_DIVERGENCES)
     with pytest.raises(ConfigError) as info:
         load_config(["loss=dpo", "loss.beta=0", "loss.label_smoothing=0.5", "loss.f_divergence=alpha_divergence",
                      "loss.f_alpha=1.5"])
@@ -319,8 +322,8 @@ def test_losses_py_is_ordinary_python(tmp_path):
     (project / "losses.py").write_text(edited.replace("def ipo_loss(", "def ipo_loss(((", 1))  # a syntax error
     result = subprocess.run([sys.executable, "train.py", "loss=dpo", "--cfg"], capture_output=True, text=True, cwd=project)
     assert result.returncode == 2 and "losses.py:" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
-    (project / "losses.py").write_text(edited.replace("*,\n    beta: float,\n) -> LossReturn:\n    \"\"\"Identity",
-                                                      "*,\n    beta: float,\n    ipo_tau: float,\n) -> LossReturn:\n    \"\"\"Identity"))
+    (project / "losses.py").write_text(edited.replace("beta: float) -> LossReturn:\n    \"\"\"Identity",
+                                                      "beta: float, ipo_tau: float) -> LossReturn:\n    \"\"\"Identity"))
     result = subprocess.run([sys.executable, "train.py", "loss=ipo", "--cfg"], capture_output=True, text=True, cwd=project)
     assert result.returncode == 2 and "loss 'ipo' (ipo_loss) reads loss.ipo_tau" in result.stderr, result.stderr[-2000:]
 

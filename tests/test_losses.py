@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import yaml
 
 import losses
-from config import LossConfig, loss_hyperparameters
-from losses import LOSSES, compute_loss, is_sft_only, needs_reference, sequence_logps
+from config import LossConfig
+from losses import LOSSES, compute_loss, needs_reference, sequence_logps
 
 ATOL = 1e-6
 REF_CHOSEN = [-10.0, -20.0, -30.0]
@@ -37,7 +37,7 @@ POLICY_REJECTED = [-15.0, -30.0, -45.0]
 A = [0.0, 5.0, 10.0]  # chosen log-ratios
 B = [0.0, -5.0, -10.0]  # rejected log-ratios
 # every config key a loss may read, at its declared default (label_smoothing: exo_pair needs it > 0)
-ALL_HPARAMS = dict({key: default for key, (default, _, _) in loss_hyperparameters().items()}, label_smoothing=0.1)
+ALL_HPARAMS = dict(LossConfig(), label_smoothing=0.1)
 CONFIG_KEYS = set(LossConfig())
 KL = torch.tensor(2.0, dtype=torch.float64)  # KTO's KL reference point where a test passes pairs to every loss
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
@@ -577,13 +577,11 @@ def test_dispatcher_passes_only_declared_hyperparameters():
     assert out.losses.shape == (3,)
 
 
-def test_needs_reference_and_is_sft_only():
+def test_needs_reference():
     assert needs_reference(["dpo"], reference_free=False)
     assert not needs_reference(["dpo"], reference_free=True)
     assert not needs_reference(["simpo", "sft"], reference_free=False)
     assert needs_reference(["sft", "dpo"], reference_free=False)
-    assert is_sft_only(["sft"]) and is_sft_only("sft")
-    assert not is_sft_only(["sft", "dpo"])
     with pytest.raises(KeyError, match="valid"):
         needs_reference(["nope"], reference_free=False)
 

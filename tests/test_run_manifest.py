@@ -84,6 +84,8 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert train_py.main(["--replay", str(original), f"run_dir={tmp_path / 'not_run'}", "--cfg"]) == 0
     assert "loss:" in out.getvalue() and not (tmp_path / "not_run").exists()
+    cfg, _ = run_manifest.replay_config(original, ["exp_name=null", "wandb.project=007"])  # typed as on a command line
+    assert cfg.exp_name is None and cfg.wandb.project == "007"
 
     # the comparison can fail: one altered value of the original shows up as that metric's difference
     first = next(r for r in records if "loss/train" in r)

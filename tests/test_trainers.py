@@ -367,7 +367,7 @@ def test_long_rows_build_no_quadratic_masks_beyond_what_attention_needs():
     import transformers
     import ulysses
     t = 1024
-    stand_in = ulysses.whole_row_inputs({"input_ids": torch.zeros(2, t, dtype=torch.long)}, t)["attention_mask"]
+    stand_in = ulysses.whole_row_inputs({"input_ids": torch.zeros(2, t, dtype=torch.long)})["attention_mask"]
     assert stand_in.shape == (1, 1, t, t) and stand_in.untyped_storage().nbytes() == 1 and stand_in.causal_only
     config = transformers.MistralConfig(sliding_window=16)
     owner = torch.zeros(1, t, dtype=torch.long)
