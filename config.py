@@ -286,7 +286,7 @@ CHOICES = {key: a for key, f, _ in _leaves() if isinstance(a := f.metadata["allo
 # The sub-keys of dict-valued fields with their rules; the command line may set them one by one (fsdp.wrap_policy.x=1).
 SUBKEYS = {"fsdp.mixed_precision": dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), DTYPE),
            "fsdp.wrap_policy": {
-               "transformer_layer_cls_to_wrap": (lambda v: isinstance(v, (str, list)), "block class names"),
+               "transformer_layer_cls_to_wrap": (lambda v: v is None or isinstance(v, (str, list)), "block class names or null"),
                "min_num_params": (lambda v: v is None or type(v) is int and v >= 0, "a non-negative integer")}}
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()

@@ -360,11 +360,6 @@ def _specs(names: str | list[str]) -> tuple[list[str], list[LossSpec]]:
     return names, [_lookup(LOSSES, name, "loss name") for name in names]
 
 
-def is_unpaired(names: str | list[str]) -> bool:
-    """True when the losses score single labelled completions (KTO) rather than pairs."""
-    return any(spec.unpaired for spec in _specs(names)[1])
-
-
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
     return not reference_free and any(spec.needs_reference for spec in _specs(names)[1])

@@ -254,7 +254,8 @@ def world_size_of(cfg) -> int:
     """Processes that will train: 1 (BasicTrainer), torchrun's WORLD_SIZE, or what `launch` starts."""
     if cfg.trainer == "BasicTrainer":
         return 1
-    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or torch.cuda.device_count() or 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # NVML may count GPUs CUDA cannot use
+    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or gpus or 2
 
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:

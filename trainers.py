@@ -116,7 +116,7 @@ class BasicTrainer:
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
-        self.unpaired = losses.is_unpaired(c.loss_names)  # KTO: completions, not pairs
+        self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
         use_shape_free_attention(self.device)
         self.entropy_options = dict(chunking=c.fsdp.entropy_from_logits_with_chunking, checkpointing=c.fsdp.entropy_checkpointing,
                                     use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile)
@@ -320,7 +320,7 @@ class BasicTrainer:
         """Completions of the batch's (left-padded) prompts, decoded without the prompt, drawn from their own stream
         (a function of weights, prompts and seed; the training RNG untouched)."""
         ids = batch["prompt_input_ids"].to(self.sharding.input_device(model))
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # device_map: any GPU
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else ()):
             torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
             out = self.sharding.generate(model, input_ids=ids, attention_mask=batch["prompt_attention_mask"].to(ids.device),
                                          max_new_tokens=self.config.max_new_tokens, do_sample=True, temperature=self.config.temperature,
@@ -451,7 +451,8 @@ class Reference:
         parts, real = micro_batches(rows, c, t.sharding)
         total = torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
         for i, part in enumerate(parts):
-            chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in part.items()}
+            width = int(part["chosen_attention_mask"].sum(1).max())  # right-padded: no forward over padding columns
+            chunk = {k.removeprefix("chosen_"): v[:, :width].to(t.device) for k, v in part.items()}
             with t.autocast():
                 sums, counts, _ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
@@ -525,7 +526,9 @@ class Reference:
                 sums = self.forward(concatenated_inputs(data.collate([examples[i] for i in mine[start:start + size]],
                                                                      t.tokenizer.pad_token_id))).float().cpu()
                 values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)  # SFT: one
-            table[t.sharding.gather(torch.tensor(mine))] = t.sharding.gather(torch.cat(values))
+            # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
+            where = t.sharding.gather(torch.tensor(mine, device=t.device)).cpu()
+            table[where] = t.sharding.gather(torch.cat(values).to(t.device)).cpu()
             if t.rank == 0:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(table, path.with_suffix(".tmp"))

@@ -160,6 +160,8 @@ def test_aliases_resolve_in_both_directions():
     assert cfg.model.fsdp_policy_mp == "bfloat16"
     cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision=bf16", "fsdp.mixed_precision.reduce_dtype=fp32"])
     assert cfg.fsdp.mixed_precision == {"param_dtype": "bf16", "reduce_dtype": "fp32"}  # one dtype, then a sub-key
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.wrap_policy={transformer_layer_cls_to_wrap: null}"])
+    assert cfg.fsdp.wrap_policy == {"transformer_layer_cls_to_wrap": None}  # null: the model's _no_split_modules
     cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "fsdp.wrap_policy={min_num_params: 1000}"])
     assert cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None  # command line wins over the group file
     cfg, _ = load_config(["seed=5"])
