@@ -192,6 +192,7 @@ class Config(BaseConfig):
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
+    prefix_sharing: bool = param(False, "each pair as one sequence prompt + chosen + rejected: the prompt computed once, the rejected never attending to the chosen (the same log-probs)")
     pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
@@ -552,6 +553,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         (not kto and c.pairs_to_unpaired, f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"),
         *((kto and c[key] // ws < 2, f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
+        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+         "prompt, not a pair sharing it; set prefix_sharing=false"),
+        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),
         (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "

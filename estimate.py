@@ -95,7 +95,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int) -> dict:
     # with checkpointing each block keeps only its input and backward recomputes one block at a time
     act = g.layers * g.hidden * tokens * c + block if cfg.activation_checkpointing else g.layers * block
     act += 2 * g.hidden * tokens * c  # final norm
-    act += rows * cfg.max_length ** 2 if cfg.padding_free else 0  # padding-free's bool (R, 1, T, T) mask, whole rows
+    # the bool (R, 1, T, T) mask: padding-free's whole rows, or prefix sharing's rows of a pair of <= 2 max_length tokens
+    act += tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length ** 2 if cfg.padding_free else 0
     chunk_rows, head_backward = min(tokens, CHUNK_ROWS), 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32

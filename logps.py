@@ -266,40 +266,78 @@ def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_inputs(inputs: dict[str, Tensor], capacity: int, multiple: int = 1) -> tuple[dict, Tensor, Tensor]:
-    """The same sequences without padding between them: packed into rows of at most `capacity` tokens
-    (packed_rows), position ids restarting at 0 for each, attention confined to each sequence by a block-diagonal
-    causal mask (R, 1, T, T); only row ends are padded, to the widest row (a multiple of `multiple`). Returns what
-    padded_inputs returns."""
+def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: int = 1,
+                  shared_prefix: bool = False) -> tuple[dict, Tensor, Tensor, Optional[tuple]]:
+    """The sequences in rows with explicit positions and a (R, 1, T, T) mask, only row ends padded (to the widest
+    row, a multiple of `multiple`): `capacity` packs rows of at most that many tokens (packed_rows), positions
+    restarting for each sequence and attention confined to it; None: one per row. Returns what padded_inputs
+    returns, then the targets the rows cannot hold (None without `shared_prefix`).
+
+    `shared_prefix` (inputs: chosen rows, then the rejected rows of the same pairs): each pair is ONE sequence,
+    prompt + chosen + rejected, so the prompt is computed once (Wang & Hegde 2024, arXiv:2410.20305). The rejected
+    continues the prompt's positions and attends to the prompt and to itself, never to the chosen: every log-prob
+    is that of the separate sequences. The prompt is the pair's common unscored prefix. The rejected's first
+    token is predicted by the prompt's last position, whose own target is the chosen's first: those targets come
+    apart, as (flat position in the rows, label, sequence index)."""
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    (n, t), device = ids.shape, ids.device
     lengths = inputs["attention_mask"].sum(1).tolist()
-    rows = packed_rows(lengths, capacity)
-    width = -(-max(sum(lengths[i] for i in row) for row in rows) // multiple) * multiple
-    (n, t), device = inputs["input_ids"].shape, inputs["input_ids"].device
+    units, prompts = [[(i, 0, lengths[i])] for i in range(n)], []  # a unit's (sequence, start, end) slices, in order
+    if shared_prefix:
+        if n % 2:
+            raise ValueError(f"shared_prefix needs chosen rows, then the rejected rows of the same pairs; got {n} rows")
+        n //= 2
+        differ = (ids[:n] != ids[n:]) | (labels[:n] != IGNORE_INDEX) | (labels[n:] != IGNORE_INDEX)
+        prompts = [min(p, lengths[i], lengths[n + i]) for i, p in
+                   enumerate(torch.where(differ.any(1), differ.int().argmax(1), t).tolist())]
+        units = [[(i, 0, lengths[i]), (n + i, p, lengths[n + i])] for i, p in enumerate(prompts)]
+    sizes = [sum(e - s for _, s, e in unit) for unit in units]
+    rows = packed_rows(sizes, capacity) if capacity else [[u] for u in range(len(units))]
+    width = -(-max(sum(sizes[u] for u in row) for row in rows) // multiple) * multiple
+    source = torch.full((len(rows), width), -1)  # each token's flat index into (n, t); -1: padding
+    unit, branch, extra = torch.full_like(source, -1), torch.zeros_like(source), []
+    for r, row in enumerate(rows):
+        at = 0
+        for u in row:
+            first = at
+            for k, (i, s, e) in enumerate(units[u]):
+                source[r, at:at + e - s], unit[r, at:at + e - s] = torch.arange(i * t + s, i * t + e), u
+                if shared_prefix:  # 0 prompt, 1 chosen, 2 rejected
+                    branch[r, at + (prompts[u] if k == 0 else 0):at + e - s] = 1 + k
+                if k == 1 and 0 < s < e:  # (predicting position, the rejected's first token, its label, sequence)
+                    extra.append((r * width + first + s - 1, r * width + at, i * t + s, i))
+                at += e - s
+    source, unit, branch = source.to(device), unit.to(device), branch.to(device)
+    pad = source < 0
+    ids, row_labels = (x.flatten()[source.clamp(min=0)].masked_fill_(pad, fill) for x, fill in ((ids, 0), (labels, IGNORE_INDEX)))
+    if extra:
+        predictor, first_token, label, sequence = (torch.tensor(c, device=device) for c in zip(*extra))
+        row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
+        extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence))
+    # causal within each unit; padding (unit -1) attends to earlier padding, so no row is empty (NaN)
+    mask = (unit[:, :, None] == unit[:, None, :]).tril_()
+    if shared_prefix:
+        mask &= ~((branch[:, :, None] == 2) & (branch[:, None, :] == 1))
+    positions, owner = (source % t).masked_fill_(pad, 0), torch.where(pad, -1, source // t)
+    return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, row_labels, owner, extra or None
 
-    def pack(values: Tensor, pad: int) -> Tensor:  # (N, t), one sequence a row -> (R, width), as `rows` says
-        return torch.stack([pad_to_length(torch.cat([values[i, :lengths[i]] for i in row]), width, pad)
-                            for row in rows])
-    ids, labels = pack(inputs["input_ids"], 0), pack(inputs["labels"], IGNORE_INDEX)
-    positions = pack(torch.arange(t, device=device).expand(n, t), 0)
-    owner = pack(torch.arange(n, device=device)[:, None].expand(n, t), -1)
-    # causal within each sequence; padding (owner -1) attends to earlier padding, so no row is empty (NaN); one
-    # (R, T, T) allocation: the comparison, made causal in place
-    mask = (owner[:, :, None] == owner[:, None, :]).tril_()
-    return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, labels, owner
 
-
-def packed_attention_mask(mask: Tensor, config):
+def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = None):
     """A 4-D boolean mask (R or 1, 1, T, T) as each attention layer of `config` needs it: a model given a 4-D mask
     uses it as is, so (1) a sliding window (Mistral, Gemma2/3, Qwen2 with use_sliding_window) must be in it, one
-    mask per layer type for models with `layer_types`; (2) eager attention adds it to the scores: additive bf16
-    (0 or a large negative; half of fp32's bytes, the same range). A mask marked `causal_only`
-    (ulysses.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
+    mask per layer type for models with `layer_types`, counted in `positions` (R, T) where they are given (a shared
+    prefix: the rejected is nearer the prompt than its column says), else in columns; (2) eager attention adds it
+    to the scores: additive bf16 (0 or a large negative; half of fp32's bytes, the same range). A mask marked
+    `causal_only` (ulysses.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
     window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     causal_only = getattr(mask, "causal_only", False)
     masks = {"full_attention": mask}
     if window and (layer_types is None or "sliding_attention" in layer_types):
         t = mask.size(-1)  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
         band = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu_(-(window - 1))
+        if positions is not None:
+            p = positions.int()[:, None]  # (R, 1, T): int32 differences, half of int64's bytes
+            band = (p[..., :, None] - p[..., None, :]) < window
         masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
     if getattr(config, "_attn_implementation", None) == "eager":
         low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
@@ -310,21 +348,25 @@ def packed_attention_mask(mask: Tensor, config):
 
 # ---------- 4. Sequence log-probs ----------
 def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacity: Optional[int] = None,
-                  tiled: bool = False, entropy: Optional[dict] = None, entropy_grad: bool = False,
-                  sequence_parallel: Optional[ulysses.SequenceParallel] = None):
+                  tiled: bool = False, prefix_sharing: bool = False, entropy: Optional[dict] = None,
+                  entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None):
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
     tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,).
 
     `packed_capacity`: rows packed without padding (packed_inputs). `tiled`: the backbone alone, then the scored
-    positions through the LM head in tiles (linear_token_logps). `sequence_parallel` (ulysses.py): every rank of
-    the group passes the same inputs, runs its slice of the positions, and gets whole sequences' results.
+    positions through the LM head in tiles (linear_token_logps). `prefix_sharing` (inputs: chosen rows, then the
+    rejected rows of the same pairs): each pair's prompt computed once (packed_inputs' shared_prefix).
+    `sequence_parallel` (ulysses.py): every rank of the group passes the same inputs, runs its slice of the
+    positions, and gets whole sequences' results.
 
     Under FSDP (1 or 2) this runs as the root unit's forward, between its pre-forward (which gathers the embeddings,
     final norm and LM head: the tiled path may call the backbone and read the head's weight directly) and its
     post-forward (which hooks the backward on the returned sums)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    score = functools.partial(_score, packed_capacity=packed_capacity, tiled=tiled, entropy=entropy,
-                              entropy_grad=entropy_grad, sequence_parallel=sequence_parallel)
+    if prefix_sharing and sequence_parallel:
+        raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
+    score = functools.partial(_score, packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing,
+                              entropy=entropy, entropy_grad=entropy_grad, sequence_parallel=sequence_parallel)
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
         return score(model, model, inputs)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
@@ -337,21 +379,22 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
         del inner.forward
 
 
-def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, entropy, entropy_grad,
-           sequence_parallel):
+def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, prefix_sharing, entropy,
+           entropy_grad, sequence_parallel):
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
     forward inside the root unit's forward)."""
     n, sp = inputs["input_ids"].size(0), sequence_parallel
     multiple = sp.size if sp else 1
-    kwargs, labels, owner = (packed_inputs(inputs, packed_capacity, multiple) if packed_capacity
-                             else padded_inputs(inputs, multiple))
+    kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing)
+                                    if packed_capacity or prefix_sharing else (*padded_inputs(inputs, multiple), None))
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
     targets, owner = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), F.pad(owner[:, 1:], (0, 1), value=-1)
     if sp:
         kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs)
         kwargs, targets, owner = ulysses.local_slice(kwargs, targets, owner, sp)
     if kwargs["attention_mask"].dim() == 4:
-        kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config)
+        kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
+                                                         kwargs["position_ids"] if prefix_sharing else None)
     # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
     # inputs: targets and owners follow the tensor they index (`to` is free on the same device).
     if tiled:
@@ -361,9 +404,12 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)  # under autocast: the compute dtype
         targets = targets.to(hidden.device)
         scored = targets != IGNORE_INDEX
+        rows, targets = hidden[scored], targets[scored]
+        if extra is not None:  # the rejected's first tokens, from the prompts' last positions
+            rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
         config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
         scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-        out = linear_token_logps(hidden[scored], head.weight, targets[scored], head.bias, with_entropy=entropy is not None,
+        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None,
                                  logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
         logps, token_entropy = out if entropy is not None else (out, None)
     else:
@@ -371,10 +417,16 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         targets = targets.to(logits.device)
         scored = targets != IGNORE_INDEX
         logps, token_entropy = target_logps(logits, targets)[scored], None
+        if extra is not None:
+            logps = torch.cat([logps, target_logps(logits.flatten(0, 1)[extra[0]], extra[1])])
         if entropy is not None:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 token_entropy = entropy_from_logits(logits, **entropy)[scored]
+                if extra is not None:
+                    token_entropy = torch.cat([token_entropy, entropy_from_logits(logits.flatten(0, 1)[extra[0]], **entropy)])
     owner = owner.to(scored.device)[scored]
+    if extra is not None:
+        owner = torch.cat([owner, extra[2].to(owner.device)])
 
     def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
         sums = values.new_zeros(n).index_add(0, owner, values)

@@ -152,8 +152,8 @@ class BasicTrainer:
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
     def forward_options(self, entropy_grad: bool = False) -> dict:
         """How log-probs are computed (never what they are); a differentiable entropy needs the full logits."""
-        return {"packed_capacity": self.config.max_length if self.config.padding_free else None,
-                "tiled": self.config.tiled_lm_head and not entropy_grad, "sequence_parallel": self.sp}
+        return {"packed_capacity": self.config.max_length if self.config.padding_free else None, "sequence_parallel": self.sp,
+                "tiled": self.config.tiled_lm_head and not entropy_grad, "prefix_sharing": self.config.prefix_sharing}
 
     def autocast(self):
         """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
@@ -227,6 +227,7 @@ class BasicTrainer:
         # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
         mean = {k: sharding.gather(torch.cat(v).float()).nanmean().item() for k, v in collected.items()}
         tokens = sum(batch[f"{s}_attention_mask"].sum() for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch)
+        tokens = tokens - (batch["prompt_attention_mask"].sum() if c.prefix_sharing else 0)  # a shared prompt: computed once
         tokens = sharding.gather(tokens.reshape(1).float().to(self.device)).sum().item() / self.sp_size
         return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0],
                     nonfinite_steps=float(self.nonfinite_total))
@@ -735,16 +736,19 @@ def split_name(name: str, split: str) -> str:
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
     """The rows in micro-batches (token budget, else gradient_accumulation_steps slices) and how many are real: every
     forward and backward is a collective under FSDP, so a rank with fewer repeats its last one."""
-    micro = split_by_tokens(batch, c.max_tokens_per_microbatch) if c.max_tokens_per_microbatch else split_batch(batch, c.gradient_accumulation_steps)
+    micro = (split_by_tokens(batch, c.max_tokens_per_microbatch, shared_prefix=c.prefix_sharing) if c.max_tokens_per_microbatch
+             else split_batch(batch, c.gradient_accumulation_steps))
     return micro + micro[-1:] * (sharding.agree_max(len(micro)) - len(micro)), len(micro)
 
 
-def split_by_tokens(batch: dict, max_tokens: int) -> list[dict]:
-    """Micro-batches of consecutive pairs whose real tokens (chosen + rejected) stay within `max_tokens` (a larger
-    pair goes alone), each cut to its own longest sequence: a long pair costs what it weighs, not everyone's padding."""
+def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:
+    """Micro-batches of consecutive pairs whose real tokens (chosen + rejected, less the prompt when it is shared) stay
+    within `max_tokens` (a larger pair goes alone), each cut to its own longest sequence: a long pair costs what it
+    weighs, not everyone's padding."""
     sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
+    sizes = sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (batch["prompt_attention_mask"].sum(1) if shared_prefix else 0)
     groups, load, micro_batches = [[]], 0, []
-    for i, size in enumerate(sum(batch[f"{s}_attention_mask"].sum(1) for s in sides).tolist()):
+    for i, size in enumerate(sizes.tolist()):
         if groups[-1] and load + size > max_tokens:
             groups, load = groups + [[]], 0
         groups[-1].append(i)

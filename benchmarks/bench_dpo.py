@@ -9,6 +9,7 @@ variant in a fresh subprocess, alternating ours and TRL, and prints one table:
     python -u benchmarks/bench_dpo.py --profile-only        # the one-step profile of ours, nothing else
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
     python -u benchmarks/bench_dpo.py --variants ours_best,ours_fsdp --rounds 3   # one process vs 2 ranks, alternating
+    python -u benchmarks/bench_dpo.py --workload hh --variants ours_best,ours_shared --rounds 3   # prefix sharing A/B
 
 Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
 ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
@@ -36,6 +37,8 @@ Variants (each a fresh process; peak RSS = the child's ru_maxrss from wait4, i.e
   ours_fsdp    ours_best under FSDPTrainer (2 ranks, --fsdp-strategy) on the same cores and global batch, with the
                steps of ours_best (P6: its pairs/s over ours_best's; the per-round ratios pair the runs of one round,
                which ran back to back)
+  ours_shared  ours_best with prefix_sharing=true; ours_fsdp_shared: ours_fsdp with it (P7, P8: pairs/s and peak
+               RSS over the unshared variant's, per round; goal 1.15x on the skewed workload, 1.4x on --workload hh)
   trl_best     DPOTrainer, precompute_ref_log_probs=True, padding_free=True (TRL 1.16 warns and falls back
                to padding: recorded), its always-on fused LM head, optim=adamw_torch_fused (its default),
                gradient_checkpointing=False (TRL's default True recomputes the forward: slower), fp32
@@ -100,8 +103,11 @@ OURS_VARIANTS = {
     # ours_best under FSDPTrainer (--fsdp-strategy, 2 ranks): with ours_best in --variants the two alternate, and
     # the report prints their ratio round by round (the sharding overhead on the same cores and global batch)
     "ours_fsdp": dict(padding_free=True, precompute=True, trainer="FSDPTrainer"),
+    # prefix_sharing=true on top of ours_best, and of ours_fsdp (P7, P8: their pairs/s over the unshared variant's)
+    "ours_shared": dict(padding_free=True, precompute=True, shared=True),
+    "ours_fsdp_shared": dict(padding_free=True, precompute=True, trainer="FSDPTrainer", shared=True),
 }
-LONG_RUNS = ("ours_best", "ours_fsdp")  # --warmup + --steps; the other variants of ours: --aux-warmup + --aux-steps
+LONG_RUNS = ("ours_best", "ours_fsdp", "ours_shared", "ours_fsdp_shared")  # --warmup + --steps; the other variants of ours: --aux-warmup + --aux-steps
 TRL_VARIANTS = {"trl_best": dict(precompute=True), "trl_online": dict(precompute=False)}
 PROFILE_STEPS = 4  # the profile's run: 2 untimed steps, 1 timed by phase, 1 under torch.profiler
 
@@ -130,18 +136,23 @@ def words(rng, n: int) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def design_pairs(n_steps: int, seed: int) -> list[dict]:
-    """Pairs in step order: each step = SHORT_PER_STEP short pairs and LONG_PER_STEP long pairs (shuffled
-    within the step). Lengths are in tokens of the whole sequence: BOS + prompt + response + EOS."""
+def design_pairs(n_steps: int, seed: int, workload: str = "skewed") -> list[dict]:
+    """Pairs in step order. skewed: each step = SHORT_PER_STEP short pairs and LONG_PER_STEP long pairs (shuffled
+    within the step); lengths are in tokens of the whole sequence: BOS + prompt + response + EOS. hh: HH-shaped,
+    multi-turn prompts of 180-380 tokens ("Human: ... Assistant: ..." turns) before responses of 40-110 tokens:
+    the prompt is on average ~3.7x a response."""
     import numpy as np
     rng = np.random.default_rng(seed)
     pairs, seen = [], set()
     for step in range(n_steps):
-        kinds = ["short"] * SHORT_PER_STEP + ["long"] * LONG_PER_STEP
+        kinds = ["short"] * SHORT_PER_STEP + ["long"] * LONG_PER_STEP if workload == "skewed" else ["hh"] * BATCH
         rng.shuffle(kinds)
         for kind in kinds:
             while True:
-                if kind == "short":
+                if kind == "hh":
+                    p = int(rng.integers(180, 381))
+                    lo, hi = 40, 110
+                elif kind == "short":
                     p = int(rng.integers(15, 46))
                     lo, hi = max(1, 60 - 2 - p), 150 - 2 - p
                 else:
@@ -166,7 +177,7 @@ def our_order(n: int) -> list[list[int]]:
     return list(iter_batch_indices(n, batch_size=BATCH, shuffle=True, seed=SEED, n_examples=n))
 
 
-def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
+def build_workload(workdir: Path, n_steps: int, sizes: list[int], workload: str = "skewed") -> dict:
     """Model dir, tokenizer, data files; returns the per-step token statistics used for FLOPs.
 
     For each run length k in `sizes` (steps): pairs_k.jsonl (the designed steps 0..k-1, each row where our
@@ -177,7 +188,7 @@ def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
     meta_path = workdir / "workload.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if (meta.get("n_steps") == n_steps and (model_dir / "config.json").exists()
+        if (meta.get("n_steps") == n_steps and meta.get("workload", "skewed") == workload and (model_dir / "config.json").exists()
                 and all(str(k) in meta["data"] for k in sizes)):
             return meta
     shutil.rmtree(model_dir, ignore_errors=True)
@@ -190,7 +201,7 @@ def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
     model.save_pretrained(model_dir, safe_serialization=True)
     del model
 
-    pairs = design_pairs(n_steps, SEED)
+    pairs = design_pairs(n_steps, SEED, workload)
     fields = ("prompt", "chosen", "rejected")
     data, in_order = {}, {}
     for k in sorted(set(sizes)):
@@ -216,7 +227,7 @@ def build_workload(workdir: Path, n_steps: int, sizes: list[int]) -> dict:
                 assert n_resp - 1 == p["tokens"][1 if side == "chosen" else 2]
                 seqs.append([n_prompt, n_resp])
         steps.append(seqs)
-    meta = dict(n_steps=n_steps, n_pairs=len(pairs), n_params=n_params, model_dir=str(model_dir), data=data,
+    meta = dict(n_steps=n_steps, workload=workload, n_pairs=len(pairs), n_params=n_params, model_dir=str(model_dir), data=data,
                 data_in_step_order=in_order, steps=steps)
     meta_path.write_text(json.dumps(meta))
     return meta
@@ -245,13 +256,16 @@ def verify_our_batches(meta: dict, workdir: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------
-def step_flops(seqs: list[list[int]], n_params: int, online_reference: bool) -> dict:
+def step_flops(seqs: list[list[int]], n_params: int, online_reference: bool, shared: bool = False) -> dict:
+    """seqs: [prompt, response] tokens of each sequence, chosen then rejected of each pair. shared (prefix sharing):
+    each pair's prompt counted once; its rejected attends to the prompt and to itself."""
     h, L, V = MODEL["hidden_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
     n = n_params - V * h  # everything but the input embedding (a lookup, no matmul)
     n_head = V * h
-    tokens = sum(p + r for p, r in seqs)
+    tokens = sum(p + r for p, r in seqs) - shared * sum(p for p, _ in seqs[1::2])
     scored = sum(r for _, r in seqs)  # positions whose next token is scored (response incl. EOS)
-    pairs_causal = sum((p + r) * (p + r + 1) / 2 for p, r in seqs)
+    pairs_causal = sum((p + r) * (p + r + 1) / 2 for p, r in seqs)  # attended (query, key) pairs
+    pairs_causal -= shared * sum(p * (p + 1) / 2 for p, _ in seqs[1::2])  # the rejected's prompt, computed once
     attn_fwd = 4 * h * pairs_causal * L
     train = 6 * n * tokens + 3 * attn_fwd
     ref = (2 * n * tokens + attn_fwd) if online_reference else 0.0
@@ -353,7 +367,7 @@ class ChildRun:
 
 
 def our_args(data: str, n_pairs: int, model_dir: str, padding_free: bool, precompute: bool, trainer: str,
-             local_dir: Path, run_dir: Path) -> list[str]:
+             local_dir: Path, run_dir: Path, shared: bool = False) -> list[str]:
     """train.py's arguments for a run of ours (and the profile's trainer): DPO, AdamW, evaluation only at the end."""
     return ["loss=dpo", f"datasets=[{data}]", f"model.name_or_path={model_dir}", "model.reference_dtype=float32",
             f"trainer={trainer}", "optimizer=AdamW", f"batch_size={BATCH}", f"eval_batch_size={BATCH}",
@@ -361,7 +375,7 @@ def our_args(data: str, n_pairs: int, model_dir: str, padding_free: bool, precom
             "do_first_eval=false", "n_eval_examples=8", f"eval_every={BATCH * 100000}", "wandb.enabled=false",
             "fsdp.use_torch_compile=false", "debug=true", "n_epochs=null", f"n_examples={n_pairs}", "warmup_steps=0",
             "minimum_log_interval_secs=0", "tiled_lm_head=true", f"padding_free={str(padding_free).lower()}",
-            f"precompute_ref_log_probs={str(precompute).lower()}", f"seed={SEED}", f"local_dirs=[{local_dir}]",
+            f"precompute_ref_log_probs={str(precompute).lower()}", f"prefix_sharing={str(shared).lower()}", f"seed={SEED}", f"local_dirs=[{local_dir}]",
             f"run_dir={run_dir}"]
 
 
@@ -389,7 +403,7 @@ def run_ours(name: str, meta: dict, rdir: Path, args, n_steps: int) -> dict:
     trainer = spec.get("trainer", args.trainer)
     cmd = [sys.executable, "-u", "train.py",
            *our_args(meta["data"][str(n_steps)], n, meta["model_dir"], spec["padding_free"], spec["precompute"], trainer,
-                     rdir / "cache", rdir / "run"),
+                     rdir / "cache", rdir / "run", spec.get("shared", False)),
            *([f"fsdp.strategy={args.fsdp_strategy}"] if trainer == "FSDPTrainer" else []), f"exp_name={name}", *args.set]
     child = ChildRun(cmd, rdir / "output.log", args.run_timeout)
     res = dict(child.run(), side="ours", cmd=" ".join(cmd), timing_method="metrics.jsonl")
@@ -617,7 +631,7 @@ def summarize(name: str, runs: list[dict], meta: dict, peak: float, max_bg: floa
         warmup = r["warmup"]
         for k, t in enumerate(r["step_times"]):
             if k >= warmup:
-                f = step_flops(meta["steps"][k], meta["n_params"], online)
+                f = step_flops(meta["steps"][k], meta["n_params"], online, "shared" in name)
                 times.append(t)
                 flops.append(f["model"])
                 flops_exec.append(f["executed"])
@@ -655,7 +669,7 @@ def succeeded(summary: dict, name: str) -> Optional[dict]:
     return s if s and "error" not in s else None
 
 
-def goals(summary: dict) -> list[tuple[str, float, str, Optional[bool]]]:
+def goals(summary: dict, workload: str = "skewed") -> list[tuple[str, float, str, Optional[bool]]]:
     """(label, value, goal, met) of each goal the summary can answer; met None: information only."""
     g = lambda name: succeeded(summary, name)  # noqa: E731
     rows = []
@@ -676,6 +690,14 @@ def goals(summary: dict) -> list[tuple[str, float, str, Optional[bool]]]:
         r = g("ours_best")["s_step_median"] / g("ours_fsdp")["s_step_median"]
         rounds = [f"{a / b:.2f}x" for a, b in zip(g("ours_best")["per_round"], g("ours_fsdp")["per_round"])]
         rows.append((f"P6 ours_fsdp / ours_best pairs/s (rounds: {', '.join(rounds)})", r, ">= 0.8x", r >= 0.8))
+    for label, shared, base in (("P7", "ours_shared", "ours_best"), ("P8", "ours_fsdp_shared", "ours_fsdp")):
+        if g(shared) and g(base):  # per round, as P6
+            r, goal = g(shared)["s_step_median"], {"skewed": 1.15, "hh": 1.4}[workload]
+            r = g(base)["s_step_median"] / r
+            rounds = [f"{b / a:.2f}x" for a, b in zip(g(shared)["per_round"], g(base)["per_round"])]
+            rows.append((f"{label} {shared} / {base} pairs/s (rounds: {', '.join(rounds)})", r, f">= {goal}x", r >= goal))
+            m = g(shared)["peak_rss_gib"] / g(base)["peak_rss_gib"]
+            rows.append((f"{label} peak RSS {shared} / {base}", m, "<= 1.0x", m <= 1.0))
     if g("trl_best") and g("trl_online"):
         r = g("trl_best")["pairs_s"] / g("trl_online")["pairs_s"]
         rows.append(("(TRL precomputed / online)", r, "info", None))
@@ -703,7 +725,11 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
             + f"  -> peak used for MFU: {pk['peak'] / 1e9:.1f} GFLOP/s (the best of both)")
     add(f"model: Llama {MODEL['num_hidden_layers']}L h{MODEL['hidden_size']} mlp{MODEL['intermediate_size']} vocab {MODEL['vocab_size']}, "
         f"{meta['n_params'] / 1e6:.2f}M params, fp32; batch {BATCH} pairs, max_length {MAX_LENGTH}; AdamW")
-    add(f"data: {meta['n_pairs']} pairs, every step {SHORT_PER_STEP} short + {LONG_PER_STEP} long pairs; step 0: {f0['tokens']} real tokens "
+    shape = (f"every step {SHORT_PER_STEP} short + {LONG_PER_STEP} long pairs" if args.workload == "skewed" else
+             "HH-shaped: multi-turn prompts of 180-380 tokens, responses of 40-110")
+    fs = step_flops(st, meta["n_params"], False, shared=True)
+    add(f"data: {meta['n_pairs']} pairs, {shape}; step 0: {f0['tokens']} real tokens ({fs['tokens']} with prefix sharing, "
+        f"{f0['tokens'] / fs['tokens']:.2f}x fewer) "
         f"in 16 sequences (padded: {f0['padded_slots']} slots, {f0['padded_slots'] / f0['tokens']:.2f}x), {f0['scored']} scored")
     add(f"steps (warmup+timed): ours_best/ours_fsdp {args.warmup}+{args.steps}, TRL {args.trl_warmup}+{args.trl_steps}, "
         f"ours_padded/online {args.aux_warmup}+{args.aux_steps}; {args.rounds} round(s), order {' > '.join(args.order)}; "
@@ -724,7 +750,7 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
             f"{','.join(str(b) for b in s['bg_cores']):>12}  {s['per_round']}")
     add("-" * 110)
     g = lambda name: succeeded(summary, name)  # noqa: E731
-    for label, value, goal, met in goals(summary):
+    for label, value, goal, met in goals(summary, args.workload):
         shown = f"{value * 100:.1f}%" if "MFU" in label else f"{value:.2f}x"
         add(f"{label:<45} {shown:>8}   goal {goal:<9} {'' if met is None else ('MET' if met else 'MISSED')}")
     if g("trl_best") and g("trl_best").get("compute_s_median") is not None:
@@ -796,7 +822,10 @@ def main() -> int:
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated subset/extension of {','.join([*OURS_VARIANTS, *TRL_VARIANTS])} "
                          "(default: all but ours_fsdp and trl_online, filtered by --which)")
-    ap.add_argument("--workdir", default="/tmp/bench_dpo", help="model, tokenizer, data and every run's logs")
+    ap.add_argument("--workload", choices=("skewed", "hh"), default="skewed",
+                    help="skewed: 7 short + 1 long pair a step; hh: multi-turn prompts ~3.7x the responses")
+    ap.add_argument("--workdir", default=None, help="model, tokenizer, data and every run's logs (default "
+                                                    "/tmp/bench_dpo, /tmp/bench_dpo_hh for --workload hh)")
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
                     help="one-step profile of ours_best: auto = when a goal is missed")
     ap.add_argument("--profile-only", action="store_true")
@@ -822,10 +851,11 @@ def main() -> int:
         return 0
 
     started = time.perf_counter()
+    args.workdir = args.workdir or "/tmp/bench_dpo" + "_hh" * (args.workload == "hh")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     sizes = [PROFILE_STEPS, *(sum(run_length(n, args)) for n in (*OURS_VARIANTS, *TRL_VARIANTS))]
-    meta = build_workload(workdir, max(sizes), sizes)
+    meta = build_workload(workdir, max(sizes), sizes, args.workload)
     print(f"[bench] workload in {workdir}: {meta['n_pairs']} pairs, {meta['n_params'] / 1e6:.2f}M params; "
           f"{verify_our_batches(meta, workdir)}", flush=True)
     machine = machine_info()
@@ -872,7 +902,7 @@ def main() -> int:
     machine["peak"]["peak"] = peak
     summary = {n: summarize(n, runs[n], meta, peak, args.max_bg) for n in names}
 
-    missed = any(met is False for label, _, _, met in goals(summary) if not label.startswith("P6"))  # P1-P5: ours_best
+    missed = any(met is False for label, _, _, met in goals(summary, args.workload) if label[:2] in ("P1", "P2", "P3", "P4", "P5"))
     prof = None
     if args.profile == "always" or (args.profile == "auto" and missed and "ours_best" in names):
         print("[bench] profiling one step of ours_best", flush=True)

@@ -77,6 +77,10 @@ def scenarios() -> dict[str, list[str]]:
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"
             out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP]  # tiled LM head (the default)
             out[f"{arch}-{strategy}-packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *PACKED]
+            # prefix sharing: padded rows through the tiled head under one strategy, packed rows through the full head
+            # under the other, alternating per architecture
+            out[f"{arch}-{strategy}-shared"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, "prefix_sharing=true",
+                                                *(PACKED if checkpointed(arch, strategy) else [])]
             if FULL or bf16_in_ci(arch, strategy):
                 out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
     for arch in SP_ARCHS:
@@ -156,11 +160,15 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     hook = head.register_forward_hook(count)
     # the row lengths the policy's embedding sees while training (under Ulysses: this rank's slice of each row)
     embedding = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_input_embeddings()
-    seen = embedding.register_forward_hook(lambda _m, args, _o: info["positions_seen"].add(args[0].shape[-1]))
+
+    def rows_and_positions(_module, args, _out):
+        info["positions_seen"].add(args[0].shape[-1])
+        info.setdefault("rows_seen", set()).add(args[0].shape[0])
+    seen = embedding.register_forward_hook(rows_and_positions)
     split_by_tokens = trainers.split_by_tokens  # this rank's own token-budget micro-batches, before padding
 
-    def counted(batch, max_tokens):
-        out = split_by_tokens(batch, max_tokens)
+    def counted(*args, **kwargs):
+        out = split_by_tokens(*args, **kwargs)
         info.setdefault("micro_batches", []).append(len(out))
         return out
     trainers.split_by_tokens = counted
@@ -303,6 +311,48 @@ def test_log_probs_equal_the_models_own_logits(models, arch):
             assert (sums / counts - expected).abs().max().item() < 1e-5, path
 
 
+def shared_prompt_pairs(seed: int = 3) -> dict:
+    """Chosen rows over rejected rows of 4 pairs: prompts of 5-40 tokens (longer than Gemma2's window of 16),
+    responses of 1-40, one pair whose prompts differ in their last token (its common prefix is shorter)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt, chosen, rejected = [30, 5, 12, 40], [20, 40, 3, 30], [25, 10, 30, 1]
+    ids = torch.randint(2, architectures.VOCAB, (8, 80), generator=g)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, p in enumerate(prompt):
+        ids[4 + i, :p - (i == 2)] = ids[i, :p - (i == 2)]
+        for row, length in ((i, p + chosen[i]), (4 + i, p + rejected[i])):
+            mask[row, :length], labels[row, p:length] = 1, ids[row, p:length]
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_sharing_equals_separate_sequences(models, arch):
+    """prefix_sharing (one sequence per pair: prompt + chosen + rejected) against the plain path (chosen and rejected
+    as separate padded rows): sums, counts, entropies and one backward's gradients equal (1e-5 relative), padded
+    and packed, tiled and full head; and the rejected cannot see the chosen: changing a chosen token leaves every
+    rejected log-prob exactly as it was."""
+    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+    inputs = shared_prompt_pairs()
+
+    def run(options, inputs=inputs):
+        model.zero_grad()
+        sums, counts, entropy = logps.forward_logps(model, inputs, entropy={}, **options)
+        (sums / counts).sum().backward()
+        return sums.detach(), counts, entropy, {k: p.grad.clone() for k, p in model.named_parameters()}
+    base = run({})
+    for options in ({}, {"tiled": True}, {"packed_capacity": 64}, {"packed_capacity": 64, "tiled": True}):
+        sums, counts, entropy, grads = run({"prefix_sharing": True, **options})
+        torch.testing.assert_close(sums, base[0], rtol=1e-5, atol=1e-5, msg=str(options))
+        assert torch.equal(counts, base[1]), options
+        torch.testing.assert_close(entropy, base[2], rtol=1e-5, atol=1e-5, msg=str(options))
+        for k, g in grads.items():
+            torch.testing.assert_close(g, base[3][k], rtol=1e-5, atol=1e-5, msg=f"{options} {k}")
+        edited = dict(inputs, input_ids=inputs["input_ids"].clone())
+        edited["input_ids"][0, 35] += 1  # a chosen token of pair 0 (its prompt is 30 tokens)
+        changed = run({"prefix_sharing": True, **options}, edited)[0]
+        assert changed[0] != sums[0] and torch.equal(changed[4:], sums[4:]), options
+
+
 @pytest.mark.parametrize("order", ["embedding first", "head first"])
 def test_fsdp1_param_init_fn_keeps_ties(models, order):
     """On GPU, FSDP1 materializes the meta model of ranks > 0 one module at a time (param_init_fn), which a CPU
@@ -335,6 +385,22 @@ def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy
         assert info["head_calls"] > 0
     for path in ("fp32", "packed"):
         assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_sharing_step_equals_one_process(sharded, single, arch, strategy):
+    """prefix_sharing=true under FSDP on 2 ranks (packed rows and full logits where activation checkpointing is on,
+    padded rows and the tiled head where it is off): one DPO step's log-probs, loss and parameters equal the
+    one-process plain path (separate padded sequences, full logits) to 1e-5."""
+    out, results = sharded
+    expected = train_records(single / f"{arch}-fp32")[0]
+    for info in ok(results, f"{arch}-{strategy}-shared"):  # 4 pairs a rank: 4 rows (packed: fewer), not 8 sequences
+        assert max(info["rows_seen"]) <= 4, info["rows_seen"]
+    record = train_records(out / f"{arch}-{strategy}-shared")[0]
+    for key in ("logps_train/chosen", "logps_train/rejected", "loss/train"):
+        assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), key
+    assert max_difference(final_state(out / f"{arch}-{strategy}-shared"), final_state(single / f"{arch}-fp32")) <= 1e-5
 
 
 def test_ulysses_with_precomputed_reference_and_token_budget_equals_one_process(sharded, single):

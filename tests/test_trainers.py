@@ -59,7 +59,7 @@ def skewed_inputs():
 def test_packed_and_tiled_logps_equal_padded(skewed_inputs, name):
     model = tiny_models()[name].eval()
     base_sums, base_counts, base_entropy = logps.forward_logps(model, skewed_inputs, entropy={})
-    kwargs, _, owner = logps.packed_inputs(skewed_inputs, 96)
+    kwargs, _, owner, _ = logps.packed_inputs(skewed_inputs, 96)
     assert kwargs["input_ids"].numel() < skewed_inputs["input_ids"].numel() * 0.6  # the padding really went away
     for options in ({"packed_capacity": 96}, {"tiled": True}, {"packed_capacity": 96, "tiled": True}):
         sums, counts, entropy = logps.forward_logps(model, skewed_inputs, entropy={}, **options)
@@ -81,7 +81,7 @@ def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
 
 
 def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
-    kwargs, labels, owner = logps.packed_inputs(skewed_inputs, 64)
+    kwargs, labels, owner, _ = logps.packed_inputs(skewed_inputs, 64)
     lengths = skewed_inputs["attention_mask"].sum(1)
     for i in range(len(lengths)):  # every sequence appears once, whole, with positions 0..len-1
         rows, cols = (owner == i).nonzero(as_tuple=True)
@@ -108,7 +108,9 @@ def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
     plain = run(tmp_path / "plain", "tiled_lm_head=false")
     for name, options in {"tiled": ["tiled_lm_head=true"], "packed": ["padding_free=true"],
                           "token_budget": ["max_tokens_per_microbatch=80"],
-                          "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"]}.items():
+                          "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"],
+                          "shared": ["prefix_sharing=true"], "shared_packed": ["prefix_sharing=true", "padding_free=true", "tiled_lm_head=false"],
+                          "shared_budget": ["prefix_sharing=true", "max_tokens_per_microbatch=80", "precompute_ref_log_probs=true"]}.items():
         state = run(tmp_path / name, *options)
         worst = max((state[k] - plain[k]).abs().max().item() for k in plain)
         assert worst <= 1e-5, (name, worst)
