@@ -266,12 +266,13 @@ def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: int = 1,
-                  shared_prefix: bool = False) -> tuple[dict, Tensor, Tensor, Optional[tuple]]:
+def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: int = 1, shared_prefix: bool = False,
+                  flex_config=None) -> tuple[dict, Tensor, Tensor, Optional[tuple]]:
     """The sequences in rows with explicit positions and a (R, 1, T, T) mask, only row ends padded (to the widest
     row, a multiple of `multiple`): `capacity` packs rows of at most that many tokens (packed_rows), positions
     restarting for each sequence and attention confined to it; None: one per row. Returns what padded_inputs
-    returns, then the targets the rows cannot hold (None without `shared_prefix`).
+    returns, then the targets the rows cannot hold (None without `shared_prefix`). With `flex_config` (a model
+    config) the mask is FlexAttention's block masks for that model instead (block_masks): no (T, T) tensor.
 
     `shared_prefix` (inputs: chosen rows, then the rejected rows of the same pairs): each pair is ONE sequence,
     prompt + chosen + rejected, so the prompt is computed once (Wang & Hegde 2024, arXiv:2410.20305). The rejected
@@ -314,12 +315,63 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
         predictor, first_token, label, sequence = (torch.tensor(c, device=device) for c in zip(*extra))
         row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
         extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence))
-    # causal within each unit; padding (unit -1) attends to earlier padding, so no row is empty (NaN)
-    mask = (unit[:, :, None] == unit[:, None, :]).tril_()
-    if shared_prefix:
-        mask &= ~((branch[:, :, None] == 2) & (branch[:, None, :] == 1))
     positions, owner = (source % t).masked_fill_(pad, 0), torch.where(pad, -1, source // t)
-    return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": positions}, row_labels, owner, extra or None
+    if flex_config is not None:
+        mask = block_masks(unit, branch, positions, flex_config)
+    else:  # causal within each unit; padding (unit -1) attends to earlier padding, so no row is empty (NaN)
+        mask = (unit[:, :, None] == unit[:, None, :]).tril_()
+        if shared_prefix:  # the rejected (branch 2) never sees the chosen (branch 1)
+            mask &= ~((branch[:, :, None] == 2) & (branch[:, None, :] == 1))
+        mask = mask[:, None]
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, row_labels, owner, extra or None
+
+
+# Devices whose packed or shared rows attend through FlexAttention (torch.nn.attention.flex_attention): a block mask
+# from per-token vectors, fully masked blocks skipped, a fused kernel. CPU keeps the dense mask: FlexAttention has no
+# backward on CPU (torch 2.13).
+FLEX_DEVICES = ("cuda",)
+
+
+@functools.cache
+def _block_mask_builder(device_type: str):
+    """create_block_mask, compiled on GPUs (eager, it materializes the (R, 1, T, T) mask it compresses)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
+
+
+def block_masks(unit: Tensor, branch: Tensor, positions: Tensor, config):
+    """packed_inputs' mask as FlexAttention block masks, as packed_attention_mask shapes it for each layer type of
+    `config` (the sliding window counted in positions); the model's sdpa attention takes them (use_flex_attention)."""
+    use_flex_attention()
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    (rows, t), build = unit.shape, _block_mask_builder(unit.device.type)
+
+    def full(b, h, q, k):  # causal within a unit, keys of the prompt (branch 0) or of the query's own branch
+        return (unit[b, q] == unit[b, k]) & (q >= k) & ((branch[b, k] == 0) | (branch[b, k] == branch[b, q]))
+
+    def sliding(b, h, q, k):
+        return full(b, h, q, k) & (positions[b, q] - positions[b, k] < window)
+    masks = {"full_attention": build(full, rows, None, t, t, device=unit.device)}
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        masks["sliding_attention"] = build(sliding, rows, None, t, t, device=unit.device)
+    return masks if layer_types is not None else masks.get("sliding_attention", masks["full_attention"])
+
+
+@functools.cache
+def use_flex_attention() -> None:
+    """Once: transformers' sdpa attention function, wrapped so that a FlexAttention block mask goes to its
+    flex_attention_forward instead. The model keeps its sdpa setting: checkpointed recomputation and generation
+    dispatch on the mask they are given, as the first forward did."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations import flex_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if isinstance(attention_mask, BlockMask):
+            return flex_attention.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
 
 
 def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = None):
@@ -385,14 +437,15 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     forward inside the root unit's forward)."""
     n, sp = inputs["input_ids"].size(0), sequence_parallel
     multiple = sp.size if sp else 1
-    kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing)
+    flex = (not sp and inputs["input_ids"].device.type in FLEX_DEVICES and model.config._attn_implementation == "sdpa")
+    kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
                                     if packed_capacity or prefix_sharing else (*padded_inputs(inputs, multiple), None))
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
     targets, owner = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), F.pad(owner[:, 1:], (0, 1), value=-1)
     if sp:
         kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs)
         kwargs, targets, owner = ulysses.local_slice(kwargs, targets, owner, sp)
-    if kwargs["attention_mask"].dim() == 4:
+    if isinstance(kwargs["attention_mask"], Tensor) and kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
                                                          kwargs["position_ids"] if prefix_sharing else None)
     # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the

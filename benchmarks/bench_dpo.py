@@ -115,12 +115,12 @@ PROFILE_STEPS = 4  # the profile's run: 2 untimed steps, 1 timed by phase, 1 und
 # ---------------------------------------------------------------------------------------------------------
 # The workload
 # ---------------------------------------------------------------------------------------------------------
-def build_tokenizer(out: Path):
+def build_tokenizer(out: Path, vocab_size: int = MODEL["vocab_size"]):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
     vocab = {t: i for i, t in enumerate(specials)}
-    vocab.update({f"w{i}": i for i in range(len(specials), MODEL["vocab_size"])})
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])

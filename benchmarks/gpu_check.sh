@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs (~40 runs of ~30 s)
 #   bash benchmarks/gpu_check.sh --dry-run       # print the commands, run nothing
 #   bash benchmarks/gpu_check.sh --cpu           # the script's own check on CPU: tiny Llama, 1 process + 2 gloo ranks
+# Then python -u benchmarks/gpu_prefix_sharing.py: prefix_sharing at Llama-3.2-1B geometry, with and without.
 #
 # Environment: ARCHS ("gpt2 llama qwen2"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS (the GPU's bf16
 # matmul peak for MFU, e.g. 989 for an H100 SXM; unset = trainers.PEAK_TFLOPS's entry for a known GPU, else MFU
@@ -63,7 +64,8 @@ else
                "${s}_bf16_prefetch|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.forward_prefetch=true"
                "${s}_bf16_act_ckpt|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;activation_checkpointing=true"
                "${s}_bf16_offload|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;$offload;fsdp.optimizer_offload=true"
-               "${s}_bf16_precomputed_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;precompute_ref_log_probs=true;padding_free=true")
+               "${s}_bf16_precomputed_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;precompute_ref_log_probs=true;padding_free=true"
+               "${s}_bf16_shared_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;prefix_sharing=true;padding_free=true;activation_checkpointing=true")
     [ "$NGPU" -gt 1 ] && SETTINGS+=("${s}_bf16_replicate|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.fsdp_size=1")
     [ $(( NGPU % 2 )) -eq 0 ] && SETTINGS+=("${s}_bf16_ulysses|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.ulysses_sequence_parallel_size=2")
   done

@@ -353,6 +353,31 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
         assert changed[0] != sums[0] and torch.equal(changed[4:], sums[4:]), options
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2"])
+def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
+    """The GPU path of packed and shared rows, FlexAttention block masks (logps.block_masks), run here on CPU,
+    eagerly and forward only (CPU FlexAttention has no backward): the log-probs equal the plain path's (1e-5), Mistral given a
+    sliding window of 16 (counted in positions), Qwen2 one mask per layer type. Gemma2 attends eagerly (its logit
+    softcapping): it keeps the dense mask, and FlexAttention is never called."""
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
+    from transformers.integrations import flex_attention
+    monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
+    calls, forward = [], flex_attention.flex_attention_forward
+    monkeypatch.setattr(flex_attention, "flex_attention_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    # transformers compiles FlexAttention; inductor's CPU kernel fails to build for these masks (torch 2.13), and the
+    # GPU's is another kernel (Triton): the eager reference computes the same attention
+    monkeypatch.setattr(flex_attention, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: eager_flex_attention(q, k, v, **kw))
+    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32, **({"sliding_window": 16} if arch == "mistral" else {}))
+    inputs = shared_prompt_pairs()
+    with torch.no_grad():
+        base = logps.forward_logps(model.eval(), inputs)
+        for options in ({"packed_capacity": 64}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
+            sums, counts, _ = logps.forward_logps(model, inputs, **options)
+            torch.testing.assert_close(sums, base[0], rtol=1e-5, atol=1e-5, msg=str(options))
+            assert torch.equal(counts, base[1])
+    assert bool(calls) == (arch != "gemma2"), (arch, model.config._attn_implementation)
+
+
 @pytest.mark.parametrize("order", ["embedding first", "head first"])
 def test_fsdp1_param_init_fn_keeps_ties(models, order):
     """On GPU, FSDP1 materializes the meta model of ranks > 0 one module at a time (param_init_fn), which a CPU
