@@ -137,6 +137,10 @@ class LossConfig(BaseConfig):
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", POSITIVE)
     desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE)
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
+    # Modifiers of every paired loss (losses.compute_loss)
+    wpo: bool = param(False, "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, aligned to its own sampling, clamped at 1 and detached")
+    ld_alpha: float = param(1.0, "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference alike; 1 = off, 0.2-0.8 typical", "[0, 1]")
+    dpop_lambda: float = param(0.0, "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; 0 = off, 50 in the paper", NON_NEGATIVE)
 
 
 @dataclasses.dataclass
@@ -555,6 +559,12 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
         (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
          "prompt, not a pair sharing it; set prefix_sharing=false"),
+        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
+           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1), ("dpop_lambda", c.loss.dpop_lambda > 0))),
+        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"loss.dpop_lambda="
+         f"{c.loss.dpop_lambda}: DPOP penalizes the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
+        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
         (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import functools
 import warnings
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -65,19 +65,22 @@ class _LabelLogProbs(torch.autograd.Function):
     d out / d logits straight into the inputs' gradients. The only (rows, V) memory is a few fp32 tiles."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy, with_sum_sq=False):
         dtype = _compute_dtype(hidden.dtype)
         mask = labels != IGNORE_INDEX
         safe = labels.masked_fill(~mask, 0).long()  # any valid index: masked out below
         out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
+        sum_sq = torch.empty_like(out) if with_sum_sq else out.new_empty(0)
         # autocast off: the forward and the backward's recomputation must see identical logits
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _chunks(hidden.shape[0], chunk_size):
                 logits = _tile_logits(hidden[rows], weight, bias, logit_scale, softcap, dtype)
                 if with_entropy:
                     entropy[rows] = _entropy_chunk(logits)
+                if with_sum_sq:
+                    sum_sq[rows] = log_sum_sq(logits)
                 label_logits = logits.gather(1, safe[rows, None])[:, 0]
                 row_max = logits.amax(dim=-1)
                 log_sum = logits.sub_(row_max[:, None]).exp_().sum(dim=-1).log_()
@@ -86,12 +89,12 @@ class _LabelLogProbs(torch.autograd.Function):
                 del logits  # free this tile before the next one is allocated
         ctx.save_for_backward(hidden, weight, bias, safe, mask, lse)
         ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
-        ctx.mark_non_differentiable(entropy)
-        return out.masked_fill_(~mask, 0.0), entropy
+        ctx.mark_non_differentiable(entropy, sum_sq)
+        return out.masked_fill_(~mask, 0.0), entropy, sum_sq
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
+    def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor, _grad_sum_sq: Tensor):
         hidden, weight, bias, safe, mask, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         # masked rows: exactly zero; logit_scale: d logits / d (hidden @ weight.T + bias), times `slope` below
@@ -129,7 +132,7 @@ class _LabelLogProbs(torch.autograd.Function):
                     grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
                 del logits, rest, slope
         return (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None,
-                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None, None)
+                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None, None, None)
 
 
 def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
@@ -138,8 +141,8 @@ def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUN
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} and targets "
                          f"{tuple(targets.shape)}")
-    logps, _ = _LabelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size,
-                                    1.0, None, False)
+    logps = _LabelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size,
+                                 1.0, None, False)[0]
     return logps.view(targets.shape)
 
 
@@ -150,15 +153,16 @@ def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
 
 
 def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
-                       chunk_size: Optional[int] = None, with_entropy: bool = False, logit_scale: float = 1.0,
-                       softcap: Optional[float] = None):
+                       chunk_size: Optional[int] = None, with_entropy: bool = False, with_sum_sq: bool = False,
+                       logit_scale: float = 1.0, softcap: Optional[float] = None):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)))[label] per row, chunk_size rows at a time (None:
     head_tile_rows): never more than a tile of logits; the matmul in the inputs' dtype, the rest in fp32.
 
     hidden (N, H): the last hidden states at the positions whose next token is scored; weight (V, H) (tied is
     fine), the same dtype as hidden; labels (N,), IGNORE_INDEX rows give 0 and no gradient; bias (V,) or None;
     logit_scale, softcap: what some heads do after the matmul (Cohere, Granite, Gemma). Returns logps (N,) in fp32,
-    differentiable w.r.t. hidden, weight and bias; with `with_entropy`, (logps, entropy (N,), detached)."""
+    differentiable w.r.t. hidden, weight and bias; with `with_entropy` or `with_sum_sq`, (logps, entropy (N,),
+    log_sum_sq (N,)), each statistic detached and empty where not asked for."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1] \
             or (bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
@@ -170,9 +174,9 @@ def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opt
     chunk_size = head_tile_rows(weight.shape[0], weight.dtype) if chunk_size is None else chunk_size
     if chunk_size < 1 or (softcap is not None and softcap <= 0):
         raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
-    logps, entropy = _LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap,
-                                          with_entropy)
-    return (logps, entropy) if with_entropy else logps
+    out = _LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy,
+                               with_sum_sq)
+    return out if with_entropy or with_sum_sq else out[0]
 
 
 # ---------- 2. Entropy ----------
@@ -184,6 +188,13 @@ def _entropy_chunk(logits: Tensor) -> Tensor:
     exp = shifted.exp()
     total = exp.sum(dim=-1)
     return total.log() - (exp * shifted).sum(dim=-1) / total
+
+
+def log_sum_sq(logits: Tensor) -> Tensor:
+    """log sum_v p_v^2 of softmax(logits) in fp32, (rows, V) -> (rows,): logsumexp(2 x) - 2 logsumexp(x). WPO's
+    alignment term: the log-prob a token would have if sampled from the policy itself, on average."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    return torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1)
 
 
 class _CompileOnFirstCall:
@@ -279,7 +290,7 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
     continues the prompt's positions and attends to the prompt and to itself, never to the chosen: every log-prob
     is that of the separate sequences. The prompt is the pair's common unscored prefix. The rejected's first
     token is predicted by the prompt's last position, whose own target is the chosen's first: those targets come
-    apart, as (flat position in the rows, label, sequence index)."""
+    apart, as (flat position in the rows, label, sequence index, column in its input row)."""
     ids, labels = inputs["input_ids"], inputs["labels"]
     (n, t), device = ids.shape, ids.device
     lengths = inputs["attention_mask"].sum(1).tolist()
@@ -305,17 +316,18 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
                 source[r, at:at + e - s], unit[r, at:at + e - s] = torch.arange(i * t + s, i * t + e), u
                 if shared_prefix:  # 0 prompt, 1 chosen, 2 rejected
                     branch[r, at + (prompts[u] if k == 0 else 0):at + e - s] = 1 + k
-                if k == 1 and 0 < s < e:  # (predicting position, the rejected's first token, its label, sequence)
-                    extra.append((r * width + first + s - 1, r * width + at, i * t + s, i))
+                if k == 1 and 0 < s < e:  # (predicting position, the rejected's first token, its label, sequence, column)
+                    extra.append((r * width + first + s - 1, r * width + at, i * t + s, i, s))
                 at += e - s
     source, unit, branch = source.to(device), unit.to(device), branch.to(device)
     pad = source < 0
     ids, row_labels = (x.flatten()[source.clamp(min=0)].masked_fill_(pad, fill) for x, fill in ((ids, 0), (labels, IGNORE_INDEX)))
     if extra:
-        predictor, first_token, label, sequence = (torch.tensor(c, device=device) for c in zip(*extra))
+        predictor, first_token, label, sequence, column = (torch.tensor(c, device=device) for c in zip(*extra))
         row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
-        extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence))
+        extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence, column))
     positions, owner = (source % t).masked_fill_(pad, 0), torch.where(pad, -1, source // t)
+    row_labels.masked_fill_(positions == 0, IGNORE_INDEX)  # a sequence's first token: no output of its own predicts it
     if flex_config is not None:
         mask = block_masks(unit, branch, positions, flex_config)
     else:  # causal within each unit; padding (unit -1) attends to earlier padding, so no row is empty (NaN)
@@ -367,6 +379,7 @@ def use_flex_attention() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
+    @functools.wraps(sdpa)  # keeps ulysses.install's mark: it wraps the registry entry once
     def attention(module, query, key, value, attention_mask, **kwargs):
         if isinstance(attention_mask, BlockMask):
             return flex_attention.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -388,8 +401,8 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
         t = mask.size(-1)  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
         band = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu_(-(window - 1))
         if positions is not None:
-            p = positions.int()[:, None]  # (R, 1, T): int32 differences, half of int64's bytes
-            band = (p[..., :, None] - p[..., None, :]) < window
+            p = positions[:, None]  # (R, 1, T): query position - window < key position, compared straight to bool
+            band = p[..., None, :] > p[..., :, None] - window
         masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
     if getattr(config, "_attn_implementation", None) == "eager":
         low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
@@ -399,11 +412,22 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
 
 
 # ---------- 4. Sequence log-probs ----------
+class SequenceLogps(NamedTuple):
+    """forward_logps' result, one row per sequence of its inputs."""
+    sums: Tensor  # (N,) summed log-probs of the labelled tokens
+    counts: Tensor  # (N,) how many
+    entropy: Optional[Tensor] = None  # (N,) their mean entropy, with `entropy`
+    tokens: Optional[Tensor] = None  # (N, T) each labelled token's log-prob at its input column, 0 elsewhere, with `per_token`
+    log_sum_sq: Optional[Tensor] = None  # (N,) summed log sum_v p_v^2 (log_sum_sq) over them, detached, with `sum_sq`
+
+
 def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacity: Optional[int] = None,
                   tiled: bool = False, prefix_sharing: bool = False, entropy: Optional[dict] = None,
-                  entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None):
+                  entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None,
+                  per_token: bool = False, sum_sq: bool = False) -> SequenceLogps:
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
-    tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,).
+    tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,);
+    with `per_token` each token's log-prob (N, T), differentiable; with `sum_sq` WPO's per-token statistic summed.
 
     `packed_capacity`: rows packed without padding (packed_inputs). `tiled`: the backbone alone, then the scored
     positions through the LM head in tiles (linear_token_logps). `prefix_sharing` (inputs: chosen rows, then the
@@ -418,7 +442,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
     if prefix_sharing and sequence_parallel:
         raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
     score = functools.partial(_score, packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing,
-                              entropy=entropy, entropy_grad=entropy_grad, sequence_parallel=sequence_parallel)
+                              entropy=entropy, entropy_grad=entropy_grad, sequence_parallel=sequence_parallel,
+                              per_token=per_token, sum_sq=sum_sq)
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
         return score(model, model, inputs)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
@@ -432,24 +457,28 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
 
 
 def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, prefix_sharing, entropy,
-           entropy_grad, sequence_parallel):
+           entropy_grad, sequence_parallel, per_token, sum_sq) -> SequenceLogps:
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
     forward inside the root unit's forward)."""
-    n, sp = inputs["input_ids"].size(0), sequence_parallel
+    (n, width), sp = inputs["input_ids"].shape, sequence_parallel
     multiple = sp.size if sp else 1
-    flex = (not sp and inputs["input_ids"].device.type in FLEX_DEVICES and model.config._attn_implementation == "sdpa")
+    flex = (not sp and inputs["input_ids"].device.type in FLEX_DEVICES and model.config._attn_implementation == "sdpa"
+            and getattr(model, "_supports_flex_attn", False))  # GPT-2's attention reads the mask's ndim: dense
     kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
                                     if packed_capacity or prefix_sharing else (*padded_inputs(inputs, multiple), None))
+    # each token's column in its input row: its position, where rows hold several sequences
+    column = kwargs["position_ids"] if "position_ids" in kwargs else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
-    targets, owner = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), F.pad(owner[:, 1:], (0, 1), value=-1)
+    targets, owner, column = (F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0)))
     if sp:
         kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs)
-        kwargs, targets, owner = ulysses.local_slice(kwargs, targets, owner, sp)
+        kwargs, targets, owner, column = ulysses.local_slice(kwargs, sp, targets, owner, column)
     if isinstance(kwargs["attention_mask"], Tensor) and kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
                                                          kwargs["position_ids"] if prefix_sharing else None)
     # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
     # inputs: targets and owners follow the tensor they index (`to` is free on the same device).
+    token_entropy = token_sq = None
     if tiled:
         backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
         hidden = backbone(**kwargs, use_cache=False).last_hidden_state
@@ -459,17 +488,21 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         scored = targets != IGNORE_INDEX
         rows, targets = hidden[scored], targets[scored]
         if extra is not None:  # the rejected's first tokens, from the prompts' last positions
+            extra = tuple(x.to(hidden.device) for x in extra)
             rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
         config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
         scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None,
+        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
                                  logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
-        logps, token_entropy = out if entropy is not None else (out, None)
+        logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
+        token_entropy, token_sq = token_entropy if entropy is not None else None, token_sq if sum_sq else None
     else:
         logits = call(**kwargs, use_cache=False).logits
         targets = targets.to(logits.device)
         scored = targets != IGNORE_INDEX
-        logps, token_entropy = target_logps(logits, targets)[scored], None
+        extra = None if extra is None else tuple(x.to(logits.device) for x in extra)
+        at = scored.flatten().nonzero()[:, 0] if extra is None else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
+        logps = target_logps(logits, targets)[scored]
         if extra is not None:
             logps = torch.cat([logps, target_logps(logits.flatten(0, 1)[extra[0]], extra[1])])
         if entropy is not None:
@@ -477,12 +510,20 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
                 token_entropy = entropy_from_logits(logits, **entropy)[scored]
                 if extra is not None:
                     token_entropy = torch.cat([token_entropy, entropy_from_logits(logits.flatten(0, 1)[extra[0]], **entropy)])
-    owner = owner.to(scored.device)[scored]
+        if sum_sq:  # a chunk of scored rows at a time: one fp32 (rows, V) copy at most
+            with torch.no_grad():
+                token_sq = torch.cat([log_sum_sq(logits.flatten(0, 1)[at[rows]]) for rows in _chunks(len(at), DEFAULT_CHUNK_SIZE)])
+    owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
     if extra is not None:
-        owner = torch.cat([owner, extra[2].to(owner.device)])
+        owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])
 
     def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
         sums = values.new_zeros(n).index_add(0, owner, values)
         return ulysses.sum_over_group(sums, sp) if sp else sums  # differentiable: each rank scored a slice
     sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
-    return sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1)
+    tokens = None
+    if per_token:  # each rank scattered its slice's tokens: the group's sum holds every token once
+        tokens = logps.new_zeros(n, width).index_put((owner, column), logps)
+        tokens = ulysses.sum_over_group(tokens, sp) if sp else tokens
+    return SequenceLogps(sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
+                         tokens, None if token_sq is None else per_sequence(token_sq))

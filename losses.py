@@ -346,6 +346,38 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
+# --- Modifiers of the paired losses: compute_loss applies them around whichever losses are named ---
+def length_desensitized_logps(tokens: Tensor, scored: Tensor, alpha: float) -> Tensor:
+    """LD-DPO (Liu et al. 2024, arXiv:2409.06411, Eq. 9): a response's log-prob with the tokens beyond the pair's
+    shorter response ("public length" l_p = min(l_w, l_l)) down-weighted, log p = sum_{i <= l_p} log p_i + alpha
+    sum_{i > l_p} log p_i, so that a longer response is not preferred for its length alone. alpha = 1 is plain DPO;
+    the paper finds 0.2-0.8 best. tokens, scored: (2B, T), chosen rows then the rejected rows of the same pairs,
+    each token's log-prob and whether it is scored. Returns Shape (2B,)."""
+    n, scored = tokens.size(0) // 2, scored.to(tokens.dtype)
+    public = torch.minimum(scored[:n].sum(1), scored[n:].sum(1)).repeat(2)
+    weight = torch.full_like(tokens, alpha).masked_fill_(scored.cumsum(1) <= public[:, None], 1.0)  # cumsum: 1-based index
+    return (tokens * scored * weight).sum(1)
+
+
+def dpop_chosen_logps(policy_chosen_logps: Tensor, reference_chosen_logps: Tensor, lam: float) -> Tensor:
+    """DPO-Positive (Pal et al. 2024, arXiv:2402.13228, Eq. 3): log pi(y_w) - lam * max(0, log pi_ref(y_w) - log
+    pi(y_w)), Shape (batch,). Used as the chosen log-prob, it puts the penalty inside every loss's log-ratio: DPO's
+    logit becomes beta (a - b - lam max(0, -a)), so the chosen response's likelihood may not fall below the
+    reference's for free. The paper uses lam = 50 (5-500)."""
+    return policy_chosen_logps - lam * (reference_chosen_logps - policy_chosen_logps).clamp(min=0)
+
+
+def wpo_weights(chosen_sum: Tensor, rejected_sum: Tensor, chosen_sum_sq: Tensor, rejected_sum_sq: Tensor,
+                chosen_len: Tensor, rejected_len: Tensor) -> Tensor:
+    """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 4 with its sampling alignment, as TRL's use_weighting): each
+    pair's weight min(1, exp(mean_t [log p_t - log sum_v p_v^2] over the chosen + the same over the rejected)),
+    detached: pairs the current policy would itself likely generate weigh more (off-policy data made closer to
+    on-policy). *_sum: summed log-probs; *_sum_sq: summed log sum_v p_v^2 of the same tokens (logps.log_sum_sq);
+    *_len: their counts; all Shape (batch,). Returns Shape (batch,)."""
+    mean = lambda s, sq, n: (s - sq) / n.clamp(min=1)  # noqa: E731
+    return torch.exp(mean(chosen_sum, chosen_sum_sq, chosen_len) + mean(rejected_sum, rejected_sum_sq, rejected_len)).clamp(max=1).detach()
+
+
 # --- The dispatcher ---
 class LossOutput(NamedTuple):
     losses: Tensor  # Shape (batch,): weighted sum over the named losses; differentiable
@@ -398,7 +430,8 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                  policy_chosen_len: Tensor, policy_rejected_sum: Tensor | None = None,
                  policy_rejected_len: Tensor | None = None, reference_chosen_sum: Tensor | None = None,
                  reference_rejected_sum: Tensor | None = None, desirable: Tensor | None = None,
-                 kl: Tensor | None = None) -> LossOutput:
+                 kl: Tensor | None = None, policy_tokens: Tensor | None = None, reference_tokens: Tensor | None = None,
+                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
@@ -406,7 +439,12 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     reference_free, and average_log_prob (None: each loss's own default). policy_*_sum, reference_*_sum: summed
     token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
     the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
-    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`."""
+    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
+
+    The modifiers in hparams, for paired losses: ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
+    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums;
+    dpop_lambda > 0 (DPOP) penalizes the chosen log-prob; wpo (WPO) weighs each pair's losses by wpo_weights from
+    policy_sum_sq (2B,). The logged logps/* stay the plain sums; rewards are each loss's, modifiers included."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
@@ -425,20 +463,31 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
         return _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
                               policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
-    sums_and_lengths = [(policy_chosen_sum, policy_chosen_len), (policy_rejected_sum, policy_rejected_len),
-                        (reference_chosen_sum, policy_chosen_len), (reference_rejected_sum, policy_rejected_len)]
+    sums = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
+    ld_alpha, dpop, n = hparams.get("ld_alpha", 1.0), hparams.get("dpop_lambda", 0.0), len(policy_chosen_sum)
+    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
+        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
+              if tokens is not None]
+        sums = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else sums[2:])]
+    lengths = [policy_chosen_len, policy_rejected_len] * 2
+    wpo = None if not hparams.get("wpo") else wpo_weights(policy_chosen_sum, policy_rejected_sum, policy_sum_sq[:n],
+                                                          policy_sum_sq[n:], policy_chosen_len, policy_rejected_len)
     total, chosen_rewards, rejected_rewards = 0, None, None
     for name, spec, weight in zip(names, specs, weights):
         average = average_log_prob(spec, hparams)
-        logps = [None if sums is None else sequence_logps(sums, lengths, average) for sums, lengths in sums_and_lengths]
+        logps = [None if s is None else sequence_logps(s, length, average) for s, length in zip(sums, lengths)]
+        if dpop:
+            logps[0] = dpop_chosen_logps(logps[0], logps[2], dpop)
         losses, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hparams, chosen_nll))
-        total = total + weight * losses
+        total = total + weight * losses * (1.0 if wpo is None else wpo)
         if chosen_rewards is None and chosen is not None:
             chosen_rewards, rejected_rewards = chosen, rejected
 
     metrics = {"logps/chosen": policy_chosen_sum.detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
     if not sft_only:
         metrics["logps/rejected"] = policy_rejected_sum.detach()
+    if wpo is not None:
+        metrics["wpo/weights"] = wpo
     if not sft_only and chosen_rewards is not None:
         metrics.update({"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
                         "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),

@@ -36,7 +36,7 @@ import yaml
 import losses
 import preference_datasets as data
 import ulysses
-from logps import concatenated_inputs, forward_logps
+from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, unwrap
 from utils import (atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
                    rank0_print, set_rng_state, use_shape_free_attention)
@@ -167,16 +167,20 @@ class BasicTrainer:
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
         n, paired, c = batch["chosen_input_ids"].size(0), "rejected_input_ids" in batch, self.config
         entropy_grad = bool(c.loss.entropy_coeff)
+        ld = c.loss.ld_alpha != 1  # the loss modifiers that need more than sums: LD-DPO's tokens, WPO's statistic
         with self.autocast():
-            sums, counts, entropy = forward_logps(self.policy, inputs, entropy=self.entropy_options, entropy_grad=entropy_grad,
-                                                  **self.forward_options(entropy_grad))
-        kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n])
+            out = forward_logps(self.policy, inputs, entropy=self.entropy_options, entropy_grad=entropy_grad, per_token=ld,
+                                sum_sq=c.loss.wpo, **self.forward_options(entropy_grad))
+        sums, counts, entropy = out[:3]
+        kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], policy_sum_sq=out.log_sum_sq)
         if paired:
             kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
-        ref = self.reference.logps(batch, inputs, split)
+        ref = self.reference.logps(batch, inputs, split, per_token=ld)
         if ref is not None:
-            ref = ref.to(sums.device)
-            kwargs.update(reference_chosen_sum=ref[:n], reference_rejected_sum=ref[n:] if paired else None)
+            kwargs.update(reference_chosen_sum=ref.sums[:n].to(sums.device), reference_rejected_sum=ref.sums[n:].to(sums.device) if paired else None)
+        if ld:  # output t predicts token t+1: a row's first token is never scored
+            scored = (inputs["labels"] != IGNORE_INDEX).index_fill(1, torch.tensor([0], device=sums.device), False)
+            kwargs.update(policy_tokens=out.tokens, reference_tokens=None if ref is None else ref.tokens.to(sums.device), scored=scored)
         if self.unpaired:
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
             kwargs.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
@@ -424,23 +428,24 @@ class Reference:
         return unwrap(self.model).disable_adapter() if self.lora else contextlib.nullcontext()
 
     @torch.no_grad()
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-        """Summed reference log-probs of `inputs`' sequences, or None without a reference model."""
+    def forward(self, inputs: dict[str, torch.Tensor], per_token: bool = False) -> Optional[SequenceLogps]:
+        """The reference log-probs of `inputs`' sequences (forward_logps), or None without a reference model."""
         t = self.trainer
         if self.model is None or t.config.loss.reference_free:
             return None
         with t.autocast() if self.mixed else contextlib.nullcontext(), self.context():
-            sums = forward_logps(self.model, {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
-                                 **t.forward_options())[0]
+            out = forward_logps(self.model, {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
+                                per_token=per_token, **t.forward_options())
         t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
-        return sums
+        return out
 
-    def logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str) -> Optional[torch.Tensor]:
-        """Reference sums of chosen then rejected (2B,): from the precomputed table, or a forward."""
+    def logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str, per_token: bool = False) -> Optional[SequenceLogps]:
+        """Reference log-probs of chosen then rejected (2B,): from the precomputed table (sums only), or a forward."""
         if self.tables:
             table = self.tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
-            return table[:, 0] if "rejected_input_ids" not in batch else table.T.reshape(-1)  # chosen then rejected
-        return self.forward(inputs)
+            sums = table[:, 0] if "rejected_input_ids" not in batch else table.T.reshape(-1)  # chosen then rejected
+            return SequenceLogps(sums, None)
+        return self.forward(inputs, per_token)
 
     @torch.no_grad()
     def kl_point(self, batch: dict) -> torch.Tensor:
@@ -455,10 +460,10 @@ class Reference:
             width = int(part["chosen_attention_mask"].sum(1).max())  # right-padded: no forward over padding columns
             chunk = {k.removeprefix("chosen_"): v[:, :width].to(t.device) for k, v in part.items()}
             with t.autocast():
-                sums, counts, _ = forward_logps(t.policy, chunk, **t.forward_options())
+                sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
             if i < real:
-                logratios = losses.sequence_logps(sums - (0 if ref is None else ref.to(sums.device)), counts, average)
+                logratios = losses.sequence_logps(sums - (0 if ref is None else ref.sums.to(sums.device)), counts, average)
                 total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
         total = t.sharding.gather(total[None]).sum(0)
         return (total[0] / total[1]).float().reshape(1)
@@ -525,7 +530,7 @@ class Reference:
             size, values = max(1, c.eval_batch_size // t.dp_size), []
             for start in range(0, len(mine), size):
                 sums = self.forward(concatenated_inputs(data.collate([examples[i] for i in mine[start:start + size]],
-                                                                     t.tokenizer.pad_token_id))).float().cpu()
+                                                                     t.tokenizer.pad_token_id))).sums.float().cpu()
                 values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)  # SFT: one
             # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
             where = t.sharding.gather(torch.tensor(mine, device=t.device)).cpu()

@@ -164,10 +164,11 @@ def whole_row_inputs(kwargs: dict) -> dict:
     return {"input_ids": ids, "attention_mask": causal, "position_ids": torch.arange(t, device=ids.device).expand_as(ids)}
 
 
-def local_slice(kwargs: dict, targets: torch.Tensor, owner: torch.Tensor, sp: SequenceParallel):
-    """This rank's contiguous slice of positions of input_ids, position_ids, targets and owners (T divisible by sp).
-    The attention mask stays whole: attention sees whole sequences after the all-to-all."""
-    t = targets.size(1) // sp.size
+def local_slice(kwargs: dict, sp: SequenceParallel, *per_position: torch.Tensor):
+    """This rank's contiguous slice of positions of input_ids, position_ids and each (rows, T) tensor of
+    `per_position` (targets, owners; T divisible by sp). The attention mask stays whole: attention sees whole
+    sequences after the all-to-all."""
+    t = kwargs["input_ids"].size(1) // sp.size
     cut = slice(sp.rank * t, (sp.rank + 1) * t)
     local = dict(kwargs, input_ids=kwargs["input_ids"][:, cut], position_ids=kwargs["position_ids"][:, cut])
-    return local, targets[:, cut], owner[:, cut]
+    return (local, *(x[:, cut] for x in per_position))

@@ -57,6 +57,9 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
+    for module in model.modules():  # attention modules keep config.attention_dropout from their construction
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -75,7 +75,7 @@ def measured_step(model, inputs: dict, **options) -> tuple[torch.Tensor, dict]:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = status_kib("VmRSS")
     start = time.time()
-    sums, counts, _ = logps.forward_logps(model, inputs, **options)
+    sums, counts, _, *_ = logps.forward_logps(model, inputs, **options)
     (sums / counts).sum().backward()
     seconds = time.time() - start
     peak = status_kib("VmHWM") - base

@@ -50,6 +50,7 @@ PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows throu
 BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 120  # rank 0: 4 micro-batches, rank 1: 3
 SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the same 8 pairs, each half of every row
 SP_ARCHS = ["llama", "qwen2"]
+MODIFIERS = ["loss.ld_alpha=0.5", "loss.wpo=true", "loss.dpop_lambda=5"]  # LD-DPO's per-token log-probs, WPO's statistic
 ARCHS = list(architectures.ARCHITECTURES)
 TIED = [a for a in ARCHS if architectures.ARCHITECTURES[a][2]]
 ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no rotary table
@@ -88,6 +89,10 @@ def scenarios() -> dict[str, list[str]]:
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"  # recomputed attention too
             out[f"{arch}-{strategy}-sp"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP]  # padded rows, tiled head
             out[f"{arch}-{strategy}-sp_packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP, *PACKED]
+    # the loss modifiers: per-token log-probs and WPO's statistic under Ulysses (each rank's slice), and under FSDP1
+    # through shared-prefix packed rows
+    out["qwen2-fsdp2-sp_modifiers"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, *MODIFIERS]
+    out["llama-fsdp-modifiers"] = ["fsdp.strategy=fsdp", *ONE_STEP, *MODIFIERS, "prefix_sharing=true", "padding_free=true"]
     # the reference precomputed (its pass splits rows too) and token-budget micro-batches, under sequence parallelism
     out["qwen2-fsdp2-sp_budget"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
                                     "precompute_ref_log_probs=true"]
@@ -252,6 +257,8 @@ def single(tmp_path_factory, models):
                                     *(BF16 if precision == "bf16" else ["tiled_lm_head=false"])]
             for arch in ARCHS for precision in ("fp32", "bf16")}
     runs["gpt2-two-steps"] = [f"model.name_or_path={models['gpt2']}", *TWO_STEPS, "activation_checkpointing=true"]
+    runs.update({f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS, "tiled_lm_head=false"]
+                 for arch in ("llama", "qwen2")})
     for name, args in runs.items():
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0, name
@@ -306,7 +313,7 @@ def test_log_probs_equal_the_models_own_logits(models, arch):
         expected = (token * scored).sum(1) / scored.sum(1)
         for path, options in {"plain": {}, "tiled": {"tiled": True}, "packed": {"packed_capacity": 64},
                               "packed+tiled": {"packed_capacity": 64, "tiled": True}}.items():
-            sums, counts, _ = trainers.forward_logps(model, inputs, **options)
+            sums, counts, _, *_ = trainers.forward_logps(model, inputs, **options)
             assert counts.tolist() == scored.sum(1).tolist(), path
             assert (sums / counts - expected).abs().max().item() < 1e-5, path
 
@@ -336,7 +343,7 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
 
     def run(options, inputs=inputs):
         model.zero_grad()
-        sums, counts, entropy = logps.forward_logps(model, inputs, entropy={}, **options)
+        sums, counts, entropy, *_ = logps.forward_logps(model, inputs, entropy={}, **options)
         (sums / counts).sum().backward()
         return sums.detach(), counts, entropy, {k: p.grad.clone() for k, p in model.named_parameters()}
     base = run({})
@@ -353,12 +360,42 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
         assert changed[0] != sums[0] and torch.equal(changed[4:], sums[4:]), options
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_token_logps_and_wpo_statistic_on_every_path(models, arch):
+    """per_token: each labelled token's log-prob at its input column, as gathered from the model's own
+    log_softmax(forward().logits) (1e-5), the same on every path (padded, tiled, packed, shared prefix), and its
+    gradient the plain path's; sum_sq: the summed log sum_v p_v^2 over the labelled tokens, computed from those
+    logits here, equal through the tiled head's tiles and the full logits (1e-5)."""
+    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+    inputs = shared_prompt_pairs()
+    scored = inputs["labels"] != -100
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits, -1)
+    expected = torch.zeros(scored.shape)
+    expected[:, 1:] = logp[:, :-1].gather(-1, inputs["input_ids"][:, 1:, None])[..., 0] * scored[:, 1:]  # output t predicts t+1
+    sq = torch.logsumexp(2 * logp[:, :-1], -1)
+    expected_sq = (sq * scored[:, 1:]).sum(1)
+    weights = torch.randn(scored.shape, generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for options in ({}, {"tiled": True}, {"packed_capacity": 64}, {"prefix_sharing": True},
+                    {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
+        model.zero_grad()
+        out = logps.forward_logps(model, inputs, per_token=True, sum_sq=True, **options)
+        torch.testing.assert_close(out.tokens.detach(), expected, rtol=1e-5, atol=1e-5, msg=str(options))
+        torch.testing.assert_close(out.log_sum_sq, expected_sq, rtol=1e-5, atol=1e-5, msg=str(options))
+        (out.tokens * weights).sum().backward()
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads.setdefault(k, p.grad.clone()), rtol=1e-5, atol=1e-5, msg=f"{options} {k}")
+    assert logps.forward_logps(model, inputs).tokens is None  # nothing kept unless asked
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
 def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     """The GPU path of packed and shared rows, FlexAttention block masks (logps.block_masks), run here on CPU,
     eagerly and forward only (CPU FlexAttention has no backward): the log-probs equal the plain path's (1e-5), Mistral given a
     sliding window of 16 (counted in positions), Qwen2 one mask per layer type. Gemma2 attends eagerly (its logit
-    softcapping): it keeps the dense mask, and FlexAttention is never called."""
+    softcapping) and GPT-2's attention reads the mask as a tensor: they keep the dense mask, FlexAttention is never
+    called."""
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
     monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
@@ -372,10 +409,10 @@ def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     with torch.no_grad():
         base = logps.forward_logps(model.eval(), inputs)
         for options in ({"packed_capacity": 64}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
-            sums, counts, _ = logps.forward_logps(model, inputs, **options)
+            sums, counts, _, *_ = logps.forward_logps(model, inputs, **options)
             torch.testing.assert_close(sums, base[0], rtol=1e-5, atol=1e-5, msg=str(options))
             assert torch.equal(counts, base[1])
-    assert bool(calls) == (arch != "gemma2"), (arch, model.config._attn_implementation)
+    assert bool(calls) == (arch not in ("gemma2", "gpt2")), (arch, model.config._attn_implementation)
 
 
 @pytest.mark.parametrize("order", ["embedding first", "head first"])
@@ -426,6 +463,19 @@ def test_prefix_sharing_step_equals_one_process(sharded, single, arch, strategy)
     for key in ("logps_train/chosen", "logps_train/rejected", "loss/train"):
         assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), key
     assert max_difference(final_state(out / f"{arch}-{strategy}-shared"), final_state(single / f"{arch}-fp32")) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen2-fsdp2-sp_modifiers", "llama-fsdp-modifiers"])
+def test_loss_modifiers_under_fsdp_equal_one_process(sharded, single, name):
+    """LD-DPO, WPO and DPOP at once: per-token log-probs and WPO's statistic from each Ulysses rank's slice of the
+    rows (qwen2, FSDP2), and from shared-prefix packed rows under FSDP1 (llama); one step's loss, WPO weights and
+    parameters equal one process on the plain path (1e-5)."""
+    out, results = sharded
+    ok(results, name)
+    expected, record = train_records(single / f"{name.split('-')[0]}-modifiers")[0], train_records(out / name)[0]
+    for key in ("loss/train", "wpo_train/weights", "logps_train/rejected"):
+        assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), key
+    assert max_difference(final_state(out / name), final_state(single / f"{name.split('-')[0]}-modifiers")) <= 1e-5
 
 
 def test_ulysses_with_precomputed_reference_and_token_budget_equals_one_process(sharded, single):

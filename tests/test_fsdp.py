@@ -183,8 +183,8 @@ def run_scenario(name, args, rank, world_size, out_dir):
     info["reference_gathered_after_forward"] = []
     reference_forward = trainer.reference.forward
 
-    def checked_reference(inputs):
-        out = reference_forward(inputs)
+    def checked_reference(inputs, *args):
+        out = reference_forward(inputs, *args)
         info["reference_gathered_after_forward"].append(gathered_units(trainer.reference.model))
         return out
     trainer.reference.forward = checked_reference

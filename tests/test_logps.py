@@ -227,7 +227,7 @@ def run_head(fn, params, labels, upstream, **kwargs):
     """fn(hidden, weight, labels, bias, **kwargs) on leaf copies of params; (out, entropy, grads)."""
     leaves = [p.detach().clone().requires_grad_() for p in params]
     out = fn(leaves[0], leaves[1], labels, leaves[2], **kwargs)
-    logps, entropy = out if isinstance(out, tuple) else (out, None)
+    logps, entropy = out[:2] if isinstance(out, tuple) else (out, None)
     (logps * upstream.to(logps.dtype)).sum().backward()
     return logps, entropy, [leaf.grad for leaf in leaves]
 

@@ -626,3 +626,108 @@ def test_every_config_names_registered_losses():
         assert all(n in LOSSES for n in names), path.name
         if "weights" in config:
             assert len(config["weights"]) == len(names), path.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Modifiers of the paired losses (compute_loss): DPOP, LD-DPO, WPO
+# ---------------------------------------------------------------------------------------------
+def pairs_loss(hparams, policy_chosen, policy_rejected, reference_chosen, reference_rejected, lengths=(1, 1), **kwargs):
+    ones = torch.ones(len(policy_chosen), dtype=torch.float64)
+    return compute_loss(["dpo"], None, dict(LossConfig(), **hparams), t(policy_chosen), ones * lengths[0],
+                        t(policy_rejected), ones * lengths[1], t(reference_chosen), t(reference_rejected), **kwargs)
+
+
+def test_dpop_hand_worked():
+    """pi_c [-10, -20], pi_r [-15, -18], ref_c [-12, -15], ref_r [-14, -19]: a = [2, -5], b = [-1, 1]; beta 0.1,
+    lambda 2: the penalty max(0, ref_c - pi_c) = [0, 5] enters the logit, beta (a - b - 2 [0, 5]) = [0.3, -1.6]."""
+    out = pairs_loss(dict(beta=0.1, dpop_lambda=2.0), [-10, -20], [-15, -18], [-12, -15], [-14, -19])
+    close(out.losses, [neg_log_sigmoid(0.3), neg_log_sigmoid(-1.6)])
+    plain = pairs_loss(dict(beta=0.1), [-10, -20], [-15, -18], [-12, -15], [-14, -19])
+    close(plain.losses, [neg_log_sigmoid(0.3), neg_log_sigmoid(-0.6)])  # pair 0, above its reference: unchanged
+
+
+def ld_batch():
+    """2 pairs, one prompt column, then responses: chosen 0 [-1, -2, -3], rejected 0 [-1, -1]; chosen 1 [-2],
+    rejected 1 [-1, -4, -2]. Public lengths 2 and 1."""
+    tokens = torch.zeros(4, 5, dtype=torch.float64)
+    for row, values in enumerate(([-1, -2, -3], [-2], [-1, -1], [-1, -4, -2])):
+        tokens[row, 1:1 + len(values)] = t(values)
+    scored = tokens != 0
+    return tokens, scored
+
+
+def test_ld_dpo_hand_worked():
+    """alpha 0.5: chosen 0 = -1 - 2 + 0.5 (-3) = -4.5, rejected 0 = -2; chosen 1 = -2, rejected 1 = -1 + 0.5 (-6) = -4.
+    Reference tokens all 0, beta 0.1: logits 0.1 [-4.5 + 2, -2 + 4] = [-0.25, 0.2]."""
+    tokens, scored = ld_batch()
+    close(losses.length_desensitized_logps(tokens, scored, 0.5), [-4.5, -2, -2, -4])
+    sums = tokens.sum(1)
+    out = pairs_loss(dict(beta=0.1, ld_alpha=0.5), sums[:2].tolist(), sums[2:].tolist(), [0, 0], [0, 0],
+                     policy_tokens=tokens, reference_tokens=torch.zeros_like(tokens), scored=scored)
+    close(out.losses, [neg_log_sigmoid(-0.25), neg_log_sigmoid(0.2)])
+    close(out.metrics["logps/chosen"], sums[:2].tolist())  # logged: the plain sums
+
+
+def test_wpo_hand_worked():
+    """chosen sums [-2, -4] over [2, 4] tokens with summed log sum p^2 [-1, -2]: means (-2 + 1) / 2 = -0.5 and
+    (-4 + 2) / 4 = -0.5; rejected [-3, -1] over [3, 1] with [-3, -0.5]: means 0 and -0.5. Weights exp(-0.5) and
+    exp(-1), each multiplying its pair's DPO loss; one pair above 1 is clamped to 1."""
+    w = losses.wpo_weights(t([-2, -4]), t([-3, -1]), t([-1, -2]), t([-3, -0.5]), t([2, 4]), t([3, 1]))
+    close(w, [math.exp(-0.5), math.exp(-1)])
+    close(losses.wpo_weights(t([-1]), t([-1]), t([-2]), t([-2]), t([1]), t([1])), [1.0])  # exp(2), clamped
+    ones = torch.ones(2, dtype=torch.float64)
+    out = compute_loss(["dpo"], None, dict(LossConfig(), beta=0.1, wpo=True), t([-2, -4]), ones * t([2, 4]), t([-3, -1]),
+                       ones * t([3, 1]), t([-2, -5]), t([-2, -1]), policy_sum_sq=t([-1, -2, -3, -0.5]))
+    close(out.losses, [math.exp(-0.5) * neg_log_sigmoid(0.1 * (0 + 1)), math.exp(-1) * neg_log_sigmoid(0.1 * (1 - 0))])
+    close(out.metrics["wpo/weights"], [math.exp(-0.5), math.exp(-1)])
+
+
+def test_modifiers_equal_an_independent_per_token_implementation():
+    """Random per-token log-probs and log sum p^2 of 3 pairs (responses of 1-7 tokens after 0-3 prompt columns):
+    LD-DPO's sums written as the paper's two sums in a loop, WPO's weights as TRL computes them from per-token
+    values (the mean of logp - log sum p^2 over each response), DPOP's logit as the paper writes it; compute_loss
+    with all three at once equals -log sigmoid(beta (a - b - lambda max(0, -a))) times the weight."""
+    g = torch.Generator().manual_seed(0)
+    n, width, alpha, lam, beta = 3, 12, 0.3, 5.0, 0.1
+    tokens, ref_tokens, sq = (-torch.rand(2 * n, width, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    scored = torch.zeros(2 * n, width, dtype=torch.bool)
+    for row in range(2 * n):
+        start, length = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g))
+        scored[row, start:start + length] = True
+    tokens, ref_tokens, sq = tokens * scored, ref_tokens * scored, sq * scored
+    lengths = scored.sum(1).double()
+
+    def ld(values, row):  # sum_{i <= l_p} + alpha sum_{i > l_p}, l_p the pair's shorter response
+        public = min(int(lengths[row % n]), int(lengths[row % n + n]))
+        picked = values[row][scored[row]].tolist()
+        return sum(picked[:public]) + alpha * sum(picked[public:])
+    pol = [ld(tokens, r) for r in range(2 * n)]
+    ref = [ld(ref_tokens, r) for r in range(2 * n)]
+    mean = [((tokens[r] - sq[r]) * scored[r]).sum().item() / lengths[r].item() for r in range(2 * n)]
+    expected = []
+    for i in range(n):
+        a, b = pol[i] - ref[i], pol[n + i] - ref[n + i]
+        weight = min(1.0, math.exp(mean[i] + mean[n + i]))
+        expected.append(weight * neg_log_sigmoid(beta * (a - b - lam * max(0.0, -a))))
+    sums, ref_sums = tokens.sum(1), ref_tokens.sum(1)
+    out = compute_loss(["dpo"], None, dict(LossConfig(), beta=beta, ld_alpha=alpha, dpop_lambda=lam, wpo=True),
+                       sums[:n], lengths[:n], sums[n:], lengths[n:], ref_sums[:n], ref_sums[n:], policy_tokens=tokens,
+                       reference_tokens=ref_tokens, scored=scored, policy_sum_sq=sq.sum(1))
+    close(out.losses, expected, atol=1e-9)
+
+
+def test_modifiers_at_their_defaults_change_nothing():
+    """ld_alpha 1, dpop_lambda 0, wpo false (the defaults) give the bit-identical loss of a config without them, for
+    every paired loss, even with the per-token inputs given."""
+    tokens, scored = ld_batch()
+    sums = tokens.sum(1)
+    for name, spec in LOSSES.items():
+        if spec.unpaired:
+            continue
+        args = (sums[:2], torch.tensor([3.0, 1.0], dtype=torch.float64), sums[2:], torch.tensor([2.0, 3.0], dtype=torch.float64),
+                sums[:2] - 1, sums[2:] + 1)
+        without = {k: v for k, v in ALL_HPARAMS.items() if k not in ("wpo", "ld_alpha", "dpop_lambda")}
+        plain = compute_loss([name], None, without, *args)
+        defaults = compute_loss([name], None, ALL_HPARAMS, *args, policy_tokens=tokens, reference_tokens=tokens,
+                                scored=scored, policy_sum_sq=sums)
+        assert torch.equal(plain.losses, defaults.losses), name

@@ -58,11 +58,11 @@ def skewed_inputs():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "neox"])
 def test_packed_and_tiled_logps_equal_padded(skewed_inputs, name):
     model = tiny_models()[name].eval()
-    base_sums, base_counts, base_entropy = logps.forward_logps(model, skewed_inputs, entropy={})
+    base_sums, base_counts, base_entropy, *_ = logps.forward_logps(model, skewed_inputs, entropy={})
     kwargs, _, owner, _ = logps.packed_inputs(skewed_inputs, 96)
     assert kwargs["input_ids"].numel() < skewed_inputs["input_ids"].numel() * 0.6  # the padding really went away
     for options in ({"packed_capacity": 96}, {"tiled": True}, {"packed_capacity": 96, "tiled": True}):
-        sums, counts, entropy = logps.forward_logps(model, skewed_inputs, entropy={}, **options)
+        sums, counts, entropy, *_ = logps.forward_logps(model, skewed_inputs, entropy={}, **options)
         torch.testing.assert_close(sums, base_sums, atol=1e-5, rtol=0)
         assert torch.equal(counts, base_counts)
         torch.testing.assert_close(entropy, base_entropy, atol=1e-5, rtol=0)
@@ -73,11 +73,25 @@ def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
     grads = []
     for options in ({}, {"packed_capacity": 96, "tiled": True}):
         model = tiny_models()[name]
-        sums, counts, _ = logps.forward_logps(model, skewed_inputs, **options)
+        sums, counts, _, *_ = logps.forward_logps(model, skewed_inputs, **options)
         (sums / counts).sum().backward()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("options", [{"packed_capacity": 96}, {"prefix_sharing": True}, {"prefix_sharing": True, "packed_capacity": 96}])
+def test_a_labelled_first_token_is_never_scored_from_the_row_before(options):
+    """Pairs without a prompt (labels from column 0; chosen and rejected differ at once): no output predicts a
+    sequence's first token, so it is not scored, and packed or shared rows must not score it from the sequence
+    before it in the row: counts and sums equal the padded path's."""
+    model = tiny_models()["llama"].eval()
+    ids = torch.randint(3, 500, (4, 12), generator=torch.Generator().manual_seed(5))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    base = logps.forward_logps(model, inputs)
+    out = logps.forward_logps(model, inputs, **options)
+    assert torch.equal(out.counts, base.counts) and base.counts.tolist() == [11] * 4
+    torch.testing.assert_close(out.sums, base.sums, atol=1e-5, rtol=0)
 
 
 def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
@@ -185,7 +199,7 @@ def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkey
     # torch's config modules serve their attributes through a module __getattr__: patch them with their own
     # `patch`, which restores the value, not with monkeypatch, whose undo deletes the attribute (pytest >= 9.2)
     with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-        sums, counts, _ = logps.forward_logps(model, skewed_inputs, tiled=tiled)
+        sums, counts, _, *_ = logps.forward_logps(model, skewed_inputs, tiled=tiled)
     n = skewed_inputs["input_ids"].size(0)
     assert sums.device.type == counts.device.type == "meta" and sums.shape == counts.shape == (n,)
 

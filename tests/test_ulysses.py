@@ -57,11 +57,11 @@ def compare(rank: int, port: int, out: str) -> None:
                 options = dict(packed_capacity=packed, tiled=tiled, entropy=None if tiled else {})
                 model.zero_grad()
                 with ulysses.paused():  # the reference: whole rows on this rank, plain attention
-                    sums, counts, entropy = trainers.forward_logps(model, rows(), **options)
+                    sums, counts, entropy, *_ = trainers.forward_logps(model, rows(), **options)
                 (sums * WEIGHTS).sum().backward()
                 whole = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad()
-                split_sums, split_counts, split_entropy = trainers.forward_logps(model, rows(), sequence_parallel=sp, **options)
+                split_sums, split_counts, split_entropy, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp, **options)
                 # each rank holds the same loss; summing the ranks' gradients (as FSDP's reduction does, then
                 # divides by the 2 ranks) must give the whole-row gradient
                 (split_sums * WEIGHTS).sum().div(2).backward()
@@ -81,11 +81,11 @@ def compare(rank: int, port: int, out: str) -> None:
     model = tiny_llama(2, "eager")
     ulysses.install(model, sp)
     with ulysses.paused():
-        sums, _, _ = trainers.forward_logps(model, rows())
+        sums, _, _, *_ = trainers.forward_logps(model, rows())
     for layer in model.model.layers:
         fully_shard(layer.self_attn, mesh=init_device_mesh("cpu", (2,)))
     assert type(model.model.layers[0].self_attn).__module__.startswith("torch.")
-    split_sums, _, _ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
+    split_sums, _, _, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
     worst["fsdp2-eager"] = {"counts_equal": True, "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
                             "entropy": 0.0, "grads": 0.0}
     torch.save(worst, Path(out) / f"compare-{rank}.pt")

@@ -85,3 +85,15 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     utils.set_rng_state(state)
     assert torch.equal(a, torch.rand(3))
+
+
+def test_disable_dropout_reaches_attention_modules():
+    """Attention modules copy config.attention_dropout when built: disable_dropout zeroes their copy too, or a model
+    whose config has attention dropout would train DPO with it (and FlexAttention refuses dropout)."""
+    import transformers
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                      vocab_size=64, attention_dropout=0.1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    utils.disable_dropout(model)
+    assert model.config.attention_dropout == 0.0
+    assert [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")] == [0.0]
