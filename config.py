@@ -140,6 +140,8 @@ class LossConfig(BaseConfig):
     # Modifiers of every paired loss (losses.compute_loss)
     wpo: bool = param(False, "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, aligned to its own sampling, clamped at 1 and detached")
     ld_alpha: float = param(1.0, "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference alike; 1 = off, 0.2-0.8 typical", "[0, 1]")
+    dynamic_beta: float = param(0.0, "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running mean)); 0 = off, 0.2-1 typical", NON_NEGATIVE)
+    dynamic_beta_filter: float = param(0.0, "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the running mean; 0 = none, 0.2 in the paper", "[0, 1)")
     dpop_lambda: float = param(0.0, "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; 0 = off, 50 in the paper", NON_NEGATIVE)
 
 
@@ -513,6 +515,26 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
     return ws, "world size"
 
 
+def _option_rules(c: Config, names: list, kto: Optional[str], sp: int) -> list[tuple[bool, str]]:
+    """validate's rules for prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO): (broken, message)."""
+    return [
+        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+         "prompt, not a pair sharing it; set prefix_sharing=false"),
+        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
+        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
+           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
+                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
+        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
+         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
+        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
+         "with loss.dynamic_beta > 0 (beta-DPO)"),
+        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"loss.dpop_lambda="
+         f"{c.loss.dpop_lambda}: DPOP penalizes the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
+        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
+    ]
+
+
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
     (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
@@ -520,6 +542,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     names, lora, tau, sp = c.loss_names, c.lora.r, c.ref_update.tau, c.fsdp.ulysses_sequence_parallel_size
     fp16 = {"fsdp.model_dtype": c.fsdp.model_dtype, "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype)}
     batch_level, kto = [n for n in names if _flag(n, "batch_statistics")], next((n for n in names if _flag(n, "unpaired")), None)
+    batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1) + [f"max_tokens_per_microbatch={budget}"] * (budget is not None) + [f"{ranks} {ws}"] * (ws > 1)
     return _broken(_flatten(c.to_dict()), RULES) + [message for broken, message in [  # (broken, what the user reads)
         (c.max_prompt_length >= c.max_length,
@@ -557,15 +580,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         (not kto and c.pairs_to_unpaired, f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"),
         *((kto and c[key] // ws < 2, f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
-        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-         "prompt, not a pair sharing it; set prefix_sharing=false"),
-        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
-           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1), ("dpop_lambda", c.loss.dpop_lambda > 0))),
-        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"loss.dpop_lambda="
-         f"{c.loss.dpop_lambda}: DPOP penalizes the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
-        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
-         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
-        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
+        *_option_rules(c, names, kto, sp),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),
         (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "

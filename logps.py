@@ -456,6 +456,49 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
         del inner.forward
 
 
+def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: Optional[tuple], *, tiled, entropy,
+                 entropy_grad, sum_sq) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
+    """The model on its row inputs: the log-prob of each target (the scored positions in row order, then `extra`'s),
+    with their entropies and log sum p^2 where asked, and the (R, T) mask of scored positions."""
+    # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
+    # inputs: targets follow the tensor they index (`to` is free on the same device).
+    token_entropy = token_sq = None
+    if tiled:
+        backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()
+        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)  # under autocast: the compute dtype
+        targets = targets.to(hidden.device)
+        scored = targets != IGNORE_INDEX
+        rows, targets = hidden[scored], targets[scored]
+        if extra is not None:  # the rejected's first tokens, from the prompts' last positions
+            extra = tuple(x.to(hidden.device) for x in extra)
+            rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
+        config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
+        scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
+                                 logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
+        logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
+        return logps, token_entropy if entropy is not None else None, token_sq if sum_sq else None, scored
+    logits = call(**kwargs, use_cache=False).logits
+    targets = targets.to(logits.device)
+    scored, flat = targets != IGNORE_INDEX, logits.flatten(0, 1)
+    extra = None if extra is None else tuple(x.to(logits.device) for x in extra)
+    logps = target_logps(logits, targets)[scored]
+    if extra is not None:
+        logps = torch.cat([logps, target_logps(flat[extra[0]], extra[1])])
+    if entropy is not None:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            token_entropy = entropy_from_logits(logits, **entropy)[scored]
+            if extra is not None:
+                token_entropy = torch.cat([token_entropy, entropy_from_logits(flat[extra[0]], **entropy)])
+    if sum_sq:  # a chunk of scored rows at a time: one fp32 (rows, V) copy at most
+        at = scored.flatten().nonzero()[:, 0] if extra is None else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
+        with torch.no_grad():
+            token_sq = torch.cat([log_sum_sq(flat[at[rows]]) for rows in _chunks(len(at), DEFAULT_CHUNK_SIZE)])
+    return logps, token_entropy, token_sq, scored
+
+
 def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, prefix_sharing, entropy,
            entropy_grad, sequence_parallel, per_token, sum_sq) -> SequenceLogps:
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
@@ -476,43 +519,8 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     if isinstance(kwargs["attention_mask"], Tensor) and kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
                                                          kwargs["position_ids"] if prefix_sharing else None)
-    # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
-    # inputs: targets and owners follow the tensor they index (`to` is free on the same device).
-    token_entropy = token_sq = None
-    if tiled:
-        backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
-        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()
-        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)  # under autocast: the compute dtype
-        targets = targets.to(hidden.device)
-        scored = targets != IGNORE_INDEX
-        rows, targets = hidden[scored], targets[scored]
-        if extra is not None:  # the rejected's first tokens, from the prompts' last positions
-            extra = tuple(x.to(hidden.device) for x in extra)
-            rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
-        config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
-        scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
-                                 logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
-        logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
-        token_entropy, token_sq = token_entropy if entropy is not None else None, token_sq if sum_sq else None
-    else:
-        logits = call(**kwargs, use_cache=False).logits
-        targets = targets.to(logits.device)
-        scored = targets != IGNORE_INDEX
-        extra = None if extra is None else tuple(x.to(logits.device) for x in extra)
-        at = scored.flatten().nonzero()[:, 0] if extra is None else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
-        logps = target_logps(logits, targets)[scored]
-        if extra is not None:
-            logps = torch.cat([logps, target_logps(logits.flatten(0, 1)[extra[0]], extra[1])])
-        if entropy is not None:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                token_entropy = entropy_from_logits(logits, **entropy)[scored]
-                if extra is not None:
-                    token_entropy = torch.cat([token_entropy, entropy_from_logits(logits.flatten(0, 1)[extra[0]], **entropy)])
-        if sum_sq:  # a chunk of scored rows at a time: one fp32 (rows, V) copy at most
-            with torch.no_grad():
-                token_sq = torch.cat([log_sum_sq(logits.flatten(0, 1)[at[rows]]) for rows in _chunks(len(at), DEFAULT_CHUNK_SIZE)])
+    logps, token_entropy, token_sq, scored = _label_logps(model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy,
+                                                          entropy_grad=entropy_grad, sum_sq=sum_sq)
     owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
     if extra is not None:
         owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])

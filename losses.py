@@ -378,6 +378,31 @@ def wpo_weights(chosen_sum: Tensor, rejected_sum: Tensor, chosen_sum_sq: Tensor,
     return torch.exp(mean(chosen_sum, chosen_sum_sq, chosen_len) + mean(rejected_sum, rejected_sum_sq, rejected_len)).clamp(max=1).detach()
 
 
+BETA_DPO_MOMENTUM = 0.9  # beta-DPO's m: the running mean and spread of the margins move 10% toward each batch's
+
+
+def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, float] | None, drop: float = 0.0,
+             generator: torch.Generator | None = None) -> tuple[float, Tensor, tuple[float, float]]:
+    """beta-DPO (Wu et al. 2024, arXiv:2407.08639, Eq. 7 and Algorithm 1): a batch-level beta from the pairs' reward
+    discrepancies M_i = log pi/pi_ref (y_w) - log pi/pi_ref (y_l), Shape (batch,), detached. The running threshold
+    M_0 and spread sigma move toward the batch's mean and standard deviation (momentum BETA_DPO_MOMENTUM; `running`
+    None: they start at the first batch's). With `drop` > 0 the paper's filter keeps round((1 - drop) batch) pairs,
+    drawn without replacement (`generator`) with probability exp(-(M_i - M_0)^2 / 2 sigma^2): outliers, likely
+    mislabelled or uninformative, are left out. beta_batch = beta (1 + alpha (mean of the kept M_i - M_0)), at least
+    1e-3, detached: a batch of larger discrepancies than usual gets a larger beta, so the policy stays nearer the
+    reference where the data is easy. alpha 0 is DPO; the paper's alpha is 0.2-1, its filter drops 20%.
+    Returns (beta_batch, keep (batch,) bool, the updated (M_0, sigma))."""
+    mean, std = margins.mean().item(), (margins.std().item() if len(margins) > 1 else 0.0)
+    m = BETA_DPO_MOMENTUM
+    m0, sigma = (mean, std) if running is None else (m * running[0] + (1 - m) * mean, m * running[1] + (1 - m) * std)
+    keep = torch.ones_like(margins, dtype=torch.bool)
+    if drop > 0:
+        density = torch.exp(-0.5 * ((margins.double().cpu() - m0) / max(sigma, 1e-12)) ** 2) + 1e-300  # never all 0
+        kept = torch.multinomial(density, max(1, round(len(margins) * (1 - drop))), replacement=False, generator=generator)
+        keep = torch.zeros_like(keep).index_fill_(0, kept.to(keep.device), True)
+    return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
+
+
 # --- The dispatcher ---
 class LossOutput(NamedTuple):
     losses: Tensor  # Shape (batch,): weighted sum over the named losses; differentiable
@@ -431,7 +456,7 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                  policy_rejected_len: Tensor | None = None, reference_chosen_sum: Tensor | None = None,
                  reference_rejected_sum: Tensor | None = None, desirable: Tensor | None = None,
                  kl: Tensor | None = None, policy_tokens: Tensor | None = None, reference_tokens: Tensor | None = None,
-                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None) -> LossOutput:
+                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None, keep: Tensor | None = None) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
@@ -439,12 +464,8 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     reference_free, and average_log_prob (None: each loss's own default). policy_*_sum, reference_*_sum: summed
     token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
     the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
-    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
-
-    The modifiers in hparams, for paired losses: ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
-    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums;
-    dpop_lambda > 0 (DPOP) penalizes the chosen log-prob; wpo (WPO) weighs each pair's losses by wpo_weights from
-    policy_sum_sq (2B,). The logged logps/* stay the plain sums; rewards are each loss's, modifiers included."""
+    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`. The modifiers
+    of paired losses (hparams' ld_alpha, dpop_lambda, wpo; beta-DPO's `keep`) and their inputs: `_modified_sums`."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
@@ -464,14 +485,8 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                               policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
     sums = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
-    ld_alpha, dpop, n = hparams.get("ld_alpha", 1.0), hparams.get("dpop_lambda", 0.0), len(policy_chosen_sum)
-    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
-        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
-              if tokens is not None]
-        sums = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else sums[2:])]
-    lengths = [policy_chosen_len, policy_rejected_len] * 2
-    wpo = None if not hparams.get("wpo") else wpo_weights(policy_chosen_sum, policy_rejected_sum, policy_sum_sq[:n],
-                                                          policy_sum_sq[n:], policy_chosen_len, policy_rejected_len)
+    lengths, dpop = [policy_chosen_len, policy_rejected_len] * 2, hparams.get("dpop_lambda", 0.0)
+    sums, wpo = _modified_sums(hparams, sums, lengths, policy_tokens, reference_tokens, scored, policy_sum_sq)
     total, chosen_rewards, rejected_rewards = 0, None, None
     for name, spec, weight in zip(names, specs, weights):
         average = average_log_prob(spec, hparams)
@@ -482,6 +497,8 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
         total = total + weight * losses * (1.0 if wpo is None else wpo)
         if chosen_rewards is None and chosen is not None:
             chosen_rewards, rejected_rewards = chosen, rejected
+    if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
+        total = total * keep * (len(keep) / keep.sum())
 
     metrics = {"logps/chosen": policy_chosen_sum.detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
     if not sft_only:
@@ -493,6 +510,22 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                         "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
                         "rewards/margins": chosen_rewards - rejected_rewards})
     return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+
+
+def _modified_sums(hparams, sums: list, lengths: list, policy_tokens, reference_tokens, scored, policy_sum_sq):
+    """compute_loss's [policy chosen, policy rejected, reference chosen, reference rejected] sums with LD-DPO's
+    weighting, and WPO's pair weights (None when off). ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
+    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums; wpo (WPO)
+    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP, in compute_loss)
+    penalizes the chosen log-prob; beta-DPO's `keep` (B,) bool makes the mean loss the kept pairs' (the others' 0,
+    the kept ones' scaled by B / kept). The logged logps/* stay the plain sums; rewards are each loss's."""
+    ld_alpha, n = hparams.get("ld_alpha", 1.0), len(sums[0])
+    wpo = None if not hparams.get("wpo") else wpo_weights(*sums[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2])
+    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
+        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
+              if tokens is not None]
+        sums = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else sums[2:])]
+    return sums, wpo
 
 
 def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,

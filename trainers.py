@@ -121,7 +121,7 @@ class BasicTrainer:
         self.entropy_options = dict(chunking=c.fsdp.entropy_from_logits_with_chunking, checkpointing=c.fsdp.entropy_checkpointing,
                                     use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile)
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.stop, self.log = {"signal": None}, RunLog(self.run_dir, rank, config)
+        self.stop, self.log, self.beta_dpo_running = {"signal": None}, RunLog(self.run_dir, rank, config), None  # beta-DPO's
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         train_options, eval_options = data_options(c, "train"), data_options(c, "test")
         self.n_train_pairs = data.count_examples(c.datasets, tokenizer, split="train", silent=rank != 0, **train_options)
@@ -184,8 +184,9 @@ class BasicTrainer:
         if self.unpaired:
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
             kwargs.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
-        out = losses.compute_loss(c.loss_names, c.loss.weights, c.loss, **kwargs)
-        metrics = dict(out.metrics, **{"entropy/chosen": entropy[:n].detach()})
+        hparams, extra_metrics = beta_dpo_hparams(self, kwargs, split) if c.loss.dynamic_beta and paired else (c.loss, {})
+        out = losses.compute_loss(c.loss_names, c.loss.weights, hparams, **kwargs)
+        metrics = dict(out.metrics, **extra_metrics, **{"entropy/chosen": entropy[:n].detach()})
         if paired:
             metrics["entropy/rejected"] = entropy[n:].detach()
         loss = out.losses.mean()
@@ -542,6 +543,22 @@ class Reference:
         return table
 
 
+def beta_dpo_hparams(t: BasicTrainer, kwargs: dict, split: str) -> tuple[dict, dict]:
+    """beta-DPO: the loss hyperparameters with the batch-level beta, and its metrics; `kwargs` (compute_loss's) hold
+    the whole step (config.py refuses a split step) and gain its filter's `keep`. Training moves the running margins;
+    evaluation reads them. The filter's draw is seeded by (seed, step): a resume redraws it exactly."""
+    c = t.config
+    average = losses.average_log_prob(losses.LOSSES[c.loss_names[0]], c.loss)
+    ratio = {s: losses.sequence_logps(kwargs[f"policy_{s}_sum"] - kwargs.get(f"reference_{s}_sum", 0),
+                                      kwargs[f"policy_{s}_len"], average).detach() for s in ("chosen", "rejected")}
+    train, draw = split == "train", torch.Generator().manual_seed(t.seed * 1_000_003 + t.batch_counter)
+    beta, keep, running = losses.beta_dpo(ratio["chosen"] - ratio["rejected"], c.loss.beta, c.loss.dynamic_beta,
+                                          t.beta_dpo_running, c.loss.dynamic_beta_filter * train, draw)
+    t.beta_dpo_running = running if train else t.beta_dpo_running
+    kwargs["keep"] = keep
+    return dict(c.loss, beta=beta), {"beta_dpo/beta": torch.full((len(keep),), beta), "beta_dpo/kept": keep.float()}
+
+
 def reference_mixed_precision(config) -> bool:
     """Whether the reference computes under fsdp.mixed_precision: model.reference_mixed_precision, and when null
     whenever the policy does (then both compute alike, and policy = reference gives exactly ln 2 at step 0)."""
@@ -581,7 +598,7 @@ class Checkpoints:
                         "nonfinite_in_a_row": t.nonfinite_in_a_row, "nonfinite_total": t.nonfinite_total,
                         "wandb_id": getattr(t.log.wandb_run, "id", None), "model": t.config.model.name_or_path,
                         "datasets": list(t.config.datasets), "seed": t.seed, "batch_size": t.config.batch_size,
-                        "world_size": t.world_size}, tmp / "trainer_state.pt")
+                        "world_size": t.world_size, "beta_dpo_running": t.beta_dpo_running}, tmp / "trainer_state.pt")
             self.export_hf(state, tmp / "hf")
         t.sharding.barrier()
         if t.rank == 0:
@@ -630,6 +647,7 @@ class Checkpoints:
                         f"(lr={c.lr:g}, scheduler={c.scheduler}, warmup_steps={c.warmup_steps})")
         t.example_counter, t.batch_counter = state["example_counter"], state["batch_counter"]
         t.nonfinite_in_a_row, t.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
+        t.beta_dpo_running = state.get("beta_dpo_running")
         set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
         t.log.truncate(t.example_counter)
         rank0_print(f"resumed from {ckpt.resolve()} at {t.example_counter} examples ({t.batch_counter} steps)")

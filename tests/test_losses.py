@@ -731,3 +731,29 @@ def test_modifiers_at_their_defaults_change_nothing():
         defaults = compute_loss([name], None, ALL_HPARAMS, *args, policy_tokens=tokens, reference_tokens=tokens,
                                 scored=scored, policy_sum_sq=sums)
         assert torch.equal(plain.losses, defaults.losses), name
+
+
+def test_beta_dpo_hand_worked():
+    """Margins M = [1, 3], beta 0.1, alpha 0.5. First batch: M_0 = mean 2, sigma = std 1.4142 (unbiased), beta_batch
+    = 0.1 (1 + 0.5 (2 - 2)) = 0.1. With running (1, 1): M_0 = 0.9 + 0.2 = 1.1, sigma = 0.9 + 0.1 x 1.4142, beta_batch
+    = 0.1 (1 + 0.5 (2 - 1.1)) = 0.145; DPO on h = [1, 3] with it. Filtering half: one pair kept, drawn with weights
+    exp(-(M - 1.1)^2 / 2 sigma^2) = [0.9954, 0.1893]: pair 0 with probability 0.840; beta_batch from the kept margin
+    alone, and compute_loss's mean is the kept pair's loss."""
+    margins = t([1.0, 3.0])
+    beta, keep, running = losses.beta_dpo(margins, 0.1, 0.5, None)
+    assert beta == pytest.approx(0.1) and keep.all() and running == pytest.approx((2.0, math.sqrt(2)))
+    beta, keep, running = losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0))
+    assert beta == pytest.approx(0.145) and running == pytest.approx((1.1, 0.9 + 0.1 * math.sqrt(2)))
+    out = pairs_loss(dict(beta=beta), [1, 3], [0, 0], [0, 0], [0, 0])
+    close(out.losses, [neg_log_sigmoid(0.145), neg_log_sigmoid(0.435)])
+    sigma = 0.9 + 0.1 * math.sqrt(2)
+    density = [math.exp(-0.5 * ((m - 1.1) / sigma) ** 2) for m in (1.0, 3.0)]
+    draws = [losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)]
+    first = sum(bool(k[0]) for _, k, _ in draws) / len(draws)
+    assert all(int(k.sum()) == 1 for _, k, _ in draws)
+    assert first == pytest.approx(density[0] / sum(density), abs=0.03)  # 0.840
+    for b, k, _ in draws[:5]:
+        assert b == pytest.approx(0.1 * (1 + 0.5 * ((1.0 if k[0] else 3.0) - 1.1)))
+    keep = torch.tensor([True, False])
+    out = pairs_loss(dict(beta=0.1), [1, 3], [0, 0], [0, 0], [0, 0], keep=keep)
+    close(out.losses, [2 * neg_log_sigmoid(0.1), 0.0])  # its mean: pair 0's loss
