@@ -528,6 +528,11 @@ def _option_rules(c: Config, names: list, kto: Optional[str], sp: int) -> list[t
          f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
         (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
          "with loss.dynamic_beta > 0 (beta-DPO)"),
+        (c.loss.dynamic_beta_filter > 0 and c.batch_size > 0 and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
+         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
+         f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out"),
+        (c.loss.ld_alpha != 1 and not any(_flag(n, "needs_reference") for n in names), f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs "
+         f"the log-probs of losses that compare with a reference, and loss.name={c.loss.name!r} has none"),
         (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"loss.dpop_lambda="
          f"{c.loss.dpop_lambda}: DPOP penalizes the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
         (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "

@@ -391,7 +391,10 @@ def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, f
     mislabelled or uninformative, are left out. beta_batch = beta (1 + alpha (mean of the kept M_i - M_0)), at least
     1e-3, detached: a batch of larger discrepancies than usual gets a larger beta, so the policy stays nearer the
     reference where the data is easy. alpha 0 is DPO; the paper's alpha is 0.2-1, its filter drops 20%.
-    Returns (beta_batch, keep (batch,) bool, the updated (M_0, sigma))."""
+    Returns (beta_batch, keep (batch,) bool, the updated (M_0, sigma)); a batch of non-finite margins (a step the
+    trainer will skip) changes nothing and gets beta."""
+    if not torch.isfinite(margins).all():
+        return beta, torch.ones_like(margins, dtype=torch.bool), running
     mean, std = margins.mean().item(), (margins.std().item() if len(margins) > 1 else 0.0)
     m = BETA_DPO_MOMENTUM
     m0, sigma = (mean, std) if running is None else (m * running[0] + (1 - m) * mean, m * running[1] + (1 - m) * std)
@@ -456,7 +459,8 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                  policy_rejected_len: Tensor | None = None, reference_chosen_sum: Tensor | None = None,
                  reference_rejected_sum: Tensor | None = None, desirable: Tensor | None = None,
                  kl: Tensor | None = None, policy_tokens: Tensor | None = None, reference_tokens: Tensor | None = None,
-                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None, keep: Tensor | None = None) -> LossOutput:
+                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None, keep: Tensor | None = None,
+                 beta_batch: float | None = None) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
@@ -465,7 +469,7 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
     the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
     every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`. The modifiers
-    of paired losses (hparams' ld_alpha, dpop_lambda, wpo; beta-DPO's `keep`) and their inputs: `_modified_sums`."""
+    of paired losses (hparams' ld_alpha, dpop_lambda, wpo; beta-DPO's `keep` and `beta_batch`): `_modified_sums`."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     if len(weights) != len(names):
@@ -484,19 +488,11 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
         return _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
                               policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
-    sums = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
-    lengths, dpop = [policy_chosen_len, policy_rejected_len] * 2, hparams.get("dpop_lambda", 0.0)
-    sums, wpo = _modified_sums(hparams, sums, lengths, policy_tokens, reference_tokens, scored, policy_sum_sq)
-    total, chosen_rewards, rejected_rewards = 0, None, None
-    for name, spec, weight in zip(names, specs, weights):
-        average = average_log_prob(spec, hparams)
-        logps = [None if s is None else sequence_logps(s, length, average) for s, length in zip(sums, lengths)]
-        if dpop:
-            logps[0] = dpop_chosen_logps(logps[0], logps[2], dpop)
-        losses, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hparams, chosen_nll))
-        total = total + weight * losses * (1.0 if wpo is None else wpo)
-        if chosen_rewards is None and chosen is not None:
-            chosen_rewards, rejected_rewards = chosen, rejected
+    plain = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
+    lengths = [policy_chosen_len, policy_rejected_len] * 2
+    modified, wpo = _modified_sums(hparams, plain, lengths, policy_tokens, reference_tokens, scored, policy_sum_sq)
+    total, (chosen_rewards, rejected_rewards) = _paired_losses(names, specs, weights, hparams, plain, modified, lengths,
+                                                               chosen_nll, wpo, beta_batch)
     if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
         total = total * keep * (len(keep) / keep.sum())
 
@@ -512,13 +508,36 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
 
 
+def _paired_losses(names, specs, weights, hparams, plain: list, modified: list, lengths: list, chosen_nll: Tensor,
+                   wpo: Tensor | None, beta_batch: float | None) -> tuple[Tensor, tuple]:
+    """The weighted sum of the paired losses and the first one's rewards. LD-DPO's sums and DPOP's penalty reach the
+    losses that compare with a reference (sft and ORPO's odds keep the plain log-probs: rpo = [dpo, sft] still);
+    beta-DPO's beta_batch replaces loss.beta. The logged rewards keep their meaning: no DPOP penalty, the configured
+    beta (a second call of the loss, without gradients, when either differs)."""
+    dpop, total, rewards = hparams.get("dpop_lambda", 0.0), 0, (None, None)
+    for name, spec, weight in zip(names, specs, weights):
+        average = average_log_prob(spec, hparams)
+        sums = modified if spec.needs_reference else plain
+        logps = [None if s is None else sequence_logps(s, length, average) for s, length in zip(sums, lengths)]
+        scored = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]] if dpop and spec.needs_reference else logps
+        stepped = hparams if beta_batch is None else dict(hparams, beta=beta_batch)
+        losses, chosen, rejected = spec.fn(*scored, **_kwargs_for(name, spec.fn, stepped, chosen_nll))
+        total = total + weight * losses * (1.0 if wpo is None else wpo)
+        if rewards[0] is None and chosen is not None:
+            if scored is not logps or beta_batch is not None:
+                with torch.no_grad():
+                    _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hparams, chosen_nll))
+            rewards = (chosen, rejected)
+    return total, rewards
+
+
 def _modified_sums(hparams, sums: list, lengths: list, policy_tokens, reference_tokens, scored, policy_sum_sq):
     """compute_loss's [policy chosen, policy rejected, reference chosen, reference rejected] sums with LD-DPO's
     weighting, and WPO's pair weights (None when off). ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
     reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums; wpo (WPO)
-    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP, in compute_loss)
+    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP, in _paired_losses)
     penalizes the chosen log-prob; beta-DPO's `keep` (B,) bool makes the mean loss the kept pairs' (the others' 0,
-    the kept ones' scaled by B / kept). The logged logps/* stay the plain sums; rewards are each loss's."""
+    the kept ones' scaled by B / kept). The logged logps/* stay the plain sums."""
     ld_alpha, n = hparams.get("ld_alpha", 1.0), len(sums[0])
     wpo = None if not hparams.get("wpo") else wpo_weights(*sums[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2])
     if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted

@@ -36,6 +36,7 @@ import yaml
 import losses
 import preference_datasets as data
 import ulysses
+from config import loss_registry
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, unwrap
 from utils import (atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
@@ -179,13 +180,13 @@ class BasicTrainer:
         if ref is not None:
             kwargs.update(reference_chosen_sum=ref.sums[:n].to(sums.device), reference_rejected_sum=ref.sums[n:].to(sums.device) if paired else None)
         if ld:  # output t predicts token t+1: a row's first token is never scored
-            scored = (inputs["labels"] != IGNORE_INDEX).index_fill(1, torch.tensor([0], device=sums.device), False)
+            scored = (inputs["labels"].to(sums.device) != IGNORE_INDEX) & (torch.arange(inputs["labels"].size(1), device=sums.device) > 0)
             kwargs.update(policy_tokens=out.tokens, reference_tokens=None if ref is None else ref.tokens.to(sums.device), scored=scored)
         if self.unpaired:
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
             kwargs.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
-        hparams, extra_metrics = beta_dpo_hparams(self, kwargs, split) if c.loss.dynamic_beta and paired else (c.loss, {})
-        out = losses.compute_loss(c.loss_names, c.loss.weights, hparams, **kwargs)
+        extra_metrics = beta_dpo_step(self, kwargs, split) if c.loss.dynamic_beta and paired else {}
+        out = losses.compute_loss(c.loss_names, c.loss.weights, c.loss, **kwargs)
         metrics = dict(out.metrics, **extra_metrics, **{"entropy/chosen": entropy[:n].detach()})
         if paired:
             metrics["entropy/rejected"] = entropy[n:].detach()
@@ -543,20 +544,21 @@ class Reference:
         return table
 
 
-def beta_dpo_hparams(t: BasicTrainer, kwargs: dict, split: str) -> tuple[dict, dict]:
-    """beta-DPO: the loss hyperparameters with the batch-level beta, and its metrics; `kwargs` (compute_loss's) hold
-    the whole step (config.py refuses a split step) and gain its filter's `keep`. Training moves the running margins;
-    evaluation reads them. The filter's draw is seeded by (seed, step): a resume redraws it exactly."""
+def beta_dpo_step(t: BasicTrainer, kwargs: dict, split: str) -> dict:
+    """beta-DPO: `kwargs` (compute_loss's, the whole step: config.py refuses a split step) gain the batch-level beta
+    and the filter's `keep`; returns their metrics. Training moves the running margins; evaluation reads them. The
+    filter's draw is seeded by (seed, step): a resume redraws it exactly."""
     c = t.config
-    average = losses.average_log_prob(losses.LOSSES[c.loss_names[0]], c.loss)
+    name = next(n for n in c.loss_names if "beta" in loss_registry()[n]["reads"])  # the margins of the loss it scales
+    average = losses.average_log_prob(losses.LOSSES[name], c.loss)
     ratio = {s: losses.sequence_logps(kwargs[f"policy_{s}_sum"] - kwargs.get(f"reference_{s}_sum", 0),
                                       kwargs[f"policy_{s}_len"], average).detach() for s in ("chosen", "rejected")}
     train, draw = split == "train", torch.Generator().manual_seed(t.seed * 1_000_003 + t.batch_counter)
     beta, keep, running = losses.beta_dpo(ratio["chosen"] - ratio["rejected"], c.loss.beta, c.loss.dynamic_beta,
                                           t.beta_dpo_running, c.loss.dynamic_beta_filter * train, draw)
     t.beta_dpo_running = running if train else t.beta_dpo_running
-    kwargs["keep"] = keep
-    return dict(c.loss, beta=beta), {"beta_dpo/beta": torch.full((len(keep),), beta), "beta_dpo/kept": keep.float()}
+    kwargs.update(keep=keep, beta_batch=beta)
+    return {"beta_dpo/beta": torch.full_like(keep, beta, dtype=torch.float), "beta_dpo/kept": keep.float()}
 
 
 def reference_mixed_precision(config) -> bool:

@@ -644,6 +644,7 @@ def test_dpop_hand_worked():
     close(out.losses, [neg_log_sigmoid(0.3), neg_log_sigmoid(-1.6)])
     plain = pairs_loss(dict(beta=0.1), [-10, -20], [-15, -18], [-12, -15], [-14, -19])
     close(plain.losses, [neg_log_sigmoid(0.3), neg_log_sigmoid(-0.6)])  # pair 0, above its reference: unchanged
+    close(out.metrics["rewards/chosen"], [0.2, -0.5])  # logged without the penalty: beta a
 
 
 def ld_batch():
@@ -757,3 +758,30 @@ def test_beta_dpo_hand_worked():
     keep = torch.tensor([True, False])
     out = pairs_loss(dict(beta=0.1), [1, 3], [0, 0], [0, 0], [0, 0], keep=keep)
     close(out.losses, [2 * neg_log_sigmoid(0.1), 0.0])  # its mean: pair 0's loss
+
+
+def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_meaning():
+    """DPOP's penalty and LD-DPO's weighting change the log-ratios of losses that compare with a reference, not the
+    SFT term: [dpo, sft] weighted [0, 1] is the plain per-token NLL, and rpo (whose NLL term is the plain one) still
+    equals [dpo, sft]. The logged rewards are beta a and beta b: DPOP's penalty and beta-DPO's beta_batch stay out."""
+    tokens, scored = ld_batch()
+    sums, lengths = tokens.sum(1), scored.sum(1).double()
+    mods = dict(ld_alpha=0.5, dpop_lambda=2.0)
+    args = (sums[:2], lengths[:2], sums[2:], lengths[2:], sums[:2] + 0.5, sums[2:] - 0.5)
+    extra = dict(policy_tokens=tokens, reference_tokens=tokens + 0.1 * scored, scored=scored)
+    sft_only = compute_loss(["dpo", "sft"], [0.0, 1.0], dict(LossConfig(), **mods), *args, **extra)
+    close(sft_only.losses, (-sums[:2] / lengths[:2]).tolist())
+    rpo = compute_loss(["rpo"], None, dict(LossConfig(), rpo_alpha=1.0, **mods), *args, **extra)
+    dpo_sft = compute_loss(["dpo", "sft"], [1.0, 1.0], dict(LossConfig(), **mods), *args, **extra)
+    close(rpo.losses, dpo_sft.losses.tolist(), atol=1e-12)
+    out = pairs_loss(dict(beta=0.1, dpop_lambda=2.0), [-10, -20], [-15, -18], [-12, -15], [-14, -19], beta_batch=0.3)
+    close(out.metrics["rewards/chosen"], [0.2, -0.5])  # 0.1 a, a = [2, -5]: no penalty, the configured beta
+    close(out.losses, [neg_log_sigmoid(0.3 * 3), neg_log_sigmoid(0.3 * -16)])  # beta_batch and the penalty in the loss
+
+
+def test_beta_dpo_skips_non_finite_margins():
+    """A batch with a NaN margin (its step will be skipped) leaves the running statistics as they were and gets the
+    configured beta; the next finite batch continues from them."""
+    beta, keep, running = losses.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(0))
+    assert beta == 0.1 and keep.all() and running == (1.0, 1.0)
+    assert losses.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, None)[2] is None
