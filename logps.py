@@ -332,8 +332,8 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
         mask = block_masks(unit, branch, positions, flex_config)
     else:  # causal within each unit; padding (unit -1) attends to earlier padding, so no row is empty (NaN)
         mask = (unit[:, :, None] == unit[:, None, :]).tril_()
-        if shared_prefix:  # the rejected (branch 2) never sees the chosen (branch 1)
-            mask &= ~((branch[:, :, None] == 2) & (branch[:, None, :] == 1))
+        if shared_prefix:  # block_masks' rule: keys of the prompt (branch 0) or of the query's own branch
+            mask &= (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
         mask = mask[:, None]
     return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, row_labels, owner, extra or None
 
