@@ -59,7 +59,6 @@ class BaseConfig(collections.abc.Mapping):
         return len(dataclasses.fields(self))
 
     def to_dict(self) -> dict:
-        """A plain nested dict (sub-configs converted too); safe to dump as YAML."""
         return dataclasses.asdict(self)
 
 
@@ -258,11 +257,6 @@ def _type_name(t) -> str:
     return " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in _members(t))
 
 
-def _is_text(t) -> bool:
-    """True for `str` and `Optional[str]`: a value typed on the command line is then taken as text."""
-    return set(_members(t)) - {type(None)} == {str}
-
-
 def _coerce(value: Any, t) -> tuple[bool, Any]:
     """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's 1e-6) a float."""
     for a in _members(t):
@@ -360,9 +354,8 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:
         why |= {f"fsdp.{k}": f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})" for k, s in STRATEGY_ONLY.items() if s != cfg.fsdp.strategy}
-    flat, defaults = _flatten(cfg.to_dict()), {k: d for k, (_, d, _) in schema().items()}
-    return [f"{key}={flat[key]!r}: {reason}" for key, reason in why.items()
-            if key in explicit and flat[key] != defaults[key]]
+    flat, defaults = flatten(cfg.to_dict()), {k: d for k, (_, d, _) in schema().items()}
+    return [f"{key}={flat[key]!r}: {reason}" for key, reason in why.items() if key in explicit and flat[key] != defaults[key]]
 
 
 # --- Loading: YAML files + command line -> {dotted key: value} -> Config ---
@@ -401,17 +394,18 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, st
     return choices, overrides, flags, problems
 
 
-def _flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
+def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
     """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
     keys, out = schema() if keys is None else keys, {}
     for k, v in tree.items():
-        out.update(_flatten(v, prefix + k + ".", keys) if isinstance(v, dict) and prefix + k not in keys else {prefix + k: v})
+        out.update(flatten(v, prefix + k + ".", keys) if isinstance(v, dict) and prefix + k not in keys else {prefix + k: v})
     return out
 
 
 def typed(keys: dict, key: str, value, raw: str):
     """A command-line value: a text key keeps the text typed (exp_name=123 is the name "123"), null is None."""
-    return raw if key in keys and _is_text(keys[key][0]) and raw not in ("null", "~") else value
+    text = key in keys and set(_members(keys[key][0])) - {type(None)} == {str}  # str or Optional[str]
+    return raw if text and raw not in ("null", "~") else value
 
 
 def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
@@ -419,10 +413,10 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     choices, overrides, flags, problems = parse_argv(argv)
     keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
     choices = {**{k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()}, **choices}
-    layers = [("config/config.yaml", 0, _flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
+    layers = [("config/config.yaml", 0, flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
     for group, name in ((g, choices[g]) for g in GROUPS if choices.get(g) is not None):
         if name in (known := _group_choices(group)):
-            flat = _flatten(_read_yaml(CONFIG_DIR / group / f"{name}.yaml"), f"{group}.", keys)
+            flat = flatten(_read_yaml(CONFIG_DIR / group / f"{name}.yaml"), f"{group}.", keys)
             layers.append((f"config/{group}/{name}.yaml", 1, flat))
         else:
             problems.append(f"{group}={name}: no such choice; expected one of {', '.join(known)}" + _suggest(str(name), known))
@@ -515,31 +509,6 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
     return ws, "world size"
 
 
-def _option_rules(c: Config, names: list, kto: Optional[str], sp: int) -> list[tuple[bool, str]]:
-    """validate's rules for prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO): (broken, message)."""
-    return [
-        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-         "prompt, not a pair sharing it; set prefix_sharing=false"),
-        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
-        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
-           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
-                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
-        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
-         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
-        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
-         "with loss.dynamic_beta > 0 (beta-DPO)"),
-        (c.loss.dynamic_beta_filter > 0 and c.batch_size > 0 and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
-         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
-         f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out"),
-        (c.loss.ld_alpha != 1 and not any(_flag(n, "needs_reference") for n in names), f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs "
-         f"the log-probs of losses that compare with a reference, and loss.name={c.loss.name!r} has none"),
-        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"loss.dpop_lambda="
-         f"{c.loss.dpop_lambda}: DPOP penalizes the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
-        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
-         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
-    ]
-
-
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
     (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
@@ -548,8 +517,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     fp16 = {"fsdp.model_dtype": c.fsdp.model_dtype, "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype)}
     batch_level, kto = [n for n in names if _flag(n, "batch_statistics")], next((n for n in names if _flag(n, "unpaired")), None)
     batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
+    compares = any(_flag(n, "needs_reference") for n in names)  # a selected loss compares the policy with a reference
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1) + [f"max_tokens_per_microbatch={budget}"] * (budget is not None) + [f"{ranks} {ws}"] * (ws > 1)
-    return _broken(_flatten(c.to_dict()), RULES) + [message for broken, message in [  # (broken, what the user reads)
+    return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in [  # (broken, what the user reads)
         (c.max_prompt_length >= c.max_length,
          f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)"),
         (c.n_epochs is None and c.n_examples is None, "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on"),
@@ -585,7 +555,26 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         (not kto and c.pairs_to_unpaired, f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"),
         *((kto and c[key] // ws < 2, f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
-        *_option_rules(c, names, kto, sp),
+        # prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO)
+        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+         "prompt, not a pair sharing it; set prefix_sharing=false"),
+        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
+        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
+           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
+                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
+        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
+         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
+        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
+         "with loss.dynamic_beta > 0 (beta-DPO)"),
+        (c.loss.dynamic_beta_filter > 0 and bs > 0 and round(bs * (1 - c.loss.dynamic_beta_filter)) == bs,
+         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({bs} x (1 - {c.loss.dynamic_beta_filter})) = all "
+         f"{bs} pairs of a step (batch_size={bs}); expected a fraction that leaves at least one out"),
+        (c.loss.ld_alpha != 1 and not compares, f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
+         f"with a reference, and loss.name={c.loss.name!r} has none"),
+        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares), f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
+         f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
+        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),
         (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "
@@ -593,9 +582,8 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
          "fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)"),
         (lora is not None and tau is not None, f"lora.r={lora} and ref_update.tau={tau}: the LoRA reference is the base model with the "
          "adapters off, which TR-DPO cannot move; use one of them"),
-        (tau is not None and (c.loss.reference_free or not any(_flag(n, "needs_reference") for n in names)), f"ref_update.tau={tau}: the "
-         f"selected loss {c.loss.name!r} runs no reference model" + " (loss.reference_free=true)" * c.loss.reference_free
-         + ", so there is nothing to update"),
+        (tau is not None and (c.loss.reference_free or not compares), f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs "
+         "no reference model" + " (loss.reference_free=true)" * c.loss.reference_free + ", so there is nothing to update"),
         (tau is not None and c.precompute_ref_log_probs, f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference "
          "log-probs are of the initial reference, but TR-DPO changes the reference during training; set one of them off"),
     ] if broken]

@@ -15,15 +15,14 @@ reference) and optimizer state, sharded over fsdp_size ranks:
 from __future__ import annotations
 
 import json
-import os
 from collections import namedtuple
 from pathlib import Path
 
 import config
+import losses
+from logps import DEFAULT_CHUNK_SIZE, head_tile_rows
 
 GiB = 2 ** 30
-CHUNK_ROWS = 1024  # logps.DEFAULT_CHUNK_SIZE: rows of one LM-head / entropy tile
-HEAD_TILE_BYTES = 128 * 2**20  # logps.HEAD_TILE_BYTES: the tiled head's fp32 tiles shrink to this at large vocabularies
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
 DEVICES = {"H200": (989.0, 67.0, 141), "H100": (989.0, 67.0, 80), "A100": (312.0, 19.5, 80),
            "A100-40GB": (312.0, 19.5, 40), "L40S": (362.0, 91.6, 48), "A10": (125.0, 31.2, 24)}
@@ -71,20 +70,14 @@ def geometry(config: dict) -> Geometry:
     return Geometry(h, layers, vocab, tied, block, embed, head, saved, params=embed + layers * block + head)
 
 
-def dtype_bytes(name, key: str) -> int:
-    """Bytes per element of the dtype `name`, which the config key `key` gave."""
-    if name not in config.DTYPES:
-        raise EstimateError(f"{key}={name!r}: expected a dtype, one of {sorted(config.DTYPES)}")
-    return DTYPE_BYTES[config.DTYPES[name]]
-
-
 def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
-    """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute."""
-    mp = cfg.fsdp.mixed_precision or {}
-    w = dtype_bytes(cfg.fsdp.model_dtype, "fsdp.model_dtype")
-    c = dtype_bytes(mp.get("param_dtype", cfg.fsdp.dtype), "fsdp.mixed_precision.param_dtype") if mp else w
-    r = dtype_bytes(mp.get("reduce_dtype", "fp32"), "fsdp.mixed_precision.reduce_dtype") if mp else w
-    ref_w = dtype_bytes(cfg.model.reference_dtype or cfg.fsdp.model_dtype, "model.reference_dtype")  # null: policy's
+    """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute
+    (every spelling validated by config.py)."""
+    mp, size = cfg.fsdp.mixed_precision or {}, lambda name: DTYPE_BYTES[config.DTYPES[name]]  # noqa: E731
+    w = size(cfg.fsdp.model_dtype)
+    c = size(mp.get("param_dtype", cfg.fsdp.dtype)) if mp else w
+    r = size(mp.get("reduce_dtype", "fp32")) if mp else w
+    ref_w = size(cfg.model.reference_dtype or cfg.fsdp.model_dtype)  # null: the policy's
     ref_mp = cfg.model.reference_mixed_precision  # null: mixed precision whenever the policy's
     return w, c, r, ref_w, c if (bool(mp) if ref_mp is None else ref_mp) else ref_w
 
@@ -97,11 +90,11 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int) -> dict:
     act += 2 * g.hidden * tokens * c  # final norm
     # the bool (R, 1, T, T) mask: padding-free's whole rows, or prefix sharing's rows of a pair of <= 2 max_length tokens
     act += tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length ** 2 if cfg.padding_free else 0
-    chunk_rows, head_backward = min(tokens, CHUNK_ROWS), 0
+    chunk_rows, head_backward = min(tokens, DEFAULT_CHUNK_SIZE), 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
         # gradient accumulator + a (V, H) tile product / final cast unless fp32
-        logits = 4 * min(chunk_rows, max(1, HEAD_TILE_BYTES // (4 * g.vocab))) * g.vocab * 4
+        logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
         head_backward = g.vocab * g.hidden * (4 + (c if c != 4 else 0))
     else:  # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or
         entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens  # their gradient (backward)
@@ -115,7 +108,8 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     fsdp = cfg.trainer == "FSDPTrainer"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     w, c, r, ref_w, ref_c = _element_bytes(cfg)
-    ref_online = _needs_reference(cfg) and not cfg.precompute_ref_log_probs
+    needs_reference = losses.needs_reference(cfg.loss_names, cfg.loss.reference_free)
+    ref_online = needs_reference and not cfg.precompute_ref_log_probs
     pairs = 1 if set(cfg.loss_names) == {"sft"} else 2  # sft alone: no rejected responses
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
     budget = cfg.max_tokens_per_microbatch
@@ -148,7 +142,7 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     backward = max(start, unsynced + out["gradients"] + out["block activations"] + root_reduce) + gathered
     optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)  # foreach sqrt(second moment)
     reference = (P * ref_w / shard + out["block activations"] + ref_gathered
-                 if _needs_reference(cfg) and cfg.precompute_ref_log_probs else 0)
+                 if needs_reference and cfg.precompute_ref_log_probs else 0)
     out["phases"] = {"backward": static + backward, "optimizer step": static + optimizer,
                      "reference pass": out["weights"] + reference}
     out["peak"] = max(out["phases"].values())
@@ -160,19 +154,9 @@ def estimate(cfg, config: dict, world_size: int) -> dict:
     return out
 
 
-def _needs_reference(cfg) -> bool:
-    """As losses.needs_reference, from config.py's torch-free registry; tests/test_estimate.py checks they agree."""
-    registry = config.loss_registry()
-    return not cfg.loss.reference_free and any(registry[name]["needs_reference"] for name in cfg.loss_names)
-
-
-def world_size_of(cfg) -> int:
-    """The world size estimated for: 1 without FSDP, else WORLD_SIZE (under torchrun), n_workers, or 2."""
-    return 1 if cfg.trainer != "FSDPTrainer" else int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or 2
-
-
-def report(cfg, model_dir: str, gpu: str | None = None) -> str:
-    """The table `train.py --estimate` prints; a hub id's config.json alone comes from the cache or the hub."""
+def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
+    """The table `train.py --estimate` prints for `world` ranks; a hub id's config.json alone comes from the cache or
+    the hub."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():
         from huggingface_hub import hf_hub_download
@@ -188,7 +172,6 @@ def report(cfg, model_dir: str, gpu: str | None = None) -> str:
         raise EstimateError(f"--estimate reads the model's config.json: {path} is missing or not JSON ({e})") from None
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
-    world = world_size_of(cfg)
     e = estimate(cfg, config, world)
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2 ** 20)

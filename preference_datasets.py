@@ -132,7 +132,7 @@ def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
 
 def render_chat(tokenizer: Any, history: list[dict], reply: dict) -> tuple[str, str]:
     """(history, reply) -> (prompt ending in the generation prompt, response) by the chat template, less its EOS."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"chat-form rows need a chat template; tokenizer {getattr(tokenizer, 'name_or_path', None)!r} "
                         "has none (set model.chat_template=chatml or a Jinja template file, or write plain strings)")
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
@@ -383,13 +383,6 @@ class LoadOptions:
     unpaired: bool = False  # one example per labelled completion (KTO)
     pairs_to_unpaired: bool = False  # with unpaired: a pair gives a desirable (chosen) and an undesirable completion
 
-    def __post_init__(self):
-        if self.truncation_mode not in (None, "keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode={self.truncation_mode!r}: expected null, keep_start or keep_end")
-        if not 0 < self.max_prompt_length < self.max_length:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length}: expected 0 < max_prompt_length < max_length="
-                             f"{self.max_length} (responses need room after the prompt)")
-
 
 class TokenizedExample(NamedTuple):
     """One pair (SFT: a target; unpaired: a completion in chosen_*, labelled `desirable`); texts untruncated."""
@@ -477,7 +470,7 @@ def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, *, sou
             if not all(bodies):
                 drops["empty_response"] += 1
                 continue
-            # every response keeps >= 1 token: 0 < max_prompt_length < max_length leaves room after the prompt
+            # every response keeps >= 1 token: 0 < max_prompt_length < max_length (config.py checks) leaves room
             cut, responses = truncate(prompt_ids, [b + [eos] for b in bodies], max_length=opts.max_length,
                                       max_prompt_length=opts.max_prompt_length, mode=truncation_mode, bos_id=bos)
             if len(responses) == 2 and responses[0] == responses[1]:
@@ -599,8 +592,6 @@ def dataset_summary(stats: list[SourceStats]) -> str:
 # --- Batches: the order (a pure function of seed, epoch and step), each rank's share, the collate -----------
 def num_steps(n_items: int, *, batch_size: int, n_epochs: int | None = None, n_examples: int | None = None) -> int:
     """Global steps: min(n_epochs * (n_items // batch_size), ceil(n_examples / batch_size)) of the bounds set."""
-    if n_epochs is None and n_examples is None:
-        raise ValueError("set n_epochs or n_examples: the iterator needs to know when to stop")
     if n_items < batch_size:
         raise DataError(f"{n_items} examples, fewer than one global batch of {batch_size}: lower batch_size, add data")
     bounds = [n_epochs * (n_items // batch_size)] if n_epochs is not None else []
@@ -612,16 +603,10 @@ def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, s
                        start_example: int = 0, sizes: list[int] | None = None) -> Iterator[list[int]]:
     """This rank's item indices per global step: step s is batch s % S of epoch s // S (S = n_items // batch_size)
     in a permutation seeded by (seed, epoch); rank r takes its slice, or with `sizes` its balance_shares share."""
-    if batch_size <= 0 or batch_size % world_size:
-        raise ValueError(f"batch_size={batch_size}: expected a positive multiple of world_size={world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}: expected 0 <= rank < world_size={world_size}")
-    if start_example < 0 or start_example % batch_size:
-        raise ValueError(f"start_example={start_example}: expected a multiple of batch_size={batch_size}")
     total, first = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples), start_example
     per_epoch, k = n_items // batch_size, batch_size // world_size
 
-    def batches():  # a generator inside: the checks above raise at the call, not at the first next()
+    def batches():  # a generator inside: num_steps' check raises at the call, not at the first next()
         for step in range(first // batch_size, total):
             epoch, j = divmod(step, per_epoch)
             if j == 0 or step == first // batch_size:  # the order is a function of (seed, epoch): no state to resume
@@ -635,8 +620,6 @@ def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, s
 def balance_shares(items: list[int], sizes: list[int], n_shares: int) -> list[list[int]]:
     """`items` (`sizes` tokens each) in n_shares equal-count shares of near-equal size (FSDP waits for the heaviest):
     largest first to the lightest share with room, each share in batch order; consecutive slices where no heavier."""
-    if len(items) % n_shares:
-        raise ValueError(f"{len(items)} items cannot be dealt into {n_shares} shares of equal count")
     shares, room = [[] for _ in range(n_shares)], len(items) // n_shares
     for pos in sorted(range(len(items)), key=lambda p: -sizes[p]):  # sorted() is stable: ties keep batch order
         min((s for s in shares if len(s) < room), key=lambda s: sum(sizes[p] for p in s)).append(pos)
@@ -645,10 +628,11 @@ def balance_shares(items: list[int], sizes: list[int], n_shares: int) -> list[li
     return [[items[p] for p in share] for share in best]
 
 
-def collate(examples: list[TokenizedExample], pad_token_id: int, kl_rows: bool = False) -> dict[str, Any]:
+def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows: bool = False) -> dict[str, Any]:
     """The original code's batch: texts; prompt_* (B, P) left-padded for generation; {chosen,rejected}_* (B, T), labels
     -100 off the response; `desirable` (B,) if unpaired; kl_rows: kl_*, KTO's MISMATCHED rows (as the paper, HALOs and
     TRL): completion k-1 (chosen, then rejected) after prompt k, cut to the longest real row."""
+    pad_token_id = 0 if pad_token_id is None else pad_token_id  # a tokenizer without one: padding is masked anyway
     def pad(rows: list[np.ndarray], value: int, side: str = "right") -> torch.Tensor:
         return pad_sequence([torch.as_tensor(r, dtype=torch.long) for r in rows], True, value, padding_side=side)
 
@@ -668,8 +652,6 @@ def collate(examples: list[TokenizedExample], pad_token_id: int, kl_rows: bool =
     if examples[0].desirable is not None:
         batch["desirable"] = torch.tensor([bool(e.desirable) for e in examples])
     if kl_rows:
-        if len(examples) < 2:
-            raise ValueError("kl_rows needs >= 2 examples per batch: each completion goes after another's prompt")
         completions = [(e.prompt_ids, getattr(e, side + "_ids")) for side in sides for e in examples]
         cap = max(len(p) + len(r) for p, r in completions)  # never longer than a real sequence of the batch
         shifted = [completions[k - 1][1][:cap - len(p)] for k, (p, _) in enumerate(completions)]
@@ -685,8 +667,8 @@ def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_si
     examples, _ = load_tokenized(names, tokenizer, split, silent=silent, **load_kwargs)
     sizes = [sum(len(e.prompt_ids) + len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None)
              for e in examples] if balance else None  # tokens of the rows an example becomes
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
-    return (dict(collate([examples[i] for i in idx], pad, kl_rows), example_index=torch.as_tensor(idx))
+    return (dict(collate([examples[i] for i in idx], tokenizer.pad_token_id, kl_rows),
+                 example_index=torch.as_tensor(idx))
             for idx in iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,
                                           n_epochs=n_epochs, n_examples=n_examples, rank=rank, world_size=world_size,
                                           start_example=start_example, sizes=sizes))  # called now: errors raise here
@@ -698,11 +680,10 @@ def get_eval_batches(names: list[str], tokenizer: Any, *, batch_size: int, n_exa
     `valid` False (B,): every rank runs the same forwards (FSDP), and the mean counts each pair once."""
     examples, _ = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)
     n, per_rank, batches = min(n_examples, len(examples)), batch_size // world_size, []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for start in range(0, n, batch_size):
         positions = range(start + rank * per_rank, start + (rank + 1) * per_rank)  # past n: the batch's first pair
         idx, valid = [p if p < n else start for p in positions], [p < n for p in positions]
-        batches.append(dict(collate([examples[i] for i in idx], pad, kl_rows),
+        batches.append(dict(collate([examples[i] for i in idx], tokenizer.pad_token_id, kl_rows),
                             example_index=torch.as_tensor(idx, dtype=torch.long), valid=torch.tensor(valid)))
     return batches
 
@@ -714,5 +695,4 @@ def get_sample_batches(names: list[str], tokenizer: Any, *, n_examples: int, ran
     examples = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)[0][:n_examples]
     groups = [examples[start:start + SAMPLE_GROUP] for start in range(0, len(examples), SAMPLE_GROUP)]
     mine = (list(range(len(groups)))[rank::world_size] + [-1] * world_size)[:-(-len(groups) // world_size)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return [(g, collate(groups[max(g, 0)], pad)) for g in mine]
+    return [(g, collate(groups[max(g, 0)], tokenizer.pad_token_id)) for g in mine]

@@ -103,7 +103,7 @@ def replay_config(original_dir, overrides: list[str]):
         raise config.ConfigError([f"--replay {original_dir}: no config.yaml there (expected a train.py run directory)"])
     keys = config.schema()
     # config.yaml is already resolved (aliases, derived eval_every): rebuilt as it is, over the defaults
-    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config._flatten(yaml.safe_load(path.read_text()))}
+    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config.flatten(yaml.safe_load(path.read_text()))}
     _, given, flags, problems = config.parse_argv(overrides)
     problems += [f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"
                  for key, _, raw in given if key not in REPLAY_KEYS]

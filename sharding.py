@@ -309,9 +309,7 @@ class FSDP2(Sharded):
                 model.to("cpu")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers of the two
-# ---------------------------------------------------------------------------------------------------------------
+# --- Helpers of the two ---
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
     return model.module if isinstance(model, FSDP) else model

@@ -1,23 +1,12 @@
 """Train a language model on preferences: SFT, DPO and its family.
 
-One process (CPU, one GPU, or several GPUs as naive model parallel):
+    bash toy/main_job.sh                                                    # the offline toy task: SFT, then DPO
+    python -u train.py model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1  # one process (several GPUs: device_map)
+    python -u train.py trainer=FSDPTrainer fsdp.strategy=fsdp2 ...          # sharded, one process per GPU
+    torchrun --nnodes 2 --nproc_per_node 8 ... train.py trainer=FSDPTrainer ...  # several nodes
 
-    bash toy/main_job.sh          # the offline toy task, SFT then DPO: these two commands (README: what it shows)
-    python -u train.py loss=sft exp_name=toy_sft lr=1e-3 optimizer=AdamW warmup_steps=10 n_epochs=2 batch_size=16 max_length=64 max_prompt_length=32
-    python -u train.py loss=dpo exp_name=toy_dpo lr=1e-4 optimizer=AdamW warmup_steps=10 batch_size=16 max_length=64 max_prompt_length=32 \\
-        loss.beta=0.1 model.archive=.cache/runs/<toy_sft run>/LATEST/policy.pt
-    python -u train.py model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1 batch_size=64 gradient_accumulation_steps=2
-
-Sharded (FSDP1 or FSDP2), one process per GPU (or `n_workers` CPU processes), started for you:
-
-    python -u train.py trainer=FSDPTrainer model=pythia28 datasets=[hh] loss=dpo fsdp.strategy=fsdp2
-
-Several nodes, with torchrun (env:// rendezvous; nccl on GPU, gloo on CPU):
-
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HOST:29500 train.py trainer=FSDPTrainer ...
-
-`--help` lists every key, the flags (--cfg, --estimate [gpu=H100], --replay <run dir>) and the exit codes. SIGTERM
-or Ctrl-C stop after the step with a checkpoint and print the command that resumes: `<arguments> resume_from=<run dir>`.
+`--help` lists every key, the flags (--cfg, --estimate, --replay) and the exit codes; README.md shows the rest.
+SIGTERM or Ctrl-C stop after the step with a checkpoint and print the command that resumes.
 
 Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
   1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.
@@ -389,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
         if estimating:  # from config.json alone: no weights
-            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), gpu))
+            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size_of(cfg), gpu))
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))

@@ -36,7 +36,7 @@ import yaml
 import losses
 import preference_datasets as data
 import ulysses
-from config import loss_registry
+from config import flatten, loss_registry
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, unwrap
 from utils import (atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
@@ -412,9 +412,7 @@ class RunLog:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The reference model
-# ---------------------------------------------------------------------------------------------------------------
+# --- The reference model ---
 class Reference:
     """The reference log-probs: a forward of the reference model (LoRA: the policy with its adapters off), or a
     table precomputed over the data (precompute_ref_log_probs); and TR-DPO's updates of the reference."""
@@ -568,9 +566,7 @@ def reference_mixed_precision(config) -> bool:
     return config.fsdp.mixed_precision is not None if chosen is None else chosen
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------------------------
+# --- Checkpoints ---
 class Checkpoints:
     """run_dir/step-N: written as step-N.tmp and renamed when complete, LATEST swapped atomically, a manifest of
     every file's size and sha256 checked before a resume trusts it. Holds policy.pt (the original's format), an HF
@@ -717,11 +713,6 @@ RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples"
                      "fsdp.entropy_checkpointing", "fsdp.use_torch_compile")
 
 
-def flat_config(d: dict, prefix: str = "") -> dict:
-    """A nested config dict as {dotted key: value}."""
-    return {k2: v2 for k, v in d.items() for k2, v2 in (flat_config(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
-
-
 def check_compatible(state: dict, config, world_size: int) -> None:
     """Refuse, before anything is loaded, to resume a checkpoint of another model, data, geometry or objective."""
     expected = {"model": config.model.name_or_path, "datasets": list(config.datasets), "seed": config.seed,
@@ -731,7 +722,7 @@ def check_compatible(state: dict, config, world_size: int) -> None:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
     original = Path(config.resume_from or "") / "config.yaml"
     if config.resume_from and original.is_file():  # what the run was started with: any other change is refused
-        saved, now = flat_config(yaml.safe_load(original.read_text()) or {}), flat_config(config.to_dict())
+        saved, now = flatten(yaml.safe_load(original.read_text()) or {}), flatten(config.to_dict())
         wrong += [f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r} (a resume "
                   f"may change only {', '.join(RESUME_MAY_CHANGE)})" for key in sorted(set(saved) | set(now))
                   if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE)]
@@ -739,9 +730,7 @@ def check_compatible(state: dict, config, world_size: int) -> None:
         raise CheckpointError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Small pure helpers
-# ---------------------------------------------------------------------------------------------------------------
+# --- Small pure helpers ---
 def flops_params(model: nn.Module) -> int:
     """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
     return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()

@@ -170,7 +170,7 @@ def main() -> None:
         make_model(root, model)
         args = run_args(root, model, extra)
         cfg, _ = config.load_config(args)
-        world = estimate.world_size_of(cfg)
+        world = 1 if cfg.trainer != "FSDPTrainer" else cfg.n_workers or 2
         est = estimate.estimate(cfg, json.loads((root / model / "config.json").read_text()), world)["peak"]
         measured = measure(root, args)
         errors.append(est / measured - 1)

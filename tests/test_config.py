@@ -2,7 +2,6 @@
 import dataclasses
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

@@ -11,7 +11,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import config
 import estimate
 import logps
-import losses
 from test_train import REPO
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
@@ -33,14 +32,6 @@ def test_parameter_count_equals_the_real_model(model_type, extra):
     assert estimate.geometry(json.loads(cfg.to_json_string())).params == real
 
 
-def test_reference_rule_agrees_with_the_loss_registry():
-    for name in losses.LOSSES:
-        for free in (False, True):
-            cfg, _ = config.load_config([f"loss={name}" if (REPO / "config" / "loss" / f"{name}.yaml").exists()
-                                         else f"loss.name={name}", f"loss.reference_free={str(free).lower()}"])
-            assert estimate._needs_reference(cfg) == losses.needs_reference(cfg.loss_names, free), name
-
-
 def test_memory_follows_the_geometry():
     """Sharding over 2 ranks halves the per-rank weights; checkpointing and precomputing the reference lower the peak."""
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
@@ -58,9 +49,8 @@ def test_memory_follows_the_geometry():
     assert split["activations"] == pytest.approx(whole["activations"] / 2)
 
 
-def test_tile_constants_agree_with_logps():
-    """estimate.py cannot import logps (torch): its copies of the tile sizes must be the same numbers."""
-    assert (estimate.CHUNK_ROWS, estimate.HEAD_TILE_BYTES) == (logps.DEFAULT_CHUNK_SIZE, logps.HEAD_TILE_BYTES)
+def test_tiled_head_logits_follow_the_tile_size():
+    """At Llama-3's vocabulary the tiled head's tiles shrink to HEAD_TILE_BYTES: the estimate counts those rows."""
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
     big = dict(model, vocab_size=128256)
     est = estimate.estimate(config.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1)
@@ -137,17 +127,14 @@ def test_reshard_after_forward_false_keeps_the_whole_policy_gathered_but_not_the
             == est(*pre, world=2)["phases"]["reference pass"])
 
 
-def test_null_reference_dtype_is_the_policys_and_dtype_errors_name_the_key(tmp_path):
+def test_null_reference_dtype_is_the_policys(tmp_path):
     """config/model/blank_model.yaml sets reference_dtype: null (the policy's dtype), which --estimate must read."""
     shutil.copy(REPO / "toy" / "tiny-llama" / "config.json", tmp_path / "config.json")
     cfg, _ = config.load_config(["loss=dpo", "model=blank_model", f"model.name_or_path={tmp_path}",
                                  "model.block_name=LlamaDecoderLayer", "model.policy_dtype=bfloat16"])
     e = estimate.estimate(cfg, TOY, 1)
     assert e["reference weights"] == e["weights"] == e["parameters"] * 2
-    assert "peak" in estimate.report(cfg, str(tmp_path))
-    object.__setattr__(cfg.model, "reference_dtype", "int8")
-    with pytest.raises(estimate.EstimateError, match=r"model\.reference_dtype='int8': expected a dtype"):
-        estimate.estimate(cfg, TOY, 1)
+    assert "peak" in estimate.report(cfg, str(tmp_path), 1)
 
 
 def test_lm_head_backward_workspace():

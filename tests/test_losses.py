@@ -8,13 +8,10 @@ Shared pair batch (used unless a test says otherwise), chosen/rejected log-ratio
 Expected values are computed in each test with plain `math`, from the formula in its docstring.
 """
 
-import functools
 import inspect
 import math
 import os
 import re
-import shutil
-import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,7 +19,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 
 import losses

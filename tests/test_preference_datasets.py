@@ -466,8 +466,6 @@ def test_balance_shares_deals_largest_first_to_the_lightest_share_with_room():
     assert pd.balance_shares([7, 8, 9, 4, 5, 6], [9, 8, 7, 3, 2, 1], 3) == [[7, 6], [8, 5], [9, 4]]
     assert pd.balance_shares([0, 1, 2, 3], [1, 1, 1, 1], 2) == [[0, 1], [2, 3]]  # nothing to even out: as unbalanced
     assert pd.balance_shares([0, 1, 2], [4, 4, 4], 1) == [[0, 1, 2]]  # one rank: the batch as it is
-    with pytest.raises(ValueError, match="equal count"):
-        pd.balance_shares([0, 1, 2], [1, 1, 1], 2)
 
 
 def test_balance_shares_is_near_optimal_and_never_heavier_than_consecutive_slices():
@@ -533,14 +531,8 @@ def test_sample_rule_only_where_every_source_has_it():
 def test_bad_iterator_arguments(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(4))
     base = dict(split="train", batch_size=4, n_epochs=1, silent=True)
-    for bad, match in [(dict(n_epochs=None), "n_epochs or n_examples"), (dict(world_size=3), "multiple of"),
-                       (dict(start_example=2), "start_example"), (dict(rank=2, world_size=2), "rank")]:
-        with pytest.raises(ValueError, match=match):
-            pd.get_batch_iterator([path], gpt2_tok, **{**base, **bad})
     with pytest.raises(pd.DataError, match="fewer than one global batch"):
         pd.get_batch_iterator([path], gpt2_tok, **{**base, "batch_size": 8})
-    with pytest.raises(ValueError, match="max_prompt_length"):
-        pd.load_tokenized([path], gpt2_tok, "train", max_length=8, max_prompt_length=8)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -795,8 +787,6 @@ def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok
         assert row == prompt.tolist() + completions[k - 1][1].tolist()
         labels = batch["kl_labels"][k]
         assert (labels[:len(prompt)] == -100).all() and labels[len(prompt):len(row)].tolist() == completions[k - 1][1].tolist()
-    with pytest.raises(ValueError, match=">= 2 examples"):
-        pd.collate(examples[:1], gpt2_tok.pad_token_id, kl_rows=True)
 
 
 def test_an_unterminated_string_says_where_it_starts_once(tmp_path):

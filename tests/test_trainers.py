@@ -2,7 +2,6 @@
 every speed option leaves a training step unchanged."""
 import contextlib
 import shutil
-import dataclasses
 import io
 import json
 from pathlib import Path
