@@ -509,6 +509,31 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
     return ws, "world size"
 
 
+def _option_rules(c: Config, names: list, kto: Optional[str], sp: int, compares: bool) -> list[tuple[bool, str]]:
+    """validate's rules for prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO): (broken, message)."""
+    return [
+        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+         "prompt, not a pair sharing it; set prefix_sharing=false"),
+        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
+        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
+           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
+                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
+        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
+         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
+        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
+         "with loss.dynamic_beta > 0 (beta-DPO)"),
+        (c.loss.dynamic_beta_filter > 0 and c.batch_size > 0 and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
+         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
+         f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out"),
+        (c.loss.ld_alpha != 1 and not compares, f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
+         f"with a reference, and loss.name={c.loss.name!r} has none"),
+        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares), f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
+         f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
+        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
+    ]
+
+
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
     (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
@@ -555,26 +580,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         (not kto and c.pairs_to_unpaired, f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"),
         *((kto and c[key] // ws < 2, f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
            f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
-        # prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO)
-        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-         "prompt, not a pair sharing it; set prefix_sharing=false"),
-        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
-        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
-           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
-                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
-        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
-         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
-        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
-         "with loss.dynamic_beta > 0 (beta-DPO)"),
-        (c.loss.dynamic_beta_filter > 0 and bs > 0 and round(bs * (1 - c.loss.dynamic_beta_filter)) == bs,
-         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({bs} x (1 - {c.loss.dynamic_beta_filter})) = all "
-         f"{bs} pairs of a step (batch_size={bs}); expected a fraction that leaves at least one out"),
-        (c.loss.ld_alpha != 1 and not compares, f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
-         f"with a reference, and loss.name={c.loss.name!r} has none"),
-        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares), f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
-         f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
-        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
-         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
+        *_option_rules(c, names, kto, sp, compares),
         (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
          "the reference on mismatched prompt/completion pairs of each batch)"),
         (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "

@@ -147,8 +147,7 @@ def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUN
 
 
 def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a (rows, vocab) tile in the compute dtype
-    would exceed HEAD_TILE_BYTES; at least 1."""
+    """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a compute-dtype tile passes HEAD_TILE_BYTES."""
     return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
 
 
@@ -238,8 +237,7 @@ def entropy_from_logits(logits: Tensor, *, chunking: bool = False, checkpointing
 PADS = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
 
 
-def pad_to_length(tensor: Tensor, length: int, pad_value: int) -> Tensor:
-    """Right-pad the last dimension of `tensor` to `length` with `pad_value`."""
+def pad_to_length(tensor: Tensor, length: int, pad_value: int) -> Tensor:  # right-pads the last dimension
     return F.pad(tensor, (0, max(0, length - tensor.size(-1))), value=pad_value)
 
 
@@ -257,10 +255,9 @@ def padded_inputs(inputs: dict[str, Tensor], multiple: int = 1) -> tuple[dict, T
     """Model kwargs, labels (R, T) and the sequence each token belongs to (R, T; -1 on padding): one row per
     sequence, right-padded, T rounded up to a multiple of `multiple` (the sequence-parallel size)."""
     t = -(-inputs["input_ids"].size(1) // multiple) * multiple
-    inputs = {k: pad_to_length(inputs[k], t, p) for k, p in PADS.items()}
-    sequence = torch.arange(inputs["input_ids"].size(0), device=inputs["input_ids"].device)[:, None]
-    owner = torch.where(inputs["attention_mask"].bool(), sequence, -1)
-    return {k: inputs[k] for k in ("input_ids", "attention_mask")}, inputs["labels"], owner
+    ids, mask, labels = (pad_to_length(inputs[k], t, p) for k, p in PADS.items())
+    owner = torch.where(mask.bool(), torch.arange(ids.size(0), device=ids.device)[:, None], -1)
+    return {"input_ids": ids, "attention_mask": mask}, labels, owner
 
 
 def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -398,10 +395,10 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
     causal_only = getattr(mask, "causal_only", False)
     masks = {"full_attention": mask}
     if window and (layer_types is None or "sliding_attention" in layer_types):
-        t = mask.size(-1)  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
-        band = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu_(-(window - 1))
-        if positions is not None:
-            p = positions[:, None]  # (R, 1, T): query position - window < key position, compared straight to bool
+        if positions is None:  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
+            band = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(-(window - 1))
+        else:  # (R, 1, T) positions: query position - window < key position, compared straight to bool
+            p = positions[:, None]
             band = p[..., None, :] > p[..., :, None] - window
         masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
     if getattr(config, "_attn_implementation", None) == "eager":
@@ -441,15 +438,14 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     if prefix_sharing and sequence_parallel:
         raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
-    score = functools.partial(_score, packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing,
-                              entropy=entropy, entropy_grad=entropy_grad, sequence_parallel=sequence_parallel,
-                              per_token=per_token, sum_sq=sum_sq)
+    options = dict(packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing, entropy=entropy,
+                   entropy_grad=entropy_grad, sequence_parallel=sequence_parallel, per_token=per_token, sum_sq=sum_sq)
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
-        return score(model, model, inputs)
+        return _score(model, model, inputs, **options)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
     # nothing wrapped or renamed: state dicts keep their keys. The inputs go through the root's call: FSDP2's root
     # pre-forward on CUDA moves its arguments to the device.
-    inner.forward = lambda inputs: score(inner, functools.partial(type(inner).forward, inner), inputs)
+    inner.forward = lambda inputs: _score(inner, functools.partial(type(inner).forward, inner), inputs, **options)
     try:
         return model(inputs)
     finally:
@@ -529,9 +525,8 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         sums = values.new_zeros(n).index_add(0, owner, values)
         return ulysses.sum_over_group(sums, sp) if sp else sums  # differentiable: each rank scored a slice
     sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
-    tokens = None
-    if per_token:  # each rank scattered its slice's tokens: the group's sum holds every token once
-        tokens = logps.new_zeros(n, width).index_put((owner, column), logps)
-        tokens = ulysses.sum_over_group(tokens, sp) if sp else tokens
+    # each rank scattered its slice's tokens: the group's sum holds every token once
+    tokens = logps.new_zeros(n, width).index_put((owner, column), logps) if per_token else None
+    tokens = ulysses.sum_over_group(tokens, sp) if sp and per_token else tokens
     return SequenceLogps(sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
                          tokens, None if token_sq is None else per_sequence(token_sq))

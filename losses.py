@@ -15,8 +15,7 @@ Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original summed): its scale does not
      depend on length and equals the NLL term of RPO/ORPO, so `names=[dpo, sft]` reproduces RPO.
   2. `bco_pair` shifts by the detached mean reward of the batch, not the paper's running mean: no state across steps.
-  3. The f-divergence transforms drop additive constants of f'(u), so the implicit reward is 0 when policy =
-     reference (constants cancel in the loss).
+  3. f-DPO's transforms drop f'(u)'s additive constants (they cancel in the loss): reward 0 when policy = reference.
   4. `simpo`'s `gamma` is the margin itself; the SimPO code base exposes gamma / beta.
   5. `exo_pair` raises on label_smoothing == 0 (its loss is infinite there) instead of replacing it with 1e-3.
   6. `chosen_nll` is each sequence's own per-token mean, averaged over the batch by the trainer.
@@ -51,13 +50,6 @@ def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -
 # are the log-ratios log pi/pi_ref, h = a - b the DPO margin, each Shape (batch,). Rewards are the implicit rewards
 # beta * a, beta * b unless a docstring says otherwise, always detached.
 LossReturn = tuple[Tensor, Tensor | None, Tensor | None]
-
-
-def _lookup(table: dict, name: str, what: str):
-    try:
-        return table[name]
-    except KeyError:
-        raise KeyError(f"unknown {what} {name!r}; valid: {sorted(table)}") from None
 
 
 def sft_loss(policy_chosen_logps, policy_rejected_logps=None, reference_chosen_logps=None,
@@ -100,7 +92,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     Shape (batch,); eps > 0 is cDPO as the original code computes it. Rewards: beta g(a), beta g(b).
     Intuition: raise the chosen log-ratio above the rejected one; beta sets how far from the reference the policy
     may move. Typical beta 0.1-0.5 (the reference is ignored as beta -> 0); f_alpha in (0, 1]."""
-    g = _lookup(F_DIVERGENCES, f_divergence, "f_divergence")
+    g = F_DIVERGENCES[f_divergence]
     chosen = g(policy_chosen_logps - reference_chosen_logps, beta, f_alpha)  # beta * g(a)
     rejected = g(policy_rejected_logps - reference_rejected_logps, beta, f_alpha)
     logits = chosen - rejected
@@ -126,8 +118,6 @@ def robust_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_log
     loss = [(1 - eps) l(beta h) - eps l(-beta h)] / (1 - 2 eps), l(z) = -log sigma(z), eps = label_smoothing in
     [0, 0.5), Shape (batch,). Intuition: an unbiased estimate of the clean-label DPO loss when each label is flipped
     with known probability eps (cDPO's optimum moves with eps). Typical beta 0.1, eps the data's flip rate 0.1-0.4."""
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"robust needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
     a, b = policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
     z, eps = beta * (a - b), label_smoothing
     losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)  # the de-biased loss
@@ -355,7 +345,7 @@ def length_desensitized_logps(tokens: Tensor, scored: Tensor, alpha: float) -> T
     each token's log-prob and whether it is scored. Returns Shape (2B,)."""
     n, scored = tokens.size(0) // 2, scored.to(tokens.dtype)
     public = torch.minimum(scored[:n].sum(1), scored[n:].sum(1)).repeat(2)
-    weight = torch.full_like(tokens, alpha).masked_fill_(scored.cumsum(1) <= public[:, None], 1.0)  # cumsum: 1-based index
+    weight = torch.full_like(tokens, alpha).masked_fill_(scored.cumsum(1) <= public[:, None], 1.0)  # cumsum: 1-based
     return (tokens * scored * weight).sum(1)
 
 
@@ -374,18 +364,16 @@ def wpo_weights(chosen_sum: Tensor, rejected_sum: Tensor, chosen_sum_sq: Tensor,
     detached: pairs the current policy would itself likely generate weigh more (off-policy data made closer to
     on-policy). *_sum: summed log-probs; *_sum_sq: summed log sum_v p_v^2 of the same tokens (logps.log_sum_sq);
     *_len: their counts; all Shape (batch,). Returns Shape (batch,)."""
-    mean = lambda s, sq, n: (s - sq) / n.clamp(min=1)  # noqa: E731
-    return torch.exp(mean(chosen_sum, chosen_sum_sq, chosen_len) + mean(rejected_sum, rejected_sum_sq, rejected_len)).clamp(max=1).detach()
-
-
-BETA_DPO_MOMENTUM = 0.9  # beta-DPO's m: the running mean and spread of the margins move 10% toward each batch's
+    chosen = (chosen_sum - chosen_sum_sq) / chosen_len.clamp(min=1)
+    rejected = (rejected_sum - rejected_sum_sq) / rejected_len.clamp(min=1)
+    return torch.exp(chosen + rejected).clamp(max=1).detach()
 
 
 def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, float] | None, drop: float = 0.0,
              generator: torch.Generator | None = None) -> tuple[float, Tensor, tuple[float, float]]:
     """beta-DPO (Wu et al. 2024, arXiv:2407.08639, Eq. 7 and Algorithm 1): a batch-level beta from the pairs' reward
     discrepancies M_i = log pi/pi_ref (y_w) - log pi/pi_ref (y_l), Shape (batch,), detached. The running threshold
-    M_0 and spread sigma move toward the batch's mean and standard deviation (momentum BETA_DPO_MOMENTUM; `running`
+    M_0 and spread sigma move toward the batch's mean and standard deviation (momentum m = 0.9; `running`
     None: they start at the first batch's). With `drop` > 0 the paper's filter keeps round((1 - drop) batch) pairs,
     drawn without replacement (`generator`) with probability exp(-(M_i - M_0)^2 / 2 sigma^2): outliers, likely
     mislabelled or uninformative, are left out. beta_batch = beta (1 + alpha (mean of the kept M_i - M_0)), at least
@@ -396,7 +384,7 @@ def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, f
     if not torch.isfinite(margins).all():
         return beta, torch.ones_like(margins, dtype=torch.bool), running
     mean, std = margins.mean().item(), (margins.std().item() if len(margins) > 1 else 0.0)
-    m = BETA_DPO_MOMENTUM
+    m = 0.9  # M_0 and sigma move 10% toward each batch's mean and spread
     m0, sigma = (mean, std) if running is None else (m * running[0] + (1 - m) * mean, m * running[1] + (1 - m) * std)
     keep = torch.ones_like(margins, dtype=torch.bool)
     if drop > 0:
@@ -417,7 +405,10 @@ class LossOutput(NamedTuple):
 def _specs(names: str | list[str]) -> tuple[list[str], list[LossSpec]]:
     """The names as a list (a str is one name) and their specs."""
     names = [names] if isinstance(names, str) else list(names)
-    return names, [_lookup(LOSSES, name, "loss name") for name in names]
+    for name in names:
+        if name not in LOSSES:
+            raise KeyError(f"unknown loss name {name!r}; valid: {sorted(LOSSES)}")
+    return names, [LOSSES[name] for name in names]
 
 
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
@@ -468,12 +459,14 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     reference_free, and average_log_prob (None: each loss's own default). policy_*_sum, reference_*_sum: summed
     token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
     the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
-    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`. The modifiers
-    of paired losses (hparams' ld_alpha, dpop_lambda, wpo; beta-DPO's `keep` and `beta_batch`): `_modified_sums`."""
+    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
+    Modifiers of the paired losses, from hparams: ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
+    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums; wpo (WPO)
+    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP): `_paired_losses`.
+    beta-DPO's `beta_batch` replaces loss.beta, its `keep` (B,) bool makes the mean loss the kept pairs' (the
+    others' 0, the kept ones' scaled by B / kept). The logged logps/* stay the plain sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
-    if len(weights) != len(names):
-        raise ValueError(f"got {len(weights)} weights for {len(names)} losses {names}")
     unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
     if not (sft_only or unpaired) and (policy_rejected_sum is None or policy_rejected_len is None):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
@@ -489,8 +482,13 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
                               policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
     plain = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
-    lengths = [policy_chosen_len, policy_rejected_len] * 2
-    modified, wpo = _modified_sums(hparams, plain, lengths, policy_tokens, reference_tokens, scored, policy_sum_sq)
+    lengths, n = [policy_chosen_len, policy_rejected_len] * 2, len(policy_chosen_sum)
+    wpo = wpo_weights(*plain[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2]) if hparams.get("wpo") else None
+    modified, ld_alpha = plain, hparams.get("ld_alpha", 1.0)
+    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
+        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
+              if tokens is not None]  # reference_tokens is None when reference_free: its sums stay 0
+        modified = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else plain[2:])]
     total, (chosen_rewards, rejected_rewards) = _paired_losses(names, specs, weights, hparams, plain, modified, lengths,
                                                                chosen_nll, wpo, beta_batch)
     if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
@@ -501,7 +499,7 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
         metrics["logps/rejected"] = policy_rejected_sum.detach()
     if wpo is not None:
         metrics["wpo/weights"] = wpo
-    if not sft_only and chosen_rewards is not None:
+    if chosen_rewards is not None:
         metrics.update({"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
                         "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
                         "rewards/margins": chosen_rewards - rejected_rewards})
@@ -515,12 +513,12 @@ def _paired_losses(names, specs, weights, hparams, plain: list, modified: list, 
     beta-DPO's beta_batch replaces loss.beta. The logged rewards keep their meaning: no DPOP penalty, the configured
     beta (a second call of the loss, without gradients, when either differs)."""
     dpop, total, rewards = hparams.get("dpop_lambda", 0.0), 0, (None, None)
-    for name, spec, weight in zip(names, specs, weights):
+    stepped = hparams if beta_batch is None else dict(hparams, beta=beta_batch)
+    for name, spec, weight in zip(names, specs, weights, strict=True):
         average = average_log_prob(spec, hparams)
         sums = modified if spec.needs_reference else plain
         logps = [None if s is None else sequence_logps(s, length, average) for s, length in zip(sums, lengths)]
         scored = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]] if dpop and spec.needs_reference else logps
-        stepped = hparams if beta_batch is None else dict(hparams, beta=beta_batch)
         losses, chosen, rejected = spec.fn(*scored, **_kwargs_for(name, spec.fn, stepped, chosen_nll))
         total = total + weight * losses * (1.0 if wpo is None else wpo)
         if rewards[0] is None and chosen is not None:
@@ -529,22 +527,6 @@ def _paired_losses(names, specs, weights, hparams, plain: list, modified: list, 
                     _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hparams, chosen_nll))
             rewards = (chosen, rejected)
     return total, rewards
-
-
-def _modified_sums(hparams, sums: list, lengths: list, policy_tokens, reference_tokens, scored, policy_sum_sq):
-    """compute_loss's [policy chosen, policy rejected, reference chosen, reference rejected] sums with LD-DPO's
-    weighting, and WPO's pair weights (None when off). ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
-    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums; wpo (WPO)
-    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP, in _paired_losses)
-    penalizes the chosen log-prob; beta-DPO's `keep` (B,) bool makes the mean loss the kept pairs' (the others' 0,
-    the kept ones' scaled by B / kept). The logged logps/* stay the plain sums."""
-    ld_alpha, n = hparams.get("ld_alpha", 1.0), len(sums[0])
-    wpo = None if not hparams.get("wpo") else wpo_weights(*sums[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2])
-    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
-        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
-              if tokens is not None]
-        sums = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else sums[2:])]
-    return sums, wpo
 
 
 def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
@@ -556,8 +538,6 @@ def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len
     each pair as for DPO. `kl`: the trainer's KL estimate of the step, see kto_loss.
     Metrics per completion: rewards/ and logps/chosen on desirable completions, rewards/ and logps/rejected on
     undesirable ones, NaN on the others (the trainer's averages skip NaN); kl, the clamped z0, on every row."""
-    if len(names) != 1:
-        raise ValueError(f"loss {names}: an unpaired loss (kto) cannot be combined with other losses")
     name, spec, n = names[0], LOSSES[names[0]], policy_chosen_sum.shape[0]
     policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
     paired = policy_rejected_sum is not None

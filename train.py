@@ -20,8 +20,6 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
   6. On GPUs the process group is cpu:gloo,cuda:nccl; the non-finite guard decides once for all ranks; rank 0's lone
      work (loading weights, writing checkpoints) is waited for with a long timeout of its own.
 """
-from __future__ import annotations
-
 import dataclasses
 import importlib.util
 import os
@@ -248,7 +246,6 @@ def world_size_of(cfg) -> int:
 
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
-    """Everything one process does: seed, load, build the trainer, train."""
     utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     device_map = None
     if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
@@ -322,6 +319,7 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
     """One process per rank on this node, joined. A scheduler's SIGTERM reaches this process only: it is passed on to
     the ranks, which stop after their step with a checkpoint. Ctrl-C reaches every process of the terminal already,
     so this one ignores it and waits for the ranks to stop."""
+    print(f"starting {world_size} processes", flush=True)
     context = torch.multiprocessing.start_processes(spawned_worker, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()),
                                                     nprocs=world_size, join=False, start_method="spawn")
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()]),
@@ -349,7 +347,6 @@ def launch(cfg) -> None:
         if cfg.trainer == "BasicTrainer":
             worker_main(0, 1, cfg, str(run_dir))
         else:
-            print(f"starting {world_size_of(cfg)} processes", flush=True)
             spawn_ranks(cfg, world_size_of(cfg), run_dir)
     except BaseException:
         remove_orphan(run_dir, created)

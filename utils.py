@@ -1,7 +1,5 @@
 """Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, the
 data options a split is read with, and the few distributed helpers (sharding.py and ulysses.py hold the rest)."""
-from __future__ import annotations
-
 import os
 import random
 import socket
@@ -17,7 +15,6 @@ from config import DTYPES
 
 
 def get_rank() -> int:
-    """This process's global rank: from torch.distributed when initialized, else the RANK env var, else 0."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
@@ -54,12 +51,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # attention copies config.attention_dropout
+            module.attention_dropout = 0.0
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
-    for module in model.modules():  # attention modules keep config.attention_dropout from their construction
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 def dtype_of(name: str) -> torch.dtype:
