@@ -1,4 +1,4 @@
-"""`train.py --estimate`: from config.json alone (no weights, no torch), parameter counts exact for known families."""
+"""`train.py --estimate`: from config.json alone (no weights), parameter counts exact for known families."""
 import json
 import shutil
 import subprocess
