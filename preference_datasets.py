@@ -662,11 +662,15 @@ def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows:
 def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_size: int, shuffle: bool = True,
                        n_epochs: int | None = None, n_examples: int | None = None, seed: int = 0, rank: int = 0,
                        world_size: int = 1, start_example: int = 0, balance: bool = False, kl_rows: bool = False,
-                       silent: bool = False, **load_kwargs) -> Iterator[dict[str, Any]]:
-    """This rank's share of each global batch (iter_batch_indices), collated, with `example_index`; raises at once."""
+                       shared_prompt: bool = False, silent: bool = False, **load_kwargs) -> Iterator[dict[str, Any]]:
+    """This rank's share of each global batch (iter_batch_indices), collated, with `example_index`; raises at once.
+    `balance` deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
     examples, _ = load_tokenized(names, tokenizer, split, silent=silent, **load_kwargs)
-    sizes = [sum(len(e.prompt_ids) + len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None)
-             for e in examples] if balance else None  # tokens of the rows an example becomes
+
+    def tokens(e: TokenizedExample) -> int:
+        responses = [len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None]
+        return len(e.prompt_ids) * (1 if shared_prompt else len(responses)) + sum(responses)
+    sizes = [tokens(e) for e in examples] if balance else None
     return (dict(collate([examples[i] for i in idx], tokenizer.pad_token_id, kl_rows),
                  example_index=torch.as_tensor(idx))
             for idx in iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,

@@ -275,7 +275,7 @@ class BasicTrainer:
         return data.get_batch_iterator(c.datasets, self.tokenizer, split="train", batch_size=c.batch_size, n_epochs=c.n_epochs,
                                        n_examples=c.n_examples, rank=self.dp_rank, world_size=self.dp_size, seed=self.seed,
                                        start_example=self.example_counter, balance=c.balance_batch, kl_rows=self.unpaired,
-                                       silent=True, **data_options(c, "train"))
+                                       shared_prompt=c.prefix_sharing, silent=True, **data_options(c, "train"))
 
     def step_and_log(self, batch: dict, bar) -> None:
         """One step, its metrics and throughput logged; then a requested stop or too many non-finite steps."""

@@ -10,6 +10,7 @@ variant in a fresh subprocess, alternating ours and TRL, and prints one table:
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
     python -u benchmarks/bench_dpo.py --variants ours_best,ours_fsdp --rounds 3   # one process vs 2 ranks, alternating
     python -u benchmarks/bench_dpo.py --workload hh --variants ours_best,ours_shared --rounds 3   # prefix sharing A/B
+    python -u benchmarks/bench_dpo.py --workload hh --layout-flops   # what each row layout lets prefix sharing save
 
 Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
 ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
@@ -273,6 +274,42 @@ def step_flops(seqs: list[list[int]], n_params: int, online_reference: bool, sha
     executed_ref = (2 * (n - n_head) * tokens + 2 * n_head * scored + attn_fwd) if online_reference else 0.0
     return dict(model=train + ref, executed=executed + executed_ref, tokens=tokens, scored=scored,
                 padded_slots=len(seqs) * max(p + r for p, r in seqs))
+
+
+LAYOUTS = ("rows of max_length, dense mask (CPU; eager attention)", "rows of max_length, block-sparse attention (CUDA FlexAttention)",
+           "one row a step, block-sparse attention (no padding)")
+
+
+def layout_flops(meta: dict) -> list[tuple[str, float, float]]:
+    """(layout, unshared, shared) executed GFLOP of one policy forward + backward, mean over the workload's steps:
+    layers on every slot of the rows (padding included), the LM head on scored positions only (tiled), attention
+    on each row's whole T x T where the mask is dense (the kernel computes masked pairs too), else only on the
+    (query, key) pairs the mask allows (block granularity ignored). Rows as logps.packed_rows packs them, to
+    max_length (a shared pair longer than that widens every row of its step). What it shows: the ceiling of each
+    layout, which bounds the prefix-sharing ratio a device can measure."""
+    from logps import packed_rows
+    h, L, V = MODEL["hidden_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
+    layer, attention = 6 * (meta["n_params"] - 2 * V * h), 3 * 4 * h * L  # untied: input embedding + LM head
+    totals = {(lay, shared): 0.0 for lay in LAYOUTS for shared in (False, True)}
+    for seqs in meta["steps"]:
+        for shared in (False, True):
+            units = ([c[0] + c[1] + r[1] for c, r in zip(seqs[0::2], seqs[1::2])] if shared else [p + r for p, r in seqs])
+            f = step_flops(seqs, meta["n_params"], False, shared)
+            allowed = sum((p + r) * (p + r + 1) / 2 for p, r in seqs) - shared * sum(p * (p + 1) / 2 for p, _ in seqs[1::2])
+            rows = packed_rows(units, MAX_LENGTH)
+            width = max(sum(units[u] for u in row) for row in rows)
+            slots, squares = len(rows) * width, len(rows) * width ** 2
+            head = 6 * V * h * f["scored"]
+            for lay, flops in zip(LAYOUTS, (layer * slots + attention * squares, layer * slots + attention * allowed,
+                                            layer * f["tokens"] + attention * allowed)):
+                totals[lay, shared] += (flops + head) / 1e9 / len(meta["steps"])
+    return [(lay, totals[lay, False], totals[lay, True]) for lay in LAYOUTS]
+
+
+def layout_lines(meta: dict) -> list[str]:
+    lines = [f"{'executed GFLOP per step by layout (policy forward + backward)':<66} {'unshared':>9} {'shared':>9} {'ratio':>7}"]
+    lines += [f"{lay:<66} {u:>9.1f} {s:>9.1f} {u / s:>6.3f}x" for lay, u, s in layout_flops(meta)]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -753,6 +790,8 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     for label, value, goal, met in goals(summary, args.workload):
         shown = f"{value * 100:.1f}%" if "MFU" in label else f"{value:.2f}x"
         add(f"{label:<45} {shown:>8}   goal {goal:<9} {'' if met is None else ('MET' if met else 'MISSED')}")
+    if any("shared" in name for name in summary):  # what each layout allows the P7/P8 ratios to reach
+        lines += layout_lines(meta)
     if g("trl_best") and g("trl_best").get("compute_s_median") is not None:
         add(f"(TRL on_step_begin->on_step_end median {g('trl_best')['compute_s_median']:.3f} s; its full loop step {g('trl_best')['s_step_median']:.3f} s)")
     for name, s in summary.items():
@@ -829,6 +868,8 @@ def main() -> int:
     ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto",
                     help="one-step profile of ours_best: auto = when a goal is missed")
     ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--layout-flops", action="store_true", help="only print the workload's executed GFLOP per step "
+                    "by row layout, unshared and with prefix sharing (layout_flops), and run nothing")
     ap.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL optimizer (transformers' default on torch>=2.8)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true", help="TRL's own default is True; off is faster")
     ap.add_argument("--no-trl-padding-free", dest="trl_padding_free", action="store_false",
@@ -858,6 +899,9 @@ def main() -> int:
     meta = build_workload(workdir, max(sizes), sizes, args.workload)
     print(f"[bench] workload in {workdir}: {meta['n_pairs']} pairs, {meta['n_params'] / 1e6:.2f}M params; "
           f"{verify_our_batches(meta, workdir)}", flush=True)
+    if args.layout_flops:
+        print("\n".join(layout_lines(meta)))
+        return 0
     machine = machine_info()
     args.order = []
     if args.profile_only:

@@ -461,6 +461,28 @@ def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens
     assert [b["chosen"] for b in full[3:]] == [b["chosen"] for b in resumed]
 
 
+def test_balanced_shares_with_prefix_sharing_count_each_prompt_once(tmp_path, gpt2_tok):
+    # prefix_sharing makes a pair one row, prompt + chosen + rejected: the deal must weigh that row, not two
+    rng = np.random.default_rng(0)
+    rows = [{"prompt": f"question {i}" + " more" * int(rng.integers(0, 80)), "chosen": f" yes {i}" + " so" * int(rng.integers(0, 40)),
+             "rejected": f" no {i}" + " not" * int(rng.integers(0, 40))} for i in range(64)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    kw = dict(split="train", batch_size=8, n_epochs=1, seed=3, silent=True, balance=True)
+    whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    responses = lambda b, side: (b[side + "_labels"] != -100).sum(1)  # noqa: E731
+    differ = 0
+    for shared in (False, True):
+        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw)) for r in (0, 1)]
+        for step, batch in enumerate(whole):
+            prompt, chosen, rejected = batch["prompt_attention_mask"].sum(1), responses(batch, "chosen"), responses(batch, "rejected")
+            sizes = (prompt * (1 if shared else 2) + chosen + rejected).tolist()
+            expected = pd.balance_shares(batch["example_index"].tolist(), sizes, 2)
+            assert [shares[r][step]["example_index"].tolist() for r in (0, 1)] == expected
+            if shared:
+                differ += expected != pd.balance_shares(batch["example_index"].tolist(), (2 * prompt + chosen + rejected).tolist(), 2)
+    assert differ >= 2  # the two weighings deal some steps differently, so the check above can fail
+
+
 def test_balance_shares_deals_largest_first_to_the_lightest_share_with_room():
     assert pd.balance_shares([10, 11, 12, 13], [5, 4, 1, 1], 2) == [[10, 13], [11, 12]]  # 6 and 5, not 9 and 2
     assert pd.balance_shares([7, 8, 9, 4, 5, 6], [9, 8, 7, 3, 2, 1], 3) == [[7, 6], [8, 5], [9, 4]]
