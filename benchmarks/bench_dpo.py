@@ -10,7 +10,7 @@ variant in a fresh subprocess, alternating ours and TRL, and prints one table:
     python -u benchmarks/bench_dpo.py --which ours --variants ours_best --trainer FSDPTrainer   # 2 ranks, FSDP2
     python -u benchmarks/bench_dpo.py --variants ours_best,ours_fsdp --rounds 3   # one process vs 2 ranks, alternating
     python -u benchmarks/bench_dpo.py --workload hh --variants ours_best,ours_shared --rounds 3   # prefix sharing A/B
-    python -u benchmarks/bench_dpo.py --workload hh --layout-flops   # what each row layout lets prefix sharing save
+    python -u benchmarks/bench_dpo.py --workload hh --layout-flops   # the work prefix sharing removes, by row layout
 
 Order with the default --rounds 2: ours_best > trl_best > ours_padded > ours_online > ours_best > trl_best >
 ours_padded > ours_online > ours_best (ours_best before and after each TRL run). Steps per run (warmup +
@@ -285,8 +285,9 @@ def layout_flops(meta: dict) -> list[tuple[str, float, float]]:
     layers on every slot of the rows (padding included), the LM head on scored positions only (tiled), attention
     on each row's whole T x T where the mask is dense (the kernel computes masked pairs too), else only on the
     (query, key) pairs the mask allows (block granularity ignored). Rows as logps.packed_rows packs them, to
-    max_length (a shared pair longer than that widens every row of its step). What it shows: the ceiling of each
-    layout, which bounds the prefix-sharing ratio a device can measure."""
+    max_length (a shared pair longer than that widens every row of its step), all 8 pairs of a step in one process.
+    What it shows: how much work prefix sharing removes in each layout; a device's timing follows it only as far
+    as its kernels run every shape equally fast."""
     from logps import packed_rows
     h, L, V = MODEL["hidden_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
     layer, attention = 6 * (meta["n_params"] - 2 * V * h), 3 * 4 * h * L  # untied: input embedding + LM head
@@ -790,7 +791,7 @@ def report(summary: dict, meta: dict, machine: dict, args, started: float, profi
     for label, value, goal, met in goals(summary, args.workload):
         shown = f"{value * 100:.1f}%" if "MFU" in label else f"{value:.2f}x"
         add(f"{label:<45} {shown:>8}   goal {goal:<9} {'' if met is None else ('MET' if met else 'MISSED')}")
-    if any("shared" in name for name in summary):  # what each layout allows the P7/P8 ratios to reach
+    if "ours_shared" in summary:  # the work each layout removes, one process (P7)
         lines += layout_lines(meta)
     if g("trl_best") and g("trl_best").get("compute_s_median") is not None:
         add(f"(TRL on_step_begin->on_step_end median {g('trl_best')['compute_s_median']:.3f} s; its full loop step {g('trl_best')['s_step_median']:.3f} s)")

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+import logps  # noqa: E402
 import preference_datasets as pd  # noqa: E402
 
 REPO = Path(pd.__file__).resolve().parent
@@ -469,17 +470,20 @@ def test_balanced_shares_with_prefix_sharing_count_each_prompt_once(tmp_path, gp
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     kw = dict(split="train", batch_size=8, n_epochs=1, seed=3, silent=True, balance=True)
     whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
-    responses = lambda b, side: (b[side + "_labels"] != -100).sum(1)  # noqa: E731
     differ = 0
     for shared in (False, True):
         shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw)) for r in (0, 1)]
         for step, batch in enumerate(whole):
-            prompt, chosen, rejected = batch["prompt_attention_mask"].sum(1), responses(batch, "chosen"), responses(batch, "rejected")
-            sizes = (prompt * (1 if shared else 2) + chosen + rejected).tolist()
+            # the tokens of the rows logps lays each pair out in: two sequences, or one shared-prefix unit per row
+            inputs = logps.concatenated_inputs(batch)
+            owner = logps.packed_inputs(inputs, None, shared_prefix=True)[2] if shared else logps.padded_inputs(inputs)[2]
+            sizes = torch.zeros(len(inputs["input_ids"]), dtype=torch.long).index_add_(0, owner[owner >= 0], torch.ones_like(owner[owner >= 0]))
+            sizes = (sizes[:8] + sizes[8:]).tolist()  # each pair's chosen and rejected rows
             expected = pd.balance_shares(batch["example_index"].tolist(), sizes, 2)
             assert [shares[r][step]["example_index"].tolist() for r in (0, 1)] == expected
             if shared:
-                differ += expected != pd.balance_shares(batch["example_index"].tolist(), (2 * prompt + chosen + rejected).tolist(), 2)
+                unshared = (inputs["attention_mask"][:8].sum(1) + inputs["attention_mask"][8:].sum(1)).tolist()
+                differ += expected != pd.balance_shares(batch["example_index"].tolist(), unshared, 2)
     assert differ >= 2  # the two weighings deal some steps differently, so the check above can fail
 
 
