@@ -232,8 +232,7 @@ class BasicTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
         mean = {k: sharding.gather(torch.cat(v).float()).nanmean().item() for k, v in collected.items()}
-        tokens = sum(batch[f"{s}_attention_mask"].sum() for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch)
-        tokens = tokens - (batch["prompt_attention_mask"].sum() if c.prefix_sharing else 0)  # a shared prompt: computed once
+        tokens = pair_tokens(batch, c.prefix_sharing).sum()
         tokens = sharding.gather(tokens.reshape(1).float().to(self.device)).sum().item() / self.sp_size
         return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0],
                     nonfinite_steps=float(self.nonfinite_total))
@@ -755,14 +754,18 @@ def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int
     return micro + micro[-1:] * (sharding.agree_max(len(micro)) - len(micro)), len(micro)
 
 
-def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:
-    """Micro-batches of consecutive pairs whose real tokens (chosen + rejected, less the prompt when it is shared) stay
-    within `max_tokens` (a larger pair goes alone), each cut to its own longest sequence: a long pair costs what it
-    weighs, not everyone's padding."""
+def pair_tokens(batch: dict, shared_prefix: bool = False) -> torch.Tensor:
+    """(B,) real tokens of the rows each example becomes: its sequences, the prompt once when it is shared."""
     sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
-    sizes = sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (batch["prompt_attention_mask"].sum(1) if shared_prefix else 0)
+    return sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (batch["prompt_attention_mask"].sum(1) if shared_prefix else 0)
+
+
+def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:
+    """Micro-batches of consecutive pairs whose real tokens (pair_tokens) stay within `max_tokens` (a larger pair goes
+    alone), each cut to its own longest sequence: a long pair costs what it weighs, not everyone's padding."""
+    sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
     groups, load, micro_batches = [[]], 0, []
-    for i, size in enumerate(sizes.tolist()):
+    for i, size in enumerate(pair_tokens(batch, shared_prefix).tolist()):
         if groups[-1] and load + size > max_tokens:
             groups, load = groups + [[]], 0
         groups[-1].append(i)
