@@ -537,7 +537,8 @@ def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len
     of pairs): chosen (desirable) and rejected (undesirable) are 2n completions, and accuracies and margins compare
     each pair as for DPO. `kl`: the trainer's KL estimate of the step, see kto_loss.
     Metrics per completion: rewards/ and logps/chosen on desirable completions, rewards/ and logps/rejected on
-    undesirable ones, NaN on the others (the trainer's averages skip NaN); kl, the clamped z0, on every row."""
+    undesirable ones, NaN on the others (the trainer's averages skip NaN); on every row kl, the raw estimate, and
+    kl_clamped, the z0 = max(0, kl) the loss uses."""
     name, spec, n = names[0], LOSSES[names[0]], policy_chosen_sum.shape[0]
     policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
     paired = policy_rejected_sum is not None
@@ -561,7 +562,9 @@ def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len
         "rewards/rejected": torch.where(desirable, nan, rewards),
         "logps/chosen": torch.where(desirable, logps, nan),
         "logps/rejected": torch.where(desirable, nan, logps),
-        "kl": kl.detach().clamp(min=0).reshape(1).float().expand(len(total)),  # z0 as the loss uses it, per row
+        # raw: a mean log-ratio of mismatched pairs, not a true KL, so often negative, where the clamped value hides it
+        "kl": kl.detach().reshape(1).float().expand(len(total)),
+        "kl_clamped": kl.detach().clamp(min=0).reshape(1).float().expand(len(total)),  # z0 as the loss uses it
     }
     if paired:
         metrics["rewards/accuracies"] = (rewards[:n] > rewards[n:]).float()

@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -350,6 +351,13 @@ def read_rows(path: Path) -> list[dict]:
             raise DataError(f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
                             f"shape; this row does not (got {got})")
         check_row(row, where, shape)
+    if SHAPES[shape].fields.get("prompt") is TEXT:  # strings are used verbatim, messages through the chat template
+        # {is a chat row: 'line N' of the first such row} (reversed: the first row of a kind is written last)
+        first = {isinstance(row["prompt"], list): where.rpartition(", ")[2] for row, where in reversed(located)}
+        if len(first) == 2:  # a warning, not an error: every row is valid, and a mixed file may be meant
+            warnings.warn(f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
+                          f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
+                          "meant put each in a file of its own (datasets=[a,b])")
     return [row for row, _ in located]
 
 
@@ -694,9 +702,13 @@ def get_eval_batches(names: list[str], tokenizer: Any, *, batch_size: int, n_exa
 
 def get_sample_batches(names: list[str], tokenizer: Any, *, n_examples: int, rank: int = 0, world_size: int = 1,
                        silent: bool = False, **load_kwargs) -> list[tuple[int, dict]]:
-    """(group, batch): groups of SAMPLE_GROUP of the first n_examples test prompts, round-robin over the ranks, each
-    generated with its own seed (world-size independent); repeats that even out the ranks' counts have group -1."""
-    examples = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)[0][:n_examples]
+    """(group, batch): groups of SAMPLE_GROUP of the first n_examples distinct test prompts, round-robin over the
+    ranks, each generated with its own seed (world-size independent); repeats that even out the ranks' counts have
+    group -1."""
+    firsts = {}
+    for example in load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)[0]:
+        firsts.setdefault(example.prompt, example)  # a prompt with several pairs is sampled (and counted) once
+    examples = list(firsts.values())[:n_examples]
     groups = [examples[start:start + SAMPLE_GROUP] for start in range(0, len(examples), SAMPLE_GROUP)]
     mine = (list(range(len(groups)))[rank::world_size] + [-1] * world_size)[:-(-len(groups) // world_size)]
     return [(g, collate(groups[max(g, 0)], tokenizer.pad_token_id)) for g in mine]

@@ -383,8 +383,9 @@ def test_kto_matches_the_papers_value_function_written_independently():
 
 def test_kto_through_the_dispatcher_unpaired_and_paired():
     """Unpaired: completions with labels, metrics rewards/chosen on desirable (NaN elsewhere), rewards/rejected
-    on undesirable, kl (the clamped z0) on every row. Paired (pairs evaluated with kto): chosen = desirable, rejected = undesirable, so
-    the 3 pairs are 6 completions, and accuracies/margins compare each pair as DPO does: rewards
+    on undesirable, kl (the raw estimate) and kl_clamped (z0) on every row. Paired (pairs evaluated with kto):
+    chosen = desirable, rejected = undesirable, so the 3 pairs are 6 completions, and accuracies/margins compare
+    each pair as DPO does: rewards
     [0, .5, 1] vs [0, -.5, -1] -> accuracies [0, 1, 1], margins [0, 1, 2]."""
     unpaired = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
                             policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
@@ -397,7 +398,8 @@ def test_kto_through_the_dispatcher_unpaired_and_paired():
     clamped = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
                            policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
                            desirable=torch.tensor([True, False]), kl=t(-0.5))
-    assert clamped.metrics["kl"].tolist() == [0.0, 0.0]  # z0 = max(0, kl): what the loss used, never negative
+    assert clamped.metrics["kl"].tolist() == [-0.5, -0.5]  # logged as estimated, negative too
+    assert clamped.metrics["kl_clamped"].tolist() == [0.0, 0.0]  # z0 = max(0, kl): what the loss used
     paired = compute_loss("kto", None, dict(ALL_HPARAMS), **pair_inputs(), kl=t(0.0))
     a, b = t(A), t(B)
     close(paired.losses, torch.cat([1 - torch.sigmoid(0.1 * a), 1 - torch.sigmoid(-0.1 * b)]).tolist())
@@ -447,12 +449,24 @@ def test_every_loss_runs_through_dispatcher_and_rewards_carry_no_grad(name):
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_every_loss_is_documented(name):
     """Paper with arXiv id (cDPO: the note's URL), the equation written out, shapes, intuition,
-    typical hyperparameter range."""
-    doc = inspect.getdoc(LOSSES[name].fn)
-    assert re.search(r"arXiv:\d{4}\.\d{5}|ericmitchell\.ai", doc), name
-    assert "Shape" in doc and "Intuition" in doc, name
-    if name != "sft":
-        assert "Typical" in doc and "loss = " in doc, name  # the equation, written out
+    typical hyperparameter range. A failure names the function and each part it lacks."""
+    fn = LOSSES[name].fn
+    doc = inspect.getdoc(fn) or ""
+    words = ["Shape", "Intuition"] + ["Typical", "loss = "] * (name != "sft")  # sft: no hyperparameter to range
+    missing = [f"'{word}'" for word in words if word not in doc]
+    missing += ["a paper's arXiv:NNNN.NNNNN"] * (not re.search(r"arXiv:\d{4}\.\d{5}|ericmitchell\.ai", doc))
+    assert not missing, (f"{fn.__name__}'s docstring lacks {', '.join(missing)} (loss {name!r}; README, Adding a "
+                         "loss: the paper, the 'loss = ' equation, 'Shape', 'Intuition', the 'Typical' range)")
+
+
+def test_a_loss_docstring_failure_names_the_function_and_what_it_lacks(monkeypatch):
+    def margin_dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
+                        reference_rejected_logps, *, beta: float):
+        """DPO, offset (arXiv:2402.10571). loss = -log sigma(beta h - 1). Intuition: a margin. Typical beta 0.1."""
+    spec = losses.LossSpec(margin_dpo_loss, needs_reference=True, average_log_prob=False)
+    monkeypatch.setitem(LOSSES, "margin_dpo", spec)
+    with pytest.raises(AssertionError, match="margin_dpo_loss's docstring lacks 'Shape' \\(loss 'margin_dpo'"):
+        test_every_loss_is_documented("margin_dpo")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -295,6 +297,26 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_tok):
         pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train", silent=True)
 
 
+def test_a_file_mixing_string_and_chat_rows_warns_naming_it_and_each_kinds_first_line(tmp_path, chat_tok):
+    chat = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}]}
+    path = write_jsonl(tmp_path / "mixed.jsonl", [*numbered_rows(2), chat, *numbered_rows(1)])
+    with pytest.warns(UserWarning, match=re.escape(path) + r": mixes plain-string rows \(first: line 1\) and "
+                      r"chat-message rows \(first: line 3\)"):
+        examples, _ = load_one(path, chat_tok)
+    assert len(examples) == 4  # valid rows: trained as written
+
+
+def test_example_files_are_one_kind_each_and_the_chat_one_renders(chat_tok):
+    """examples/pairs.jsonl (strings) and examples/chat_pairs.jsonl (messages) load without the mixing warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pd.validate_sources([str(REPO / "examples" / "pairs.jsonl"), str(REPO / "examples" / "chat_pairs.jsonl")])
+        examples, stats = load_one(str(REPO / "examples" / "chat_pairs.jsonl"), chat_tok)
+    assert stats.kept == 4 and all(e.prompt.endswith("<|assistant|>\n") for e in examples)
+    assert examples[1].prompt.startswith("<s><|system|>") and examples[2].prompt.count("<|user|>") == 2
+
+
 def test_eos_text_inside_a_response_is_plain_text(tmp_path, gpt2_tok):
     rows = [{"prompt": "Q:", "chosen": " fine <|endoftext|> really", "rejected": " no"}]
     (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train", silent=True)
@@ -530,6 +552,15 @@ def test_n_examples_rounds_up_to_whole_batches_and_eval_takes_the_first_n(tmp_pa
                                                              [" good answer 4.", " good answer 5."]]
     endless = pd.get_batch_iterator([path], gpt2_tok, split="train", batch_size=4, n_examples=40, silent=True)
     assert len(list(endless)) == 10  # n_examples alone runs as many epochs as it takes
+
+
+def test_sample_batches_take_each_prompt_once(tmp_path, gpt2_tok):
+    """Prompts 0, 0, 1, 2, 2, 3 (two with two pairs): the first 3 prompts are 0, 1, 2, each sampled once."""
+    r = numbered_rows(4)
+    rows = [r[0], dict(r[0], chosen=" other 0."), r[1], r[2], dict(r[2], rejected=" worse 2"), r[3]]
+    path = write_jsonl(tmp_path / "repeats.jsonl", rows)
+    ((group, batch),) = pd.get_sample_batches([path], gpt2_tok, n_examples=3, silent=True)
+    assert group == 0 and batch["prompt"] == [f"\n\nHuman: question {i}?\n\nAssistant:" for i in range(3)]
 
 
 def test_num_steps_matches_the_iterator_and_count_examples(tmp_path, gpt2_tok):
