@@ -134,8 +134,8 @@ def metric_differences(original_dir, replay_dir) -> dict[str, tuple[float, int, 
 
 
 def report(original_dir, replay_dir) -> str:
-    """The table `--replay` prints. Training records are written on a wall-clock interval, so the runs may log other
-    steps: only common steps are compared, a metric with none is listed as not comparable."""
+    """The table `--replay` prints, and how many training steps and evaluations it compared. Records are matched by
+    step; a metric no step of both runs holds is listed as not comparable (a run with another log_every_steps)."""
     rows = metric_differences(original_dir, replay_dir)
     differ = [n for n, (d, common, _) in rows.items() if not n.startswith(TIMING) and common and d != 0]
     apart = [n for n, (_, common, _) in rows.items() if not n.startswith(TIMING) and not common]
@@ -145,6 +145,9 @@ def report(original_dir, replay_dir) -> str:
               name.startswith(TIMING) else "") for name, (d, n, only) in rows.items()]
     if apart:
         lines.append(f"not comparable (no step logged by both runs): {', '.join(apart)}")
+    steps = {split: rows.get(f"loss/{split}", (0, 0, 0))[1:] for split in ("train", "eval")}
+    lines.append(f"compared {steps['train'][0]} training steps ({steps['train'][1]} in one run only) and "
+                 f"{steps['eval'][0]} evaluations ({steps['eval'][1]} in one run only)")
     lines.append(f"replay differs in {len(differ)} metric(s): {', '.join(differ)}" if differ else
                  "replay identical: every metric that is not wall-clock time matches exactly at every step both runs logged")
     return "\n".join(lines)

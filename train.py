@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 from config import ConfigError, data_parallel_size, help_text, load_config, loss_registry, to_yaml, validate
@@ -118,8 +119,11 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     if cfg.lora.r is not None:
         import peft  # optional: check_inputs refused lora.r without it, before any model loaded
         lora = cfg.lora
-        policy = peft.get_peft_model(policy, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                                                             target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question on every run: not the user's to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            policy = peft.get_peft_model(policy, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                                 bias="none", target_modules=lora.target_modules,
+                                                                 task_type="CAUSAL_LM"))
         utils.rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
                           f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
                           f"{sum(p.numel() for p in policy.parameters())}")
@@ -166,9 +170,10 @@ def check_inputs(cfg, world_size: int) -> None:
     data.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])
-    if cfg.resume_from:
-        ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST")
+    if cfg.resume_from:  # under torchrun every rank runs this: sizes here, rank 0 alone hashes (distributed_worker)
+        ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST", hashes=not started_by_torchrun(cfg))
         trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
+    check_run_dir(cfg)
     if cfg.fsdp.ulysses_sequence_parallel_size > 1:
         check_sequence_parallel(cfg)
     check_data(cfg, world_size)
@@ -261,18 +266,33 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy, reference = policy.to("cuda"), reference.to("cuda") if reference is not None else None
     trainer = getattr(trainers, cfg.trainer)(policy, cfg, cfg.seed, run_dir, reference, rank, world_size, tokenizer)
+    del policy, reference  # the trainer owns the models: precompute_ref_log_probs can free the reference for real
     trainer.train()
+
+
+def check_run_dir(cfg) -> None:
+    """A fresh start may not reuse a run directory that holds a checkpoint (--cfg checks it too)."""
+    if cfg.run_dir and not cfg.resume_from and (Path(cfg.run_dir) / "LATEST").exists():
+        raise FileExistsError(f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir")
 
 
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it), with the resolved config saved in it as config.yaml
-    (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
+    (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint). A fresh start in a
+    used directory (an earlier start stopped before its first checkpoint) moves the files that start wrote into
+    previous-<n>/: the new logs begin clean, nothing is lost."""
     if cfg.resume_from:
         run_dir, created = Path(cfg.resume_from), False
     elif cfg.run_dir:
         run_dir, created = Path(cfg.run_dir), not Path(cfg.run_dir).exists()
-        if (run_dir / "LATEST").exists():
-            raise FileExistsError(f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir")
+        written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", run_manifest.MANIFEST, run_manifest.DIFF}
+        earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")] if run_dir.is_dir() else []
+        if earlier:
+            keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
+            keep.mkdir()
+            for p in earlier:
+                os.replace(p, keep / p.name)
+            print(f"run_dir={run_dir} held an earlier start without a checkpoint: its files moved to {keep}", file=sys.stderr)
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir, created = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
@@ -294,6 +314,8 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
         distributed_worker(cfg, run_dir)
     except trainers.Interrupted as e:  # the launcher tells the user how to resume
         sys.exit(128 + e.signum)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the launcher says so, once
+        sys.exit(128 + signal.SIGINT)
 
 
 def distributed_worker(cfg, run_dir: str | None) -> None:
@@ -304,15 +326,53 @@ def distributed_worker(cfg, run_dir: str | None) -> None:
     utils.init_distributed(cfg.collective_timeout_secs, cuda=torch.cuda.is_available())
     created = False
     try:
-        if rank == 0 and run_dir is None:  # started by torchrun: rank 0 makes the directory
+        torchrun = run_dir is None
+        if rank == 0 and torchrun:  # rank 0 makes the directory
             run_dir, created = prepare_run_dir(cfg)
         run_dir = str(utils.broadcast_object(run_dir))
+        check_shared_run_dir(run_dir)
+        if torchrun and cfg.resume_from:  # check_inputs compared sizes on every rank; the bytes are hashed once
+            verdict = rank == 0 and checkpoint_problem(Path(cfg.resume_from) / "LATEST")
+            if verdict := utils.broadcast_object(verdict, slow=True):
+                raise trainers.CheckpointError(verdict)
         worker_main(rank, world_size, cfg, run_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C under torchrun: one line per rank, no traceback
+        remove_orphan(run_dir, created)
+        raise interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
     except BaseException:
         remove_orphan(run_dir, created)
         raise
     finally:
         utils.destroy_distributed()
+
+
+def check_shared_run_dir(run_dir: str) -> None:
+    """Every rank writes its checkpoint shards into run_dir: ranks on other nodes must see the directory rank 0
+    made (a node-local local_dirs does not work across nodes)."""
+    views = utils.all_gather_object((socket.gethostname(), (Path(run_dir) / "config.yaml").is_file()))
+    if blind := sorted({host for host, seen in views if not seen}):
+        raise ConfigError([f"run_dir={run_dir}: rank 0 made it, but the ranks on {', '.join(blind)} do not see it; the"
+                           " nodes of a run must share it (set local_dirs or run_dir to a shared filesystem)"])
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """validate_checkpoint's message for a damaged checkpoint, None for a sound one (a verdict to broadcast)."""
+    try:
+        trainers.validate_checkpoint(ckpt)
+    except trainers.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def started_by_torchrun(cfg) -> bool:
+    return cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def interrupted(signum: int, run_dir: Path, batch_size: int, at_once: bool = False) -> trainers.Interrupted:
+    """The Interrupted that the ranks' exit (or a second Ctrl-C) means, at the run's LATEST checkpoint if any."""
+    latest = run_dir / "LATEST"
+    examples = int(os.readlink(latest).split("-")[1]) if latest.is_symlink() else None
+    return trainers.Interrupted(signum, examples and examples // batch_size, examples, run_dir, at_once)
 
 
 def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
@@ -330,8 +390,7 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
     except torch.multiprocessing.ProcessExitedException as e:
         if e.exit_code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise
-        examples = int(os.readlink(run_dir / "LATEST").split("-")[1])
-        raise trainers.Interrupted(e.exit_code - 128, examples // cfg.batch_size, examples, run_dir) from None
+        raise interrupted(e.exit_code - 128, run_dir, cfg.batch_size) from None
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -339,7 +398,7 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
 
 def launch(cfg) -> None:
     """One process (BasicTrainer), this process as one torchrun rank, or N local processes (FSDPTrainer)."""
-    if cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+    if started_by_torchrun(cfg):
         return distributed_worker(cfg, None)
     run_dir, created = prepare_run_dir(cfg)
     print(f"run directory: {run_dir}", flush=True)
@@ -348,10 +407,23 @@ def launch(cfg) -> None:
             worker_main(0, 1, cfg, str(run_dir))
         else:
             spawn_ranks(cfg, world_size_of(cfg), run_dir)
-    except BaseException:
+    except BaseException as e:
         remove_orphan(run_dir, created)
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, without a checkpoint
+            raise interrupted(signal.SIGINT, run_dir, cfg.batch_size, at_once=True) from None
         raise
     print(f"done; run directory: {run_dir}", flush=True)
+
+
+def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
+    """One line: where the run stopped and the command that continues it (as given, resume_from replaced)."""
+    kept, name = [a for a in argv if not a.lstrip("-").startswith("resume_from=")], signal.Signals(e.signum).name
+    if e.examples is None:
+        return f"interrupted ({name}) before the first checkpoint: start again with: python -u train.py {shlex.join(kept)}"
+    resume = f"resume with: python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}"
+    if e.at_once:
+        return f"interrupted ({name}) at once, without a checkpoint; the latest is step {e.step} ({e.examples} pairs): {resume}"
+    return f"interrupted at step {e.step} ({e.examples} pairs, {name}); {resume}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,9 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3 if isinstance(e, trainers.NonFiniteError) else 2
     except trainers.Interrupted as e:
         if utils.get_rank() == 0:
-            kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]  # as given, but resume_from
-            print(f"interrupted at step {e.step} ({e.examples} pairs, {signal.Signals(e.signum).name}); resume with: "
-                  f"python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}", file=sys.stderr, flush=True)
+            print(interrupt_message(e, argv), file=sys.stderr, flush=True)
         return 128 + e.signum
     return 0
 

@@ -38,12 +38,11 @@ import preference_datasets as data
 import ulysses
 from config import flatten, loss_registry
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
-from sharding import FSDP1, FSDP2, OneProcess, unwrap
-from utils import (atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
+from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
+from utils import (all_gather_object, atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
                    rank0_print, set_rng_state, use_shape_free_attention)
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
-PROGRESS_EVERY_SECS = 30.0  # without a terminal: one plain progress line at most this often (and at the end)
 # Dense bf16 matmul peak TFLOP/s (vendors' datasheets) that throughput/mfu divides by; peak_tflops wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 OPTIMIZERS = {
@@ -76,11 +75,12 @@ class CheckpointError(ValueError):
 
 
 class Interrupted(Exception):
-    """SIGTERM or SIGINT: the run stopped after a step and wrote a checkpoint to resume from."""
+    """SIGTERM or SIGINT: the run stopped after a step and wrote a checkpoint to resume from (`at_once`: a second
+    Ctrl-C stopped it without one; `step` and `examples` are then LATEST's, or None before the first checkpoint)."""
 
-    def __init__(self, signum: int, step: int, examples: int, run_dir: Path):
-        super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs) with a checkpoint")
-        self.signum, self.step, self.examples, self.run_dir = signum, step, examples, run_dir
+    def __init__(self, signum: int, step: Optional[int], examples: Optional[int], run_dir: Path, at_once: bool = False):
+        super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs)")
+        self.signum, self.step, self.examples, self.run_dir, self.at_once = signum, step, examples, run_dir, at_once
 
 
 @contextlib.contextmanager
@@ -146,9 +146,13 @@ class BasicTrainer:
         unit = "completions" if self.unpaired else "pairs"
         ranks = (f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
                  if self.sp_size > 1 else f"world size {world_size}")
+        doubled = f" (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)" if c.pairs_to_unpaired else ""
         rank0_print(f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation {c.gradient_accumulation_steps} x "
-                    f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}; "
-                    f"total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}")
+                    f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}"
+                    f"{doubled}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}")
+        original = (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150)
+        rank0_print(f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}"
+                    + (" (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)" if original else ""))
 
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
     def forward_options(self, entropy_grad: bool = False) -> dict:
@@ -293,9 +297,10 @@ class BasicTrainer:
         if self.peak_flops:  # model FLOPs utilization
             metrics["throughput/mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * self.world_size)
         self.log.progress(bar, metrics, self.batch_counter, self.total_steps, self.example_counter)
-        self.log(self.example_counter, metrics, every=self.config.minimum_log_interval_secs)
+        if self.batch_counter % self.config.log_every_steps == 0 or self.batch_counter == self.total_steps:
+            self.log(self.example_counter, metrics)  # a step cadence: the same config logs the same steps
         if self.sharding.any_true(self.stop["signal"] is not None):  # a signal on any rank: all stop after this step
-            self.checkpoints.save()
+            self.checkpoints.save(lean=True)
             raise Interrupted(self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir)
         if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
             self.checkpoints.save()
@@ -361,7 +366,7 @@ class RunLog:
     null), and Weights & Biases (step = training pairs seen) when enabled and not debug=true."""
 
     def __init__(self, run_dir: Path, rank: int, config):
-        self.run_dir, self.rank, self.config, self.wandb_run, self.last = run_dir, rank, config, None, 0.0
+        self.run_dir, self.rank, self.config, self.wandb_run = run_dir, rank, config, None
         self.last_progress = time.time()
 
     def start(self, resumed_wandb_id: Optional[str]) -> None:
@@ -373,20 +378,19 @@ class RunLog:
                                         mode=os.environ.get("WANDB_MODE") or ("online" if online else "offline"), config=c.to_dict(),
                                         id=resumed_wandb_id or None, resume="allow" if resumed_wandb_id else None)
 
-    def __call__(self, step: int, metrics: dict[str, float], every: Optional[float] = None) -> None:
-        """One record; with `every` (training), only if the last such one is at least `every` seconds old."""
-        if self.rank == 0 and (every is None or time.time() - self.last >= every):
-            self.last = time.time() if every is not None else self.last
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        """One record, at `step` (training pairs seen)."""
+        if self.rank == 0:
             self._append("metrics.jsonl", [{"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}])
             if self.wandb_run is not None:
                 self.wandb_run.log(metrics, step=step)
 
     def progress(self, bar, metrics: dict[str, float], step: int, total: int, examples: int) -> None:
-        """tqdm's bar; without a terminal, a plain line (PROGRESS_EVERY_SECS)."""
+        """tqdm's bar; without a terminal, a plain line at most every minimum_log_interval_secs (and at the end)."""
         speed, loss = f"{metrics['throughput/pairs_per_second']:.2f}", f"{metrics.get('loss/train', math.nan):.4f}"
         bar.update(1)
         bar.set_postfix(pairs_per_s=speed, loss=loss)
-        if bar.disable and self.rank == 0 and (time.time() - self.last_progress >= PROGRESS_EVERY_SECS or step == total):
+        if bar.disable and self.rank == 0 and (time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total):
             print(f"progress: step {step}/{total}, pairs seen {examples}, pairs/s {speed}, "
                   f"loss/train {loss}", flush=True)
             self.last_progress = time.time()
@@ -574,7 +578,10 @@ class Checkpoints:
     def __init__(self, trainer: BasicTrainer):
         self.trainer = trainer
 
-    def save(self) -> None:
+    def save(self, lean: bool = False) -> None:
+        """A checkpoint of everything a resume needs. `lean` (the stop on a signal, whose grace period a scheduler or
+        torchrun cuts short): no consolidated policy.pt where the sharded state holds the weights, no HF export, no
+        sha256 (sizes only); the next full checkpoint writes them."""
         t = self.trainer
         if t.config.debug:
             return rank0_print("debug=true: skipping checkpoint")
@@ -587,19 +594,24 @@ class Checkpoints:
         torch.save(get_rng_state(), tmp / f"rng-{t.rank}.pt")
         if t.config.ref_update.tau is not None:  # TR-DPO's reference is trained state
             t.sharding.save(t.reference.model, None, tmp)
-        state = t.sharding.full_state_dict(t.policy)  # a collective under FSDP: rank 0 keeps the result
+        consolidate = not (lean and isinstance(t.sharding, Sharded))  # one process: policy.pt is the resume's weights
+        state = t.sharding.full_state_dict(t.policy) if consolidate else {}  # a collective under FSDP: rank 0 keeps it
         if t.rank == 0:
-            torch.save({"step_idx": t.example_counter, "state": state, "metrics": getattr(t, "last_eval_metrics", {})}, tmp / "policy.pt")
+            if consolidate:
+                metrics = getattr(t, "last_eval_metrics", {})
+                torch.save({"step_idx": t.example_counter, "state": state, "metrics": metrics}, tmp / "policy.pt")
             torch.save(t.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save({"format": CHECKPOINT_FORMAT, "example_counter": t.example_counter, "batch_counter": t.batch_counter,
                         "nonfinite_in_a_row": t.nonfinite_in_a_row, "nonfinite_total": t.nonfinite_total,
                         "wandb_id": getattr(t.log.wandb_run, "id", None), "model": t.config.model.name_or_path,
                         "datasets": list(t.config.datasets), "seed": t.seed, "batch_size": t.config.batch_size,
                         "world_size": t.world_size, "beta_dpo_running": t.beta_dpo_running}, tmp / "trainer_state.pt")
-            self.export_hf(state, tmp / "hf")
+            if not lean:
+                self.export_hf(state, tmp / "hf")
+        del state
         t.sharding.barrier()
+        write_manifest(tmp, t.rank, t.world_size, hashes=not lean)
         if t.rank == 0:
-            write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             link = t.run_dir / "LATEST.tmp"
@@ -607,7 +619,7 @@ class Checkpoints:
             link.symlink_to(final.name)
             os.replace(link, t.run_dir / "LATEST")
             fsync_dir(t.run_dir)
-            print(f"checkpoint written: {final}", flush=True)
+            print(f"checkpoint written: {final}" + (" (lean: no policy.pt, HF export or sha256)" if lean else ""), flush=True)
         t.sharding.barrier()
 
     def export_hf(self, state: dict, out: Path) -> None:
@@ -627,7 +639,7 @@ class Checkpoints:
         t, c = self.trainer, self.trainer.config
         if not c.resume_from:
             return None
-        ckpt = validate_checkpoint(Path(c.resume_from) / "LATEST")
+        ckpt = Path(c.resume_from) / "LATEST"  # validated before any model loaded (train.check_inputs)
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         check_compatible(state, c, t.world_size)
         t.sharding.load(t.policy, t.optimizer, ckpt)
@@ -651,23 +663,28 @@ class Checkpoints:
         return state["wandb_id"] or ""
 
 
-def write_manifest(ckpt: Path) -> None:
-    """manifest.json: the size and sha256 of every file of the checkpoint, written last, each file fsynced as it is
-    hashed: a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as wrong weights."""
-    files, sha256 = {}, {}
-    for p in sorted(ckpt.rglob("*")):
-        name = str(p.relative_to(ckpt))
-        if p.is_file() and name != "manifest.json":
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-                sha256[name] = hashlib.file_digest(f, "sha256").hexdigest()
-            files[name] = p.stat().st_size
-    atomic_write_text(ckpt / "manifest.json", json.dumps({"format": CHECKPOINT_FORMAT, "files": files, "sha256": sha256}, indent=1))
+def write_manifest(ckpt: Path, rank: int, world_size: int, hashes: bool = True) -> None:
+    """manifest.json: the size (and with `hashes` the sha256) of every file of the checkpoint, written last, each
+    file fsynced as it is read: a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as
+    wrong weights. The ranks share the files, largest first, so hashing takes 1/world_size of the time."""
+    files = sorted((p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: (-p.stat().st_size, str(p)))
+    sha256 = {}
+    for p in files[rank::world_size]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+            if hashes:
+                sha256[str(p.relative_to(ckpt))] = hashlib.file_digest(f, "sha256").hexdigest()
+    sha256 = dict(sorted(kv for part in all_gather_object(sha256, slow=True) for kv in part.items()))
+    if rank == 0:
+        sizes = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(files)}
+        record = {"format": CHECKPOINT_FORMAT, "files": sizes, "sha256": sha256}
+        atomic_write_text(ckpt / "manifest.json", json.dumps(record, indent=1))
 
 
-def validate_checkpoint(ckpt: Path) -> Path:
-    """The checkpoint directory, after checking every file of its manifest (there, its size, its sha256). Nothing
-    is loaded from one that fails; the message names each bad file and the run's earlier complete checkpoints."""
+def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
+    """The checkpoint directory, after checking every file of its manifest (there, its size, and with `hashes` its
+    sha256). Nothing is loaded from one that fails; the message names each bad file and the run's earlier complete
+    checkpoints. It runs once per resume: in the launcher, or on rank 0 of a torchrun job (train.py)."""
     run_dir = ckpt.parent
     earlier = sorted((p.name for p in run_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
                       and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()),
@@ -691,7 +708,7 @@ def validate_checkpoint(ckpt: Path) -> Path:
             problems.append(f"{name}: missing")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
-        elif name in sums:
+        elif hashes and name in sums:
             with open(path, "rb") as f:
                 if hashlib.file_digest(f, "sha256").hexdigest() != sums[name]:
                     problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
@@ -705,7 +722,7 @@ def validate_checkpoint(ckpt: Path) -> Path:
 # logging, file places, and knobs that change memory, not numbers; any other key changes what the saved state means.
 RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples", "eval_every", "n_eval_examples",
                      "eval_batch_size", "do_first_eval", "sample_during_eval", "n_eval_model_samples", "max_new_tokens",
-                     "temperature", "top_p", "minimum_log_interval_secs", "wandb.", "debug", "exp_name", "local_dirs",
+                     "temperature", "top_p", "minimum_log_interval_secs", "log_every_steps", "wandb.", "debug", "exp_name", "local_dirs",
                      "run_dir", "resume_from", "collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps",
                      "peak_tflops", "activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload",
                      "fsdp.offload_policy", "fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking",

@@ -201,10 +201,20 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (e.g. the run directory, whose name holds rank 0's timestamp)."""
+def broadcast_object(obj: Any, slow: bool = False) -> Any:
+    """Rank 0's `obj` on every rank (e.g. the run directory, whose name holds rank 0's timestamp); `slow`: waited
+    for with RANK0_WORK_TIMEOUT (rank 0 hashing a checkpoint), not collective_timeout_secs."""
     if not (dist.is_available() and dist.is_initialized()):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_rank0_work_group if slow else None)
     return box[0]
+
+
+def all_gather_object(obj: Any, slow: bool = False) -> list:
+    """Every rank's `obj`, in rank order ([obj] in one process); `slow` as in broadcast_object."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_rank0_work_group if slow else None)
+    return out

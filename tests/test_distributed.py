@@ -112,6 +112,47 @@ def node_local_cache(rank: int, out: Path, second_port: int) -> dict:
     return {"printed": printed.getvalue(), "tables": sorted(p.name for p in (out / f"local{rank}").rglob("reference_logps/*.pt"))}
 
 
+def node_local_run_dir(rank: int, run_dir: Path) -> dict:
+    """Rank 1 cannot see the run directory rank 0 made (a node-local disk on another node, simulated by hiding
+    its files from rank 1): every rank stops at startup with one clear error (before: rank 1 failed writing its
+    shards into a directory that did not exist, at the first checkpoint)."""
+    is_file = Path.is_file
+    hidden = lambda self: False if rank == 1 and str(self).startswith(str(run_dir)) else is_file(self)
+    cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"])
+    try:
+        Path.is_file = hidden
+        train_py.distributed_worker(cfg, None)
+        return {"completed": True}
+    except Exception as e:  # the expected refusal
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        Path.is_file = is_file
+
+
+def hash_once(rank: int, run_dir: Path, second_port: int) -> dict:
+    """As torchrun runs train.py (train.main in every rank): a run with one checkpoint, then a resume that writes a
+    second. Each file a checkpoint holds is hashed once over the ranks when written, and once, by rank 0, when a
+    resume checks it (before: rank 0 hashed every file at every save, every rank twice at a resume)."""
+    import hashlib
+    digest, hashed = hashlib.file_digest, []
+
+    def counted(f, *args, **kwargs):
+        hashed.append(str(Path(f.name).resolve().relative_to(run_dir)).replace(".tmp/", "/"))  # LATEST, step-N.tmp
+        return digest(f, *args, **kwargs)
+    args = [*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"]
+    phases = {}
+    hashlib.file_digest = counted
+    try:
+        assert train_py.main(args) == 0
+        phases["first"], hashed[:] = list(hashed), []
+        os.environ["MASTER_PORT"] = str(second_port)  # as node_local_cache: a fresh store for the second run
+        assert train_py.main([*args, "n_examples=16", f"resume_from={run_dir}"]) == 0
+        phases["resumed"] = list(hashed)
+    finally:
+        hashlib.file_digest = digest
+    return phases
+
+
 def worker(rank, world_size, ports, out_dir):
     from datetime import timedelta
     utils.RANK0_WORK_TIMEOUT = timedelta(seconds=300)  # a rank left alone by a failed peer ends the test, not CI
@@ -120,6 +161,8 @@ def worker(rank, world_size, ports, out_dir):
     results = {}
     scenarios = {"helpers": lambda: helpers(rank, world_size), "slow_rank0": lambda: slow_rank0(rank, out / "slow"),
                  "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan"),
+                 "node_local_run_dir": lambda: node_local_run_dir(rank, out / "node_local_run"),
+                 "hash_once": lambda: hash_once(rank, out / "hash_once", ports[-2]),
                  "node_local_cache": lambda: node_local_cache(rank, out / "node_local", ports[-1])}
     for (name, scenario), port in zip(scenarios.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
@@ -136,7 +179,7 @@ def worker(rank, world_size, ports, out_dir):
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    ports = [utils.get_open_port() for _ in range(5)]  # one a scenario, and node_local_cache's second run
+    ports = [utils.get_open_port() for _ in range(8)]  # one a scenario; hash_once's and node_local_cache's second runs
     mp.spawn(worker, args=(2, ports, str(out)), nprocs=2, join=True)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -190,3 +233,24 @@ def test_rank_shares_are_equal_and_never_empty():
     assert [trainers.rank_share([1, 2, 3, 4, 5], r, 2) for r in (0, 1)] == [[1, 3, 5], [2, 4, 1]]
     assert trainers.rank_share([], 0, 2) == []
 
+
+
+def test_a_run_dir_that_other_nodes_cannot_see_stops_every_rank_at_startup(distributed_results):
+    out, ranks = distributed_results
+    for r in ranks:
+        assert "ConfigError" in r["node_local_run_dir"].get("error", ""), r["node_local_run_dir"]
+        assert "do not see it" in r["node_local_run_dir"]["error"] and "shared filesystem" in r["node_local_run_dir"]["error"]
+    assert not list((out / "node_local_run").glob("step-*"))  # stopped before training
+
+
+def test_each_checkpoint_file_is_hashed_once_when_written_and_once_when_resumed(distributed_results):
+    out, ranks = distributed_results
+    first = sorted(str(p.relative_to(out / "hash_once")) for p in (out / "hash_once" / "step-8").rglob("*")
+                   if p.is_file() and p.name != "manifest.json")
+    second = [f.replace("step-8", "step-16") for f in first]
+    written = [r["hash_once"]["first"] for r in ranks]
+    assert sorted(written[0] + written[1]) == first and all(written), written  # shared, each file once
+    resumed = [r["hash_once"]["resumed"] for r in ranks]
+    assert sorted(f for f in resumed[0] if "step-8" in f) == first  # rank 0 checks the checkpoint resumed from
+    assert not [f for f in resumed[1] if "step-8" in f]  # rank 1 does not
+    assert sorted(f for r in resumed for f in r if "step-16" in f) == second

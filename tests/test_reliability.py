@@ -45,6 +45,7 @@ from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 REPO = Path(__file__).resolve().parent.parent
 BAD_DATA = REPO / "tests" / "data" / "bad_data"
 BAD_CONFIGS = REPO / "tests" / "data" / "bad_configs.tsv"
+SLOW = REPO / "tests" / "data" / "slow_checkpoint.py"  # train.py with a large model's slow checkpoint and step
 
 # 12 steps of 8 pairs; evaluation (with sampling) and a checkpoint every 2 steps: 6 checkpoints to kill around.
 RUN = ["loss=dpo", "model=tiny", "datasets=[toy]", "n_epochs=null", "n_examples=96", "batch_size=8",
@@ -545,7 +546,7 @@ def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, 
     import trainers
     run = copy_run(reference.wait(), tmp_path / "run")
     torch.save({"format": 1, "payload": Payload(marker)}, run / "step-96" / "trainer_state.pt")
-    trainers.write_manifest(run / "step-96")
+    trainers.write_manifest(run / "step-96", 0, 1)
     trainer = build_trainer(tmp_path / "other", f"resume_from={run}")
     trainer.build_optimizer()
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
@@ -687,3 +688,61 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(
                              capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at {examples} examples" in resumed.stdout
+
+
+def started(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Wait until the run has logged a training step."""
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and "loss/train" in (run_dir / "metrics.jsonl").read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no training step logged (exit {proc.poll()})")
+
+
+@pytest.mark.parametrize("trainer", ["BasicTrainer", "FSDPTrainer"])
+def test_a_second_ctrl_c_stops_at_once_with_one_line_not_a_traceback(tmp_path, trainer):
+    """Ctrl-C, then Ctrl-C again within the step (steps take 4 s here): the run stops at once without a checkpoint,
+    exit 130, and says so in one line with the command that continues from the latest checkpoint or starts again
+    (before: a KeyboardInterrupt traceback, one per rank under FSDP)."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
+            f"trainer={trainer}", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-u", str(SLOW), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**ENV, "SLOW_STEP_SECS": "4"}, start_new_session=True)
+    started(run_dir, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, out[-2000:], err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("interrupted")]
+    assert len(said) == 1 and ("start again with" in said[0] or "resume with" in said[0]), err[-3000:]
+
+
+def test_under_torchrun_a_sigterm_stop_writes_a_lean_checkpoint_before_the_shutdown_timeout(tmp_path):
+    """torchrun passes SIGTERM (a scheduler's preemption, Ctrl-C) to its ranks and SIGKILLs them 30 s later
+    (--shutdown_timeout). The stop checkpoint holds only what a resume needs: with a consolidated state dict and
+    an HF export that take 90 s each (a large model's), it is still written in time, and the run resumes from it
+    (before: the ranks were killed mid-checkpoint and the work since the last checkpoint was lost)."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
+            "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(SLOW), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**ENV, "SLOW_CHECKPOINT_SECS": "90"}, start_new_session=True)
+    started(run_dir, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    start = time.time()
+    out, err = proc.communicate(timeout=240)
+    assert time.time() - start < 30 and "forcefully exiting" not in err, err[-3000:]
+    assert "interrupted at step" in err and "lean" in out, out[-2000:] + err[-3000:]
+    ckpt = (run_dir / "LATEST").resolve()
+    record = json.loads((ckpt / "manifest.json").read_text())
+    assert record["sha256"] == {} and "policy.pt" not in record["files"] and "hf" not in {p.name for p in ckpt.iterdir()}
+    examples = int(ckpt.name.split("-")[1])
+    resumed = run_train([*args, "n_workers=2", f"resume_from={run_dir}", f"n_examples={examples + 8}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at {examples} examples" in resumed.stdout
+    assert (run_dir / "LATEST" / "policy.pt").is_file()  # the next full checkpoint writes what the lean one left out

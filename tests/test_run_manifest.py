@@ -10,7 +10,7 @@ import preference_datasets as data
 import run_manifest
 from test_train import REPO, metrics, train, train_py
 
-SFT = ["loss=sft", "n_examples=16", "eval_every=8", "minimum_log_interval_secs=0"]
+SFT = ["loss=sft", "n_examples=16", "eval_every=8"]  # default logging: every step, whatever the clock
 
 
 def test_manifest_written_and_resume_refuses_on_data_drift_warns_on_code_drift(tmp_path):
@@ -64,6 +64,10 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
         code = train_py.main(["--replay", str(original), f"run_dir={replay}"])
     assert code == 0, out.getvalue()[-2000:] + err.getvalue()[-2000:]
     assert "replay identical" in out.getvalue() and "loss/train" in out.getvalue()
+    # a step cadence, not the clock: both steps logged in both runs, and the table says so (before:
+    # records at most once a second, so `replay identical` could rest on a few of the steps)
+    assert [r["step"] for r in metrics(original) if "loss/train" in r] == [8, 16]
+    assert "compared 2 training steps (0 in one run only) and 3 evaluations (0 in one run only)" in out.getvalue()
     differences = run_manifest.metric_differences(original, replay)
     exact = {name: v for name, v in differences.items() if not name.startswith(run_manifest.TIMING)}
     assert {"loss/train", "loss/eval", "grad_norm", "logps_train/chosen"} <= set(exact)
@@ -71,8 +75,7 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
     assert len(metrics(replay)) == len(metrics(original))
     assert json.loads((replay / "run_manifest.json").read_text())["data"] == json.loads((original / "run_manifest.json").read_text())["data"]
 
-    # training records are written on a wall-clock interval: a step one run logged and the other did not is
-    # counted apart, not a difference (before: `replay differs in 9 metric(s)` for a replay equal to the run)
+    # a step one run logged and the other did not (another log_every_steps) is counted apart, not a difference
     records = metrics(original)
     dropped = next(i for i, r in enumerate(records) if "loss/train" in r)
     (original / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(records) if i != dropped))

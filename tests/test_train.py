@@ -488,6 +488,44 @@ def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_p
             assert not torch.allclose(exported(ids).logits, with_adapter(ids).logits, atol=1e-3)
 
 
+def test_lora_loads_without_library_warnings():
+    """peft's get_peft_model asks transformers a deprecated question: a FutureWarning on every LoRA run (before)."""
+    import warnings
+    from config import load_config
+    cfg, _ = load_config([*FAST, "loss=dpo", "n_examples=8", *LORA])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_py.load_models(cfg)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
+def test_a_fresh_start_in_a_used_run_dir_begins_clean_logs_and_keeps_the_old_ones(tmp_path):
+    """An earlier start that stopped before its first checkpoint (debug=true writes none) left metrics.jsonl: the
+    same command again (what the resume error advises) logs into a clean file, the old files moved to previous-1/
+    (before: appended, two runs' records and two step-0 rows in one file). The defaults taken from the original
+    are named where the run starts; --cfg refuses a run_dir holding a checkpoint, as the run does."""
+    run_dir = tmp_path / "run"
+    original = ["optimizer=RMSprop", "lr=5e-7", "warmup_steps=150", "debug=true", "n_examples=16", "eval_every=8"]
+    first = train(run_dir, *original)
+    assert "optimizer RMSprop, lr 5e-07, warmup_steps 150, scheduler constant (the original DPO code's defaults" in first.stdout
+    second = train(run_dir, *original)
+    assert f"its files moved to {run_dir / 'previous-1'}" in second.stderr
+    assert [r["step"] for r in metrics(run_dir) if "loss/eval" in r] == [0, 8, 16]
+    timeless = lambda records: [{k: v for k, v in r.items() if not k.startswith(("throughput", "examples_per"))} for r in records]
+    assert timeless(metrics(run_dir / "previous-1")) == timeless(metrics(run_dir))  # the first start's, kept
+    assert {p.name for p in run_dir.iterdir()} >= {"previous-1", "config.yaml", "metrics.jsonl"}
+    done = tmp_path / "done"
+    train(done, "n_examples=8", "eval_every=8", "sample_during_eval=false")
+    refused = train(done, "n_examples=8", "--cfg", check=False)
+    assert refused.returncode == 2 and f"run_dir={done} already holds a run" in refused.stderr
+
+
+def test_kto_from_pairs_says_an_epoch_has_twice_the_steps(tmp_path):
+    """pairs_to_unpaired makes each pair two completions: the printed geometry says why the steps double."""
+    result = train(tmp_path / "run", "loss=kto", "pairs_to_unpaired=true", "n_examples=8", "sample_during_eval=false")
+    assert "(pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)" in result.stdout
+
+
 def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeypatch, capsys):
     import importlib.util
     real = importlib.util.find_spec

@@ -144,7 +144,7 @@ def test_beta_dpo_resumes_exactly_with_its_running_margins(tmp_path):
     saved = torch.load(state, weights_only=True)
     assert saved["beta_dpo_running"] is not None
     torch.save(dict(saved, beta_dpo_running=None), state)
-    trainers.write_manifest((tmp_path / "forgot" / "LATEST").resolve())
+    trainers.write_manifest((tmp_path / "forgot" / "LATEST").resolve(), 0, 1)
     forgot = run(tmp_path / "forgot", *options, "n_examples=24", f"resume_from={tmp_path / 'forgot'}")
     assert not all(torch.equal(whole[k], forgot[k]) for k in whole)
 
@@ -272,8 +272,8 @@ KTO = ["loss=kto", "pairs_to_unpaired=true"]
 def test_kto_runs_with_accumulation_logs_its_metrics_and_starts_at_half(tmp_path):
     """A KTO run on the toy pairs turned unpaired: the step-0 loss is 0.5 (policy = reference, KL 0), the metrics
     keep the original names plus kl, eval keeps the pairs (rewards_eval/accuracies), and 2 x 4 with accumulation
-    ends where 8 in one micro-batch does (on this data the KL estimate stays <= 0, clamped to 0: the split
-    invariance with a positive KL is the next test's)."""
+    ends where 8 in one micro-batch does (on this data the KL estimate stays <= 0: kl/train shows it, kl_clamped/train
+    is the 0 the loss uses; the split invariance with a positive KL is the next test's)."""
     whole = run(tmp_path / "whole", *KTO, "minimum_log_interval_secs=0")
     split = run(tmp_path / "split", *KTO, "gradient_accumulation_steps=2")
     assert max((whole[k] - split[k]).abs().max().item() for k in whole) <= 1e-5
