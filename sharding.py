@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel as FSDP,
                                     MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+from torch.distributed.tensor import DTensor
 
 import ulysses
 from utils import (all_gather_if_needed, all_ranks_true, dtype_of, find_block_class_names, get_block_class_from_model,
@@ -39,7 +40,7 @@ class OneProcess:
     collective forwards); gather: every rank's tensor along dim 0; gather_objects: every data-parallel rank's items;
     barrier: wait for rank 0's lone work (a timeout slow disks do not trip); reshard: free gathered parameters;
     params_on_device: offloaded parameters on device for a phase; save / load: what a resume needs besides policy.pt
-    (the optimizer state, or TR-DPO's reference)."""
+    (the optimizer state, or TR-DPO's reference); release: a model's memory freed for good (a precomputed reference)."""
 
     autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
 
@@ -82,6 +83,32 @@ class OneProcess:
             optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         else:
             model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
+
+    def release(self, model: nn.Module) -> int:
+        """Frees the memory of `model`'s parameters and buffers on this rank (under FSDP its shards and the copies FSDP
+        keeps) and returns the bytes freed. Their storage is resized to 0, so it goes even where something still holds
+        the tensors: FSDP1's flat parameters outlive `del` and gc.collect(), each holding its modules, whose views hold
+        it as their base (a cycle through C++ that gc cannot see). The model is unusable afterwards: its tensors keep
+        their shapes over no memory, and a forward raises (an all-gather from a freed shard would crash the process)."""
+        model.register_forward_pre_hook(released, prepend=True)  # before FSDP2's all-gather hook
+        self.reshard(model)  # gathered parameters back to their shards: FSDP frees the gathered copies
+        storages = {}  # data pointer -> (storage, its tensors): tied weights and views share one, counted once
+        for tensor in self.tensors(model):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # FSDP2: this rank's shard
+            if not local.is_meta:
+                storages.setdefault(local.untyped_storage().data_ptr(), (local.untyped_storage(), []))[1].append(local)
+        freed = sum(storage.nbytes() for storage, _ in storages.values())
+        for storage, tensors in storages.values():
+            if storage.resizable():
+                storage.resize_(0)
+            else:  # memory torch cannot resize (weights mapped from a safetensors file): gone with its last tensor
+                for tensor in tensors:
+                    tensor.data = tensor.new_empty(0)
+        return freed
+
+    def tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """Every tensor whose storage `release` frees."""
+        return [*model.parameters(), *model.buffers()]
 
 
 class Sharded(OneProcess):
@@ -195,9 +222,9 @@ class FSDP1(Sharded):
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         if isinstance(self.blocks, tuple):
             size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
-            head = model.get_output_embeddings()  # stays in the root unit: the tiled path reads its weight there
+            kept = never_units(model)
             policy = lambda module, recurse, **numel: (  # noqa: E731
-                size_policy(module=module, recurse=recurse, **numel) and (recurse or module is not head))
+                size_policy(module=module, recurse=recurse, **numel) and (recurse or module not in kept))
         else:
             policy = ModuleWrapPolicy(self.blocks)
         hybrid = self.mesh.ndim == 2 and self.mesh.shape[1] > 1
@@ -233,6 +260,13 @@ class FSDP1(Sharded):
     def gradient_sync(self, model: nn.Module, sync: bool):
         return contextlib.nullcontext() if sync else model.no_sync()
 
+    def tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """Also each flat parameter (not a parameter of the model under use_orig_params) and its copies beside it
+        (_local_shard, _full_param_padded, _mp_shard, _cpu_grad...)."""
+        flat = [unit._handle.flat_param for unit in FSDP.fsdp_modules(model) if unit._handle is not None]
+        copies = [t for p in flat for t in vars(p).values() if isinstance(t, torch.Tensor)]
+        return [*super().tensors(model), *flat, *copies]
+
     def clip(self, model: nn.Module, max_norm: float) -> float:
         return model.clip_grad_norm_(max_norm).item()
 
@@ -240,8 +274,9 @@ class FSDP1(Sharded):
         """FSDP1 keeps the root unit's gathered parameters after a forward (for the backward), every unit's under
         SHARD_GRAD_OP, and its next forward reuses them without gathering."""
         for unit in FSDP.fsdp_modules(model):
-            if unit._handle is not None and unit._handle.uses_sharded_strategy:
-                unit._handle.reshard(free_unsharded_flat_param=True)
+            handle = unit._handle  # before the first forward: nothing gathered, and no _local_shard to go back to
+            if handle is not None and handle.uses_sharded_strategy and hasattr(handle.flat_param, "_local_shard"):
+                handle.reshard(free_unsharded_flat_param=True)
 
 
 class FSDP2(Sharded):
@@ -310,6 +345,10 @@ class FSDP2(Sharded):
 
 
 # --- Helpers of the two ---
+def released(module: nn.Module, args) -> None:
+    raise RuntimeError(f"this {type(module).__name__} was released (sharding's release): its weights are gone")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside an FSDP1 wrapper (FSDP2 and one process: the model itself)."""
     return model.module if isinstance(model, FSDP) else model
@@ -327,17 +366,28 @@ def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
 
 def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
     """Modules to shard under a size policy, leaves first, as FSDP1's size_based_auto_wrap_policy: a module is wrapped
-    once the parameters no wrapped descendant holds reach min_num_params; the LM head stays in the root unit."""
-    chosen, head = [], model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    once the parameters no wrapped descendant holds reach min_num_params, unless never_units keeps it."""
+    chosen, kept = [], never_units(model)
 
     def remaining(module: nn.Module) -> int:
         n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())
-        if module is not model and module is not head and n >= min_num_params:
+        if module is not model and module not in kept and n >= min_num_params:
             chosen.append(module)
             return 0
         return n
     remaining(model)
     return chosen
+
+
+def never_units(model: nn.Module) -> set[nn.Module]:
+    """What a size policy never makes a unit: containers (ModuleList, ModuleDict: fully_shard refuses them, FSDP1's
+    policy skips them) and every module holding the LM head's weight (the head, a tied input embedding, their parents).
+    That weight stays in the root unit, as under the block policy: the tiled head reads it there, and a tied weight in
+    a unit of its own is flattened again by FSDP1's root (embedding and head then train as two matrices) or shared by
+    two FSDP2 groups (refused at the first forward)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
+    return {m for m in model.modules()
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or any(p is weight for p in m.parameters())}
 
 
 def checkpoint_blocks(model: nn.Module, wrap_policy: dict) -> None:

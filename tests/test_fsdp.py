@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import sharding
 import train as train_py
@@ -57,6 +57,22 @@ def write_skewed_pairs(path: Path) -> str:
 # written at import, so each spawned worker (which imports this module anew) has the same file
 SKEWED = [f"datasets=[{write_skewed_pairs(Path(TEST_LOCAL_DIR) / 'skewed_pairs.jsonl')}]", *SGD_ONE_STEP]
 
+
+def write_tied_llama(path: Path) -> list[str]:
+    """The toy Llama with its LM head tied to its input embedding (as Llama-3.2-1B, Qwen2.5-0.5B, Gemma), saved; the
+    arguments that load it."""
+    config = AutoConfig.from_pretrained(REPO / "toy" / "tiny-llama", tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return [f"model.name_or_path={path}", f"model.tokenizer_name_or_path={REPO / 'toy' / 'tiny-llama'}"]
+
+
+TIED = [*write_tied_llama(Path(TEST_LOCAL_DIR) / "tied-llama"), *SGD_ONE_STEP]
+# on it each MLP (147456 parameters), the two attentions together (model.layers) and the LlamaModel holding the tied
+# embedding pass the threshold
+COARSE = "fsdp.wrap_policy={min_num_params: 100000}"
+
 SCENARIOS = {
     # name: (arguments, strategy-independent baseline name)
     "fsdp_sgd": (["fsdp.strategy=fsdp", *SGD_ONE_STEP], "sgd"),
@@ -83,6 +99,8 @@ SCENARIOS = {
     "fsdp_skewed_no_sync": (["fsdp.strategy=fsdp", *SKEWED, "gradient_accumulation_steps=2", "no_sync_accumulation=true"],
                             "skewed_sgd"),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
+    "fsdp_tied_size_policy": (["fsdp.strategy=fsdp", *TIED, COARSE], "tied_sgd"),
+    "fsdp2_tied_size_policy": (["fsdp.strategy=fsdp2", *TIED, COARSE], "tied_sgd"),
     "fsdp_kto": (["fsdp.strategy=fsdp", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     # TR-DPO with the knobs that broke its update: checkpoint wrappers on the policy's names, a reference that
@@ -201,12 +219,37 @@ def run_scenario(name, args, rank, world_size, out_dir):
     finally:
         sharding.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
+    if "tied" in name:  # the live policy's head and input embedding: one Parameter (FSDP1's, gathered)
+        model, wrapped = sharding.unwrap(trainer.policy), isinstance(trainer.policy, sharding.FSDP)
+        with sharding.FSDP.summon_full_params(trainer.policy) if wrapped else contextlib.nullcontext():
+            info["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if name.endswith("_adamw"):  # the reference after its forwards, and one never run (every log-prob cached)
+        fresh = trainer.sharding.shard(train_py.load_models(cfg, on_meta=rank != 0)[2], False)
+        info["release"] = [release_check(trainer, model) for model in (trainer.reference.model, fresh)]
     info["shares"] = [None] * world_size  # [rank][step]: the chosen texts of the pairs it trained on
     dist.all_gather_object(info["shares"], shares)
     if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
         rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
         info["kl"] = trainer.reference.kl_point(rows).item()
     return info
+
+
+def release_check(trainer, model) -> dict:
+    """Frees a sharded model with sharding's release: the bytes it reports, the bytes this rank's shards hold by their
+    sizes (FSDP1: each unit's flat parameter padded to 2 equal halves; FSDP2: each parameter's first dimension),
+    buffers included, and the bytes its tensors still hold afterwards."""
+    world, shards = trainer.world_size, 0
+    if isinstance(model, sharding.FSDP):
+        for unit in sharding.FSDP.fsdp_modules(model):
+            flat = unit._handle.flat_param
+            shards += -(-flat._unpadded_unsharded_size.numel() // world) * flat.element_size()
+    else:
+        shards = sum(-(-p.shape[0] // world) * p[0].numel() * p.element_size() for p in model.parameters())
+    shards += sum(b.untyped_storage().nbytes() for b in model.buffers())
+    tensors = trainer.sharding.tensors(model)  # FSDP1: with each flat parameter and its copies
+    freed = trainer.sharding.release(model)
+    left = sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in tensors)
+    return {"freed": freed, "shards": shards, "left": left}
 
 
 def unsharded_gradient_elements(policy) -> int:
@@ -291,7 +334,7 @@ def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
     for name, args in (("sgd", SGD_ONE_STEP), ("adamw", [*ADAMW_3, *SAMPLES_12]), ("kto_sgd", [*SGD_ONE_STEP, *KTO]), ("skewed_sgd", SKEWED),
-                       ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA])):
+                       ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA]), ("tied_sgd", TIED)):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
     return out
@@ -414,6 +457,41 @@ def test_size_based_wrap_policy(fsdp_results, baselines):
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / "fsdp2_size_policy"), final_state(baselines / "sgd")
     assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_size_policy_keeps_a_tied_embedding_in_the_root_and_matches_one_process(fsdp_results, baselines, strategy):
+    """A tied Llama under fsdp.wrap_policy={min_num_params: 100000}: units are the two MLPs and the root, which keeps
+    the tied weight (never the LlamaModel holding it) and model.layers (a ModuleList). Before: FSDP1 flattened the
+    tied weight into the LlamaModel's unit and again into the root's, so embedding and head trained as two matrices;
+    FSDP2 picked model.layers, which fully_shard refuses. One SGD step (lr 1) equals one process; still tied."""
+    out, results = fsdp_results
+    info = results[f"{strategy}_tied_size_policy"]
+    assert info["tied"] and info["units"] == 3
+    sharded = final_state(out / f"{strategy}_tied_size_policy")
+    assert torch.equal(sharded["lm_head.weight"], sharded["model.embed_tokens.weight"])
+    assert_close_states(sharded, final_state(baselines / "tied_sgd"), atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_release_frees_every_shard_of_the_reference(fsdp_results, strategy):
+    """sharding's release (precompute_ref_log_probs frees the reference with it): this rank's shards, to the byte,
+    and nothing left in the reference's tensors (FSDP1's flat parameters and the copies it keeps beside them)."""
+    _, results = fsdp_results
+    for info in results[f"{strategy}_adamw"]["release"]:  # after forwards, and never run
+        assert info["freed"] == info["shards"] > 0 and info["left"] == 0
+
+
+def test_release_in_one_process_frees_the_model_and_a_forward_then_raises():
+    """Tied weights counted once; the model keeps its shapes over no memory, and a forward raises (FSDP's all-gather
+    from a freed shard would crash the process)."""
+    model = AutoModelForCausalLM.from_pretrained(TIED[0].split("=", 1)[1])
+    tensors = [*model.parameters(), *model.buffers()]  # the tied weight once
+    size, cfg = sum(t.numel() * t.element_size() for t in tensors), load_config([*FAST, *TIED])[0]
+    assert sharding.OneProcess(model, cfg).release(model) == size
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    with pytest.raises(RuntimeError, match="released"):
+        model(torch.tensor([[1, 2, 3]]))
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
