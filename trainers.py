@@ -12,6 +12,7 @@ loss; then clip, one decision on non-finite values for all ranks, step.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -506,8 +507,14 @@ class Reference:
         used = data.iter_batch_indices(t.n_train_pairs, batch_size=c.batch_size, shuffle=True, seed=t.seed, n_epochs=c.n_epochs,
                                        n_examples=c.n_examples)
         self.tables = {"train": self.table("train", sorted({i for batch in used for i in batch})), "test": self.table("test", None)}
+        freed = 0 if self.lora else t.sharding.release(self.model)  # under LoRA the model IS the policy: kept
         self.model = None
-        rank0_print("reference log-probs ready; reference model freed")
+        gc.collect()  # FSDP2's modules sit in reference cycles
+        left = ""
+        if t.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed blocks back to the device
+            left = f"; {torch.cuda.memory_allocated(t.device) / 2**20:.0f} MiB still allocated on {t.device}"
+        rank0_print(f"reference log-probs ready; reference model freed ({freed / 2**20:.1f} MiB on rank 0{left})")
 
     def table(self, split: str, wanted: Optional[list[int]]) -> torch.Tensor:
         """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached under a

@@ -520,6 +520,34 @@ def test_a_fresh_start_in_a_used_run_dir_begins_clean_logs_and_keeps_the_old_one
     assert refused.returncode == 2 and f"run_dir={done} already holds a run" in refused.stderr
 
 
+def test_a_precomputed_reference_is_freed_for_real(tmp_path, monkeypatch, capsys):
+    """precompute_ref_log_probs promises one model in memory while training: right after the reference pass no other
+    causal LM than the policy is alive (before: train.worker_main's local kept the whole reference), and the freed
+    bytes are printed."""
+    import gc
+    import transformers
+    import trainers
+    from config import load_config
+    seen = {}
+    precompute = trainers.Reference.precompute
+
+    def precompute_then_look(self):
+        precompute(self)
+        gc.collect()
+        inside = {id(m) for m in self.trainer.policy.modules()}
+        seen["alive"] = [type(o).__name__ for o in gc.get_objects()
+                         if isinstance(o, transformers.PreTrainedModel) and id(o) not in inside]
+    monkeypatch.setattr(trainers.Reference, "precompute", precompute_then_look)
+    cfg, _ = load_config([*FAST, "loss=dpo", "n_examples=8", "precompute_ref_log_probs=true", "sample_during_eval=false",
+                          f"run_dir={tmp_path / 'run'}"])
+    (tmp_path / "run").mkdir()
+    train_py.worker_main(0, 1, cfg, str(tmp_path / "run"))
+    assert seen["alive"] == []
+    freed = float(capsys.readouterr().out.split("reference model freed (")[1].split(" MiB")[0])
+    weights = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict().values()
+    assert freed == pytest.approx(sum(w.numel() * w.element_size() for w in weights) / 2**20, abs=0.05)
+
+
 def test_kto_from_pairs_says_an_epoch_has_twice_the_steps(tmp_path):
     """pairs_to_unpaired makes each pair two completions: the printed geometry says why the steps double."""
     result = train(tmp_path / "run", "loss=kto", "pairs_to_unpaired=true", "n_examples=8", "sample_during_eval=false")
