@@ -1,7 +1,8 @@
 """Sequence log-probs from a causal LM, top to bottom:
   1. Log-probs of labels, a tile of rows at a time, from given logits (`target_logps`) or through the LM head
-     (`linear_token_logps`, the tiled head: only scored positions, never (rows, vocab) logits). No full-vocabulary
-     fp32 copy is ever made; backward recomputes each tile.
+     (`linear_token_logps`, the tiled head: only scored positions, never (rows, vocab) logits; the head's scale or
+     softcap by model type, `tiled_head`, which refuses heads it does not know). No full-vocabulary fp32 copy is
+     ever made; backward recomputes each tile.
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
   3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
   4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -178,6 +180,44 @@ def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opt
     return out if with_entropy or with_sum_sq else out[0]
 
 
+# What a model type's CausalLM does to `hidden @ W.T (+ b)`, read in transformers' modeling files: "*" or "/" by a
+# config value, or "tanh" (value * tanh(logits / value)). The tiled head does the same; other types do nothing.
+HEAD_POSTPROCESSING = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), ("*", "logit_scale")),
+    "hyperclovax": ("*", "logits_scaling"),  # the same key as Granite's, which divides
+    "falcon_h1": ("*", "lm_head_multiplier"),
+    # MiniCPM3 divides the hidden states: the same for its bias-free head
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+                     "minicpm3"), ("/", "logits_scaling")),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+                     "gemma4_unified_text", "vaultgemma", "nanochat", "beam"), ("tanh", "final_logit_softcapping")),
+    "recurrent_gemma": ("tanh", "logits_soft_cap"),
+}
+# A config carrying one of these keys for a type not listed with it has a head the tiled path does not know (MPT's
+# logit_scale, which transformers' MPT ignores; Inkling's width multiplier, with a vocabulary cut): refused.
+HEAD_KEYS = {key: op for op, key in HEAD_POSTPROCESSING.values()} | {"logits_mup_width_multiplier": "/"}
+
+
+def tiled_head(config) -> tuple[float, Optional[float]]:
+    """(logit_scale, softcap) for linear_token_logps that give the logits of `config`'s model (HEAD_POSTPROCESSING).
+    Raises ValueError where the tiled head cannot know them: the model's own code (auto_map), or a head key that its
+    type's entry does not apply. train.py can call it on config.json alone, before any model loads."""
+    kind, text = config.model_type, getattr(config, "text_config", None) or config  # multimodal: the text model's
+    op, key = HEAD_POSTPROCESSING.get(kind, (None, None))
+    found = [f"{k}={v}" for k, o in HEAD_KEYS.items() if k != key and (v := getattr(text, k, None)) is not None
+             and (o == "tanh" or v != 1)]
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        found.append("its own code (auto_map)")
+    if found:
+        raise ValueError(f"tiled_lm_head=true: the LM head of model type {kind!r} has {', '.join(found)}, which the "
+                         "tiled head does not reproduce (its log-probs would differ from the model's); set "
+                         "tiled_lm_head=false")
+    value = getattr(text, key, None) if key else None
+    if op == "tanh" or value is None:
+        return 1.0, value
+    return float(value) if op == "*" else 1 / value, None
+
+
 # ---------- 2. Entropy ----------
 def _entropy_chunk(logits: Tensor) -> Tensor:
     """H(softmax(x)) in fp32, (rows, V) -> (rows,), as log s - sum exp(z) z / s with z = x - max(x), s = sum exp(z):
@@ -253,11 +293,13 @@ def concatenated_inputs(batch: dict) -> dict[str, Tensor]:
 
 def padded_inputs(inputs: dict[str, Tensor], multiple: int = 1) -> tuple[dict, Tensor, Tensor]:
     """Model kwargs, labels (R, T) and the sequence each token belongs to (R, T; -1 on padding): one row per
-    sequence, right-padded, T rounded up to a multiple of `multiple` (the sequence-parallel size)."""
+    sequence, right-padded, T rounded up to a multiple of `multiple` (the sequence-parallel size). No attention
+    mask: causal attention never lets a token see the padding after it, and padding is never scored, so the model's
+    own causal mask gives the same log-probs, and sdpa its causal kernel (a padding mask is a (R, 1, T, T) bias)."""
     t = -(-inputs["input_ids"].size(1) // multiple) * multiple
     ids, mask, labels = (pad_to_length(inputs[k], t, p) for k, p in PADS.items())
     owner = torch.where(mask.bool(), torch.arange(ids.size(0), device=ids.device)[:, None], -1)
-    return {"input_ids": ids, "attention_mask": mask}, labels, owner
+    return {"input_ids": ids}, labels, owner
 
 
 def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -348,12 +390,20 @@ def _block_mask_builder(device_type: str):
     return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
 
 
+def sliding_window(config, length: int) -> Optional[int]:
+    """The window of `config`'s sliding-window layers (Mistral, Gemma2/3, Qwen2 with use_sliding_window) where rows of
+    `length` tokens are longer; None where no layer slides or the window holds whole rows (causal, as full layers)."""
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    slides = layer_types is None or "sliding_attention" in layer_types
+    return window if window and window < length and slides else None
+
+
 def block_masks(unit: Tensor, branch: Tensor, positions: Tensor, config):
     """packed_inputs' mask as FlexAttention block masks, as packed_attention_mask shapes it for each layer type of
     `config` (the sliding window counted in positions); the model's sdpa attention takes them (use_flex_attention)."""
     use_flex_attention()
-    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     (rows, t), build = unit.shape, _block_mask_builder(unit.device.type)
+    window, layer_types = sliding_window(config, t), getattr(config, "layer_types", None)
 
     def full(b, h, q, k):  # causal within a unit, keys of the prompt (branch 0) or of the query's own branch
         return (unit[b, q] == unit[b, k]) & (q >= k) & ((branch[b, k] == 0) | (branch[b, k] == branch[b, q]))
@@ -361,9 +411,10 @@ def block_masks(unit: Tensor, branch: Tensor, positions: Tensor, config):
     def sliding(b, h, q, k):
         return full(b, h, q, k) & (positions[b, q] - positions[b, k] < window)
     masks = {"full_attention": build(full, rows, None, t, t, device=unit.device)}
-    if window and (layer_types is None or "sliding_attention" in layer_types):
+    if window:
         masks["sliding_attention"] = build(sliding, rows, None, t, t, device=unit.device)
-    return masks if layer_types is not None else masks.get("sliding_attention", masks["full_attention"])
+    masks.setdefault("sliding_attention", masks["full_attention"])  # no band (none, or longer than the rows): causal
+    return masks if layer_types is not None else masks["sliding_attention"]
 
 
 @functools.cache
@@ -378,7 +429,8 @@ def use_flex_attention() -> None:
 
     @functools.wraps(sdpa)  # keeps ulysses.install's mark: it wraps the registry entry once
     def attention(module, query, key, value, attention_mask, **kwargs):
-        if isinstance(attention_mask, BlockMask):
+        # over Ulysses' wrapper (installed first) its block masks go to it: FlexAttention after its all-to-all
+        if isinstance(attention_mask, BlockMask) and not getattr(sdpa, "ulysses", False):
             return flex_attention.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
@@ -391,10 +443,10 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
     prefix: the rejected is nearer the prompt than its column says), else in columns; (2) eager attention adds it
     to the scores: additive bf16 (0 or a large negative; half of fp32's bytes, the same range). A mask marked
     `causal_only` (ulysses.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
-    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    window, layer_types = sliding_window(config, mask.shape[-1]), getattr(config, "layer_types", None)
     causal_only = getattr(mask, "causal_only", False)
     masks = {"full_attention": mask}
-    if window and (layer_types is None or "sliding_attention" in layer_types):
+    if window:
         if positions is None:  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
             band = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(-(window - 1))
         else:  # (R, 1, T) positions: query position - window < key position, compared straight to bool
@@ -405,7 +457,8 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
         low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
         masks = {k: m if getattr(m, "causal_only", False) else
                  torch.full(m.shape, low, dtype=torch.bfloat16, device=m.device).masked_fill_(m, 0.0) for k, m in masks.items()}
-    return masks if layer_types is not None else masks.get("sliding_attention", masks["full_attention"])
+    masks.setdefault("sliding_attention", masks["full_attention"])  # no band (none, or longer than the rows): causal
+    return masks if layer_types is not None else masks["sliding_attention"]
 
 
 # ---------- 4. Sequence log-probs ----------
@@ -460,20 +513,30 @@ def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: O
     # inputs: targets follow the tensor they index (`to` is free on the same device).
     token_entropy = token_sq = None
     if tiled:
-        backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model  # peft
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+        backbone, head = lm.base_model, lm.get_output_embeddings()
+        others = [name for name, child in lm.named_children() if child is not backbone and child is not head]
+        why = (f"computes its logits with {', '.join(others)} too, not its output embeddings alone" if others else
+               "has a LoRA adapter on its LM head, whose .weight is the base layer's" if hasattr(head, "base_layer")
+               else None)
+        if why:
+            raise ValueError(f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
+                             "reproduce; set tiled_lm_head=false")
+        scale, softcap = tiled_head(lm.config)
         hidden = backbone(**kwargs, use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()
-        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)  # under autocast: the compute dtype
+        weight, bias = head.weight, head.bias
+        if torch.is_autocast_enabled(hidden.device.type):  # the tiles' matmuls in its dtype, as the model's own head
+            dtype = torch.get_autocast_dtype(hidden.device.type)  # (the casts' backward: grads in the params' dtype)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         targets = targets.to(hidden.device)
         scored = targets != IGNORE_INDEX
         rows, targets = hidden[scored], targets[scored]
         if extra is not None:  # the rejected's first tokens, from the prompts' last positions
             extra = tuple(x.to(hidden.device) for x in extra)
             rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
-        config = model.config  # after the matmul, Cohere and Granite scale the logits, Gemma caps them
-        scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-        out = linear_token_logps(rows, head.weight, targets, head.bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
-                                 logit_scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
+        out = linear_token_logps(rows, weight, targets, bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
+                                 logit_scale=scale, softcap=softcap)
         logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
         return logps, token_entropy if entropy is not None else None, token_sq if sum_sq else None, scored
     logits = call(**kwargs, use_cache=False).logits
@@ -500,19 +563,28 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
     forward inside the root unit's forward)."""
     (n, width), sp = inputs["input_ids"].shape, sequence_parallel
-    multiple = sp.size if sp else 1
-    flex = (not sp and inputs["input_ids"].device.type in FLEX_DEVICES and model.config._attn_implementation == "sdpa"
-            and getattr(model, "_supports_flex_attn", False))  # GPT-2's attention reads the mask's ndim: dense
+    multiple, sdpa = sp.size if sp else 1, model.config._attn_implementation == "sdpa"
+    on_gpu = inputs["input_ids"].device.type in FLEX_DEVICES
+    flex = on_gpu and sdpa and getattr(model, "_supports_flex_attn", False)  # GPT-2's attention reads the mask's ndim
+    # Ulysses' padded rows longer than a sliding window need its band: on GPUs a BlockMask, the rows laid out as packed
+    band = sp and sliding_window(model.config, -(-width // multiple) * multiple)
+    # refused from the config alone: every rank at its first forward (a row's width would stop some ranks, not all)
+    if sp and on_gpu and sdpa and not flex and (packed_capacity or (window := sliding_window(model.config, math.inf))):
+        option = "padding_free=true" if packed_capacity else f"a sliding window ({window})"
+        raise ValueError(f"fsdp.ulysses_sequence_parallel_size={sp.size} with {option}: {type(model).__name__} does not"
+                         " attend through FlexAttention, and sdpa on CUDA would keep a dense (T, T) mask in every "
+                         "layer; " + ("set padding_free=false" if packed_capacity else "not supported yet"))
+    packed = packed_capacity or prefix_sharing or (band and flex)
     kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
-                                    if packed_capacity or prefix_sharing else (*padded_inputs(inputs, multiple), None))
+                                    if packed else (*padded_inputs(inputs, multiple), None))
     # each token's column in its input row: its position, where rows hold several sequences
     column = kwargs["position_ids"] if "position_ids" in kwargs else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
     targets, owner, column = (F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0)))
     if sp:
-        kwargs = kwargs if packed_capacity else ulysses.whole_row_inputs(kwargs)
+        kwargs = kwargs if packed else ulysses.whole_row_inputs(kwargs)
         kwargs, targets, owner, column = ulysses.local_slice(kwargs, sp, targets, owner, column)
-    if isinstance(kwargs["attention_mask"], Tensor) and kwargs["attention_mask"].dim() == 4:
+    if isinstance(kwargs.get("attention_mask"), Tensor) and kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
                                                          kwargs["position_ids"] if prefix_sharing else None)
     logps, token_entropy, token_sq, scored = _label_logps(model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy,

@@ -46,6 +46,7 @@ if __name__ == "__main__":  # before the imports below: they take seconds (torch
 import torch  # noqa: E402
 
 import estimate  # noqa: E402
+import logps  # noqa: E402
 import losses  # noqa: E402
 import preference_datasets as data  # noqa: E402
 import run_manifest  # noqa: E402
@@ -174,9 +175,26 @@ def check_inputs(cfg, world_size: int) -> None:
         ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST", hashes=not started_by_torchrun(cfg))
         trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
     check_run_dir(cfg)
+    if cfg.tiled_lm_head:
+        check_tiled_head(cfg)
     if cfg.fsdp.ulysses_sequence_parallel_size > 1:
         check_sequence_parallel(cfg)
     check_data(cfg, world_size)
+
+
+def check_tiled_head(cfg) -> None:
+    """tiled_lm_head=true redoes the LM head's post-processing by model type: a head it does not know is refused here,
+    from config.json alone (logps.tiled_head; the first tiled forward refuses it too)."""
+    import transformers
+    name = resolve_local(cfg.model.name_or_path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError):  # unreadable here: loading the model reports it
+        return
+    try:
+        logps.tiled_head(config)
+    except ValueError as e:
+        raise ConfigError([f"model.name_or_path={name!r}: {e}"]) from None
 
 
 def check_sequence_parallel(cfg) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask
 
 # Called with whole sequences and a 4-D mask; flash kernels take cu_seqlens instead (train.py refuses them).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -101,9 +102,13 @@ def _eager_attention(module):
 def _wrap(inner_of, takes_is_causal: bool):
     """An attention function for the registry: all-to-all, `inner_of(module)` over whole sequences for this rank's
     heads, all-to-all back. whole_row_inputs' causal stand-in becomes is_causal=True for sdpa (its O(T) causal kernel;
-    a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a causal mask per call."""
+    a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a causal mask per call. A
+    FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to FlexAttention."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = inner_of(module)
+        if isinstance(attention_mask, BlockMask):
+            from transformers.integrations import flex_attention
+            inner = flex_attention.flex_attention_forward
         sp = getattr(module, "ulysses_group", None)  # set by install on the modules of a sequence-parallel model
         if sp is None or _PAUSED[0]:
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -155,9 +160,10 @@ def paused():
 
 
 def whole_row_inputs(kwargs: dict) -> dict:
-    """Padded-row inputs for sequence parallelism: explicit positions (each rank sees a slice of them) and, for the
-    2-D padding mask, a one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a
-    causal mask never lets a real token see padding): the wrapper runs a causal kernel or builds the mask per call."""
+    """Padded-row inputs for sequence parallelism: explicit positions (each rank sees a slice of them) and a
+    one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a causal mask never lets
+    a real token see padding; the model given none would build one for its slice): the wrapper runs a causal kernel
+    or builds the mask per call."""
     ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
     causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
     causal.causal_only = True

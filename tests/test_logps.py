@@ -1,12 +1,14 @@
 """logps.py's kernels against the plain computation: chunked log-probs (values and gradients, fp32 and bf16), the
 entropy, and the tiled LM head (every head variant, memory, autocast, a real tiny Llama). The sequence-level paths
 (padded, packed, tiled, under FSDP and Ulysses) are compared in tests/test_trainers.py and tests/test_ulysses.py."""
+import contextlib
 import functools
 import math
 import os
 import re
 import shutil
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -433,3 +435,140 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
         torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# forward_logps on real tiny models: the tiled head as the model's own head, autocast, padded rows
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny(config_class, **kwargs):
+    """A random 2-layer model of `config_class` (vocab 256, hidden 64), fp32, in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**sizes, **kwargs})
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def padded_rows(vocab=256):
+    """Three rows of 24 tokens, the last two right-padded (to 18 and 11), 4 prompt tokens unscored."""
+    ids = torch.randint(3, vocab, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = mask[2, 11:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def own_token_logps(model, inputs):
+    """Each labelled token's log-prob from log_softmax(model(...).logits), 0 elsewhere, (N, T): each row alone."""
+    out = torch.zeros(inputs["labels"].shape)
+    for i, n in enumerate(inputs["attention_mask"].sum(1).tolist()):
+        ids = inputs["input_ids"][i:i + 1, :n]
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        out[i, 1:n] = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0] * (inputs["labels"][i, 1:n] != -100)
+    return out
+
+
+@pytest.mark.parametrize("config_class,head", [
+    ("GraniteConfig", dict(logits_scaling=4.0)), ("HyperCLOVAXConfig", dict(logits_scaling=0.25)),
+    ("FalconH1Config", dict(lm_head_multiplier=0.25)), ("CohereConfig", dict(logit_scale=0.25)),
+    ("RecurrentGemmaConfig", dict(logits_soft_cap=2.0, num_hidden_layers=3, attention_window_size=16, lru_width=64,
+                                  block_types=["recurrent", "recurrent", "attention"])),
+])
+def test_tiled_head_gives_the_log_probs_of_the_models_own_logits(config_class, head):
+    """The tiled head redoes each head's post-processing, by model type: Granite divides by logits_scaling,
+    HyperCLOVAX multiplies by it, Falcon-H1 multiplies by lm_head_multiplier, Cohere by logit_scale, RecurrentGemma
+    caps with tanh at logits_soft_cap (2: the cap bends these logits). Per token, the log-probs of the model's own
+    logits (1e-5). Before: HyperCLOVAX divided, Falcon-H1 and RecurrentGemma did nothing."""
+    model = tiny(config_class, **head)
+    inputs = padded_rows()
+    with torch.no_grad():
+        expected = own_token_logps(model, inputs)
+        for tiled in (False, True):
+            out = logps.forward_logps(model, inputs, tiled=tiled, per_token=True)
+            torch.testing.assert_close(out.tokens, expected, rtol=1e-5, atol=1e-5, msg=f"tiled={tiled}")
+
+
+def test_tiled_head_refuses_heads_it_does_not_reproduce():
+    """A head key that the model type's entry does not apply (logits_scaling on a Llama; MPT's logit_scale, which
+    transformers' MPT ignores; Inkling's width multiplier), or the model's own code: a ValueError that names the
+    type and the way out, from the config alone and again at the first tiled forward. A CausalLM computing its
+    logits with more than its output embeddings (BERT's prediction transform), or with a LoRA adapter on its head
+    (the tiled head would read the base weight alone), is refused at the first forward."""
+    transformers = pytest.importorskip("transformers")
+    assert logps.tiled_head(transformers.LlamaConfig()) == (1.0, None)
+    assert logps.tiled_head(transformers.GraniteConfig(logits_scaling=4.0)) == (0.25, None)
+    assert logps.tiled_head(transformers.Gemma2Config(final_logit_softcapping=30.0)) == (1.0, 30.0)
+    for config, found in ((transformers.LlamaConfig(logits_scaling=2.0), "'llama' has logits_scaling=2.0"),
+                          (transformers.MptConfig(logit_scale=0.5), "'mpt' has logit_scale=0.5"),
+                          (transformers.AutoConfig.for_model("inkling_text"), "logits_mup_width_multiplier=24.0"),
+                          (transformers.LlamaConfig(auto_map={"AutoModelForCausalLM": "my.Model"}), "its own code")):
+        with pytest.raises(ValueError, match=f"{re.escape(found)}.*set tiled_lm_head=false"):
+            logps.tiled_head(config)
+    llama = tiny("LlamaConfig")
+    llama.config.logits_scaling = 2.0
+    with pytest.raises(ValueError, match="'llama' has logits_scaling=2.0"):
+        logps.forward_logps(llama, padded_rows(), tiled=True)
+    bert = tiny("BertConfig", is_decoder=True)
+    with pytest.raises(ValueError, match="BertLMHeadModel computes its logits with cls too.*set tiled_lm_head=false"):
+        logps.forward_logps(bert, padded_rows(), tiled=True)
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(tiny("LlamaConfig"), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has a LoRA adapter on its LM head.*set tiled_lm_head=false"):
+        logps.forward_logps(adapted, padded_rows(), tiled=True)
+
+
+def test_tiled_head_under_autocast_multiplies_in_the_autocast_dtype():
+    """Under autocast (BasicTrainer's fsdp.mixed_precision), fp32 parameters: the tiles' matmuls run in bf16, as the
+    model's own head does (before: fp32, autocast being off inside the tiles), so the two paths agree (1e-5 on
+    sums here); the gradients come back in fp32, within bf16 rounding of the untiled path's."""
+    model = tiny("LlamaConfig").train()
+    inputs, head, seen, linear = padded_rows(), model.get_output_embeddings(), [], F.linear
+
+    def spy(x, weight, bias=None):  # the head's matmuls: forward, and the backward's recomputation
+        if weight.shape == head.weight.shape:
+            seen.append((x.dtype, weight.dtype))
+        return linear(x, weight, bias)
+    results = {}
+    for tiled in (True, False):
+        model.zero_grad()
+        spying = mock.patch.object(F, "linear", spy) if tiled else contextlib.nullcontext()
+        with torch.autocast("cpu", dtype=torch.bfloat16), spying:
+            sums = logps.forward_logps(model, inputs, tiled=tiled).sums
+            sums.sum().backward()
+        results[tiled] = sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results[True][1].items():
+        assert grad.dtype == torch.float32, name
+        untiled = results[False][1][name]
+        torch.testing.assert_close(grad, untiled, rtol=2**-7, atol=2**-7 * untiled.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "qwen2", "gemma2", "mistral", "mistral-window"])
+def test_padded_rows_reach_the_model_without_a_mask(arch):
+    """Right-padded rows go to the model with no attention mask (its own causal mask: sdpa's causal kernel, not a
+    (R, 1, T, T) bias; before: the 2-D padding mask); the labelled tokens' log-probs are those of each row scored
+    alone (1e-5), for every family of tests/architectures.py, Gemma2 eager with its sliding window and softcap,
+    Mistral also with a window (8) shorter than the rows."""
+    import architectures
+    transformers = pytest.importorskip("transformers")
+    cls, kwargs, _ = architectures.ARCHITECTURES[arch.split("-")[0]]
+    kwargs = {**architectures.COMMON, **kwargs, **({"sliding_window": 8} if arch == "mistral-window" else {})}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**kwargs)).eval()
+    inputs, seen, attention = padded_rows(architectures.VOCAB), [], []
+    model.register_forward_pre_hook(lambda _, args, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    sdpa = F.scaled_dot_product_attention
+    spy = lambda *a, **k: attention.append((k.get("attn_mask"), k.get("is_causal"))) or sdpa(*a, **k)  # noqa: E731
+    with torch.no_grad(), mock.patch.object(F, "scaled_dot_product_attention", spy):
+        out = logps.forward_logps(model, inputs, per_token=True)
+        seen_by_padded, seen[:], attention_of_padded = seen[0], [], attention[:]
+        expected = own_token_logps(model, inputs)
+    assert seen_by_padded is None
+    if model.config._attn_implementation == "sdpa" and arch != "mistral-window":
+        assert attention_of_padded and all(m is None and causal for m, causal in attention_of_padded), arch
+    torch.testing.assert_close(out.tokens, expected, rtol=1e-5, atol=1e-5)

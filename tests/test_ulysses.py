@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
+import logps
 import trainers
 import ulysses
 from utils import get_open_port
@@ -30,6 +31,14 @@ def tiny_llama(kv_heads: int, attention: str):
                                       num_key_value_heads=kv_heads, intermediate_size=128, max_position_embeddings=128)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+
+
+def tiny_mistral():
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                                        sliding_window=8)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
 def rows() -> dict[str, torch.Tensor]:
@@ -88,6 +97,26 @@ def compare(rank: int, port: int, out: str) -> None:
     split_sums, _, _, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
     worst["fsdp2-eager"] = {"counts_equal": True, "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
                             "entropy": 0.0, "grads": 0.0}
+    # the GPU path (FLEX_DEVICES, here CPU): packed rows and a sliding window's band (Mistral, window 8) are block
+    # masks over whole sequences, FlexAttention after the all-to-all; forward only (CPU FlexAttention has no backward),
+    # transformers' compiled FlexAttention swapped for the eager one (inductor's CPU kernel fails to build for these)
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
+    from transformers.integrations import flex_attention
+    logps.FLEX_DEVICES = ("cpu",)
+    flex_attention.compile_friendly_flex_attention = lambda q, k, v, training=False, **kw: eager_flex_attention(
+        q, k, v, **kw)
+    calls, forward = [], flex_attention.flex_attention_forward
+    flex_attention.flex_attention_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    for name, model, packed in (("flex-packed", tiny_llama(2, "sdpa"), 64), ("flex-window", tiny_mistral(), None)):
+        ulysses.install(model, sp)
+        with torch.no_grad():
+            with ulysses.paused():  # the reference: padded whole rows, the model's own masks
+                sums, counts, *_ = trainers.forward_logps(model, rows())
+            calls.clear()
+            split_sums, split_counts, *_ = trainers.forward_logps(model, rows(), packed_capacity=packed,
+                                                                  sequence_parallel=sp)
+        worst[name] = {"counts_equal": torch.equal(counts, split_counts) and len(calls) == 2,  # both layers: flex
+                       "logps": ((split_sums - sums).abs() / sums.abs()).max().item(), "entropy": 0.0, "grads": 0.0}
     torch.save(worst, Path(out) / f"compare-{rank}.pt")
     dist.destroy_process_group()
 
@@ -103,12 +132,75 @@ def test_split_sequences_equal_whole_rows(compared):
     """Per sequence: summed log-probs (relative 1e-5), token counts (exact), mean entropies (1e-5) and the weighted
     loss's gradients (relative to each tensor's largest entry, 1e-5): sdpa and eager, KV heads split or repeated,
     padded and packed rows, full logits and the tiled LM head, on both ranks; and the log-probs of eager attention
-    modules sharded by FSDP2 (whose class then lives in torch)."""
-    assert len(compared[0]) == 17
+    modules sharded by FSDP2 (whose class then lives in torch); and, forward only, the GPU path's FlexAttention block
+    masks for packed rows and a sliding window's band (each layer's attention went through FlexAttention)."""
+    assert len(compared[0]) == 19
     for rank, worst in enumerate(compared):
         for key, w in worst.items():
             assert w["counts_equal"], (rank, key)
             assert w["logps"] <= 1e-5 and w["entropy"] <= 1e-5 and w["grads"] <= 1e-5, (rank, key, w)
+
+
+class _StopBeforeTheModel(Exception):
+    pass
+
+
+@pytest.mark.parametrize("case", ["padding_free", "sliding window", "window over the rows", "no flex: refused"])
+def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypatch, case):
+    """The GPU path of Ulysses (FLEX_DEVICES; here on CPU), one rank of two, rows of 4096 tokens: packed rows and a
+    sliding window's band are FlexAttention block masks over whole sequences (the builder stubbed: on GPUs it is
+    compiled, on CPU it would materialize the mask it compresses), a window holding the rows keeps the causal
+    stand-in, and nothing while the inputs are built allocates (T, T) (before: a dense (R, 1, T, T) mask and a
+    (1, 1, T, T) band). An sdpa model without FlexAttention (GPT-2) is refused there. What sdpa or FlexAttention
+    allocate inside is a CUDA kernel's: a CPU run cannot reach it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import logps
+    t, built, handed = 4096, [], {}
+    monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(logps, "_block_mask_builder", lambda device_type: lambda mask_mod, b, h, q, kv, device:
+                        built.append((mask_mod, q, kv)) or f"block mask {len(built)}")
+
+    def stop(model, call, kwargs, *args, **options):
+        handed.update(kwargs)
+        raise _StopBeforeTheModel
+    monkeypatch.setattr(logps, "_label_logps", stop)
+
+    class Largest(TorchDispatchMode):
+        bytes = 0  # storage: a stand-in expanded to (T, T) holds one element
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else [out]:
+                Largest.bytes = max(Largest.bytes, x.untyped_storage().nbytes() if isinstance(x, torch.Tensor) else 0)
+            return out
+    config_class, options = {"padding_free": (transformers.LlamaConfig, dict(packed_capacity=2 * t)),
+                             "sliding window": (transformers.MistralConfig, dict(sliding_window=16)),
+                             "window over the rows": (transformers.MistralConfig, dict(sliding_window=t)),
+                             "no flex: refused": (transformers.GPT2Config, dict(packed_capacity=2 * t))}[case]
+    model = transformers.AutoModelForCausalLM.from_config(config_class(
+        vocab_size=256, hidden_size=64, n_embd=64, num_hidden_layers=1, n_layer=1, num_attention_heads=4, n_head=4,
+        num_key_value_heads=2, intermediate_size=128, **{k: v for k, v in options.items() if k == "sliding_window"}))
+    ids = torch.randint(2, 256, (2, t), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 3000:] = 0
+    inputs = {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    sp = ulysses.SequenceParallel(group=None, rank=1, size=2)
+    if case == "no flex: refused":
+        with pytest.raises(ValueError, match="padding_free=true: GPT2LMHeadModel does not attend through Flex"):
+            logps.forward_logps(model, inputs, sequence_parallel=sp, packed_capacity=2 * t)
+        return
+    with Largest(), pytest.raises(_StopBeforeTheModel):
+        logps.forward_logps(model, inputs, sequence_parallel=sp, packed_capacity=options.get("packed_capacity"))
+    assert Largest.bytes <= 64 * t, f"{Largest.bytes} bytes: a (T, T) boolean mask has {t * t}"
+    if case == "window over the rows":
+        assert not built and handed["attention_mask"].causal_only
+        return
+    # the last mask built, over whole rows: twice this rank's slice of positions
+    whole_row = 2 * handed["input_ids"].shape[1]
+    assert handed["attention_mask"] == f"block mask {len(built)}" and built[-1][1:] == (whole_row, whole_row)
+    if case == "sliding window":  # row 0's band, at a few queries: keys within 16 positions before the query
+        q, k = torch.tensor([0, 15, 16, 4095])[:, None], torch.arange(t)[None, :]
+        assert torch.equal(built[-1][0](torch.tensor(0), 0, q, k), (k <= q) & (q - k < 16))
 
 
 def run_cfg(*args: str) -> subprocess.CompletedProcess:
