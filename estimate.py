@@ -4,13 +4,19 @@
     python -u train.py <args> --estimate gpu=H100    # and time per step at an assumed MFU, and whether it fits
 
 No weights, tokenizer or data are read, so it answers before a run would load anything, for the worst case
-(every sequence max_length long). The peak is the largest phase, each on top of the weights (+ an online
-reference) and optimizer state, sharded over fsdp_size ranks:
-  backward   activations, logits or head tiles, FSDP-gathered units, and the larger of its start (earlier micro-
-             batches' gradients; the head's workspace or an online reference's root) and its end (gradients, which
-             appear as activations are freed, + one block + FSDP2's root reduce-scatter)
-  optimizer  gradients + one parameter-sized temporary of the foreach update (sqrt of the second moment)
-  reference  precompute_ref_log_probs: policy and reference weights while the reference pass runs (then freed)
+(every sequence max_length long). The peak is the largest phase (the report names it), each but the reference pass
+on top of the weights (+ an online reference) and optimizer state, sharded over fsdp_size ranks:
+  backward    activations (the tensors autograd saves, by dtype), logits or head tiles, FSDP-gathered units, and the
+              larger of its start (earlier micro-batches' gradients; the head's workspace or an online reference's
+              root) and its end (gradients, which appear as activations are freed, + one block + FSDP2's root
+              reduce-scatter)
+  optimizer   gradients + one parameter-sized temporary of the foreach update (sqrt of the second moment)
+  evaluation  a forward without gradients of eval_batch_size pairs, or sampling's KV cache
+  reference   precompute_ref_log_probs: policy and reference weights while the reference pass runs, before
+              training (the reference is freed after it: training holds the policy alone)
+LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and optimizer state; no reference copy.
+Packed or shared rows attend through FlexAttention block masks on GPUs; elsewhere (CPU, GPT-2) sdpa keeps a float
+copy of their dense mask in every layer. Keys it does not model (NOT_MODELLED) are printed with what it counts instead.
 """
 from __future__ import annotations
 
@@ -18,9 +24,12 @@ import json
 from collections import namedtuple
 from pathlib import Path
 
+import torch
+
 import config
 import losses
-from logps import DEFAULT_CHUNK_SIZE, head_tile_rows
+from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
+from preference_datasets import SAMPLE_GROUP
 
 GiB = 2 ** 30
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
@@ -32,16 +41,32 @@ STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per par
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch name, as config.DTYPES maps each spelling
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3"}
 FAMILIES = sorted(LLAMA_LIKE | {"gpt2", "gpt_neox"})
-Geometry = namedtuple("Geometry", "hidden layers vocab tied block_params embed_params head_params saved_per_token params")
+FLEX = LLAMA_LIKE | {"gpt_neox"}  # transformers' _supports_flex_attn (GPT-2's attention reads a dense mask)
+# Config keys the estimate does not model, with what it counts instead: printed when set away from their default
+NOT_MODELLED = {
+    "fsdp.param_offload": "parameters counted on the device",
+    "fsdp.optimizer_offload": "optimizer state counted on the device",
+    "fsdp.offload_policy": "parameters, gradients and optimizer state counted on the device",
+    "fsdp.forward_only": "counted as training (gradients, optimizer state, backward)",
+    "fsdp.wrap_policy": "one FSDP unit per transformer block, not by size",
+    "fsdp.entropy_checkpointing": "the entropy's work counted as kept for backward, not recomputed",
+}
+Geometry = namedtuple("Geometry", "hidden layers vocab tied block_params embed_params head_params saved widest linears "
+                                   "kv_width params")
+# Elements autograd keeps per token in one block (tests/test_estimate.py measures them), by the dtype they are kept in:
+# compute (the compute dtype), fp32 (always), stream and norm_grad (the weights' dtype under autocast, else compute;
+# norm_grad only for the norms' weight gradients, none under LoRA), copies (under autocast: each linear's own cast of
+# its input) and repeat_kv (k and v copied to every head, as transformers' sdpa does with a dense mask)
+Saved = namedtuple("Saved", "compute fp32 stream norm_grad copies repeat_kv")
 
 
 class EstimateError(ValueError):
-    """A config.json the estimator cannot read, or a device it does not know."""
+    """A config.json or a config the estimator cannot read, or a device it does not know."""
 
 
 def geometry(config: dict) -> Geometry:
-    """Parameter counts per part and the elements autograd saves per token in one block, from config.json of a
-    family in FAMILIES; raises EstimateError otherwise."""
+    """Parameter counts per part, the elements autograd saves per token in one block (Saved) and the block's linear
+    layers (module path, in, out), from config.json of a family in FAMILIES; raises EstimateError otherwise."""
     family = config.get("model_type")
     get = lambda *names, default=None: next((config[n] for n in names if config.get(n) is not None), default)
     h, vocab = get("hidden_size", "n_embd", "d_model"), get("vocab_size")
@@ -50,6 +75,8 @@ def geometry(config: dict) -> Geometry:
         raise EstimateError(f"config.json model_type={family!r}: the estimator knows {FAMILIES} (hidden_size, "
                             "num_hidden_layers, num_attention_heads, vocab_size); add the family to estimate.geometry")
     kv, d = get("num_key_value_heads", default=heads), get("head_dim", default=h // heads)
+    act = get("activation_function", "hidden_act", default="gelu_new" if family == "gpt2" else None)
+    mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
     if family in LLAMA_LIKE:
         i = config["intermediate_size"]
         qkv_bias, o_bias = config.get("attention_bias", family == "qwen2"), config.get("attention_bias", False)
@@ -57,17 +84,49 @@ def geometry(config: dict) -> Geometry:
         block = (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h + mlp_bias
                  + ((heads + 2 * kv) * d if qkv_bias else 0) + (h if o_bias else 0) + (2 * d if family == "qwen3" else 0))
         tied, positions, norm = config.get("tie_word_embeddings", False), 0, h
-        # norms 2 x 2h, q/k/v after rotary a*d + 2 kv*d, attention output and its contiguous copy 2 a*d, MLP 4 i
-        # (gate, up, act(gate), act*up); attention runs in a fused kernel (no T x T scores)
-        saved = 4 * h + 3 * heads * d + 2 * kv * d + 4 * i
+        # compute: the norms' outputs 2h (the linears' input), q and the attention output a*d, k and v kv*d, MLP 4i
+        # (gate, up, act(gate), act*up); fp32: each RMSNorm's upcast input and rsqrt, the kernel's logsumexp per head;
+        # norm_grad: each norm's normalized input, for its weight; copies: q, k, v, gate, up cast the norms' output.
+        # Qwen3 normalizes q and k per head (kept: the upcast input, rsqrt, the normalized).
+        qk = (heads + kv) * d if family == "qwen3" else 0
+        saved = Saved(2 * h + 2 * heads * d + 2 * kv * d + 4 * i + qk, 2 * (h + 1) + heads + qk + qk // d, 0, 2 * h,
+                      3 * h, 2 * (heads - kv) * d)
+        widest = 3 * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, the norm's
+        linears = (("self_attn.q_proj", h, heads * d), ("self_attn.k_proj", h, kv * d), ("self_attn.v_proj", h, kv * d),
+                   ("self_attn.o_proj", heads * d, h), ("mlp.gate_proj", h, i), ("mlp.up_proj", h, i),
+                   ("mlp.down_proj", i, h))
     else:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
         tied = config.get("tie_word_embeddings", family == "gpt2")
         positions, norm = config.get("n_positions", 0) * h if family == "gpt2" else 0, 2 * h
-        saved = 9 * h + 2 * i  # norms 2 x 2h, qkv 3h, attention out 2h, MLP 2 i (fc out, gelu out)
+        # compute: the norms' outputs 2h, qkv 3h, attention output h, MLP; GPT-NeoX: rotary q, k 2h and the output's
+        # contiguous copy h; fp32: logsumexp per head, each LayerNorm's mean and rstd; stream: the LayerNorms'
+        # inputs (one shared input with GPT-NeoX's parallel residual)
+        neox, parallel = family == "gpt_neox", family == "gpt_neox" and config.get("use_parallel_residual", True)
+        saved = Saved(6 * h + 3 * h * neox + mlp_saved * i, heads + 4, h if parallel else 2 * h, 0, 0, 0)
+        widest = (4 if mlp_saved == 5 else 2) * i + 2 * h  # the MLP's input, its activation's temporaries
+        names = (("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h") if neox
+                 else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+        linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
-    return Geometry(h, layers, vocab, tied, block, embed, head, saved, params=embed + layers * block + head)
+    return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d,
+                    params=embed + layers * block + head)
+
+
+def lora_linears(cfg, g: Geometry) -> list:
+    """(in, out) of each block linear lora.target_modules selects, as peft matches names: the module's path or a
+    dotted suffix of it; 'all-linear' is every linear of the blocks (peft leaves out the LM head)."""
+    targets = cfg.lora.target_modules
+    if isinstance(targets, str) and targets.lower() != "all-linear":
+        raise EstimateError(f"lora.target_modules={targets!r}: --estimate reads 'all-linear' or a list of module "
+                            "names, not a regular expression")
+    names = None if isinstance(targets, str) else targets
+    hit = lambda path, name: path == name or path.endswith("." + name)
+    if unknown := [n for n in names or () if not any(hit(path, n) for path, _, _ in g.linears)]:
+        raise EstimateError(f"lora.target_modules: {unknown} name no linear layer of a block; --estimate counts "
+                            f"adapters on {', '.join(sorted({p for p, _, _ in g.linears}))} (or 'all-linear')")
+    return [(i, o) for path, i, o in g.linears if names is None or any(hit(path, n) for n in names)]
 
 
 def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
@@ -82,76 +141,130 @@ def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
     return w, c, r, ref_w, c if (bool(mp) if ref_mp is None else ref_mp) else ref_w
 
 
-def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int) -> dict:
+def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense: bool) -> dict:
     """Per rank: saved activations, logits (or the tiled head's tiles), the head's backward workspace, one block's."""
-    block = g.saved_per_token * tokens * c  # the first block's, or the one being recomputed
+    s, lora, mp, ckpt = g.saved, cfg.lora.r is not None, bool(cfg.fsdp.mixed_precision), cfg.activation_checkpointing
+    # autocast (mixed precision in one process): the residual stream and norms stay in the weights' dtype, each linear
+    # keeps its own cast of its input, and of its weight until its backward
+    autocast = mp and cfg.trainer != "FSDPTrainer" and w != c
+    stream = w if autocast else c
+    per_token = (s.compute * c + s.fp32 * 4 + (s.stream + s.norm_grad * (not lora)) * stream + s.copies * c * autocast
+                 + s.repeat_kv * c * dense)
+    adapters = lora_linears(cfg, g) if lora else []
+    cast, drop = not mp and c != 4, cfg.lora.dropout > 0  # peft keeps the adapters in fp32: inputs cast to them
+    a = 4 if cast else c
+    # lora_A keeps its input (a cast copy; dropout's output and mask, bool on CUDA), lora_B the r-wide product. An
+    # upper bound: frozen linears keep no input, so where lora_A keeps a copy the original may go
+    per_token += sum(cfg.lora.r * a + i * a * ((cast or drop) + drop) for i, _ in adapters)
+    block = per_token * tokens  # the first block's, or the one being recomputed
     # with checkpointing each block keeps only its input and backward recomputes one block at a time
-    act = g.layers * g.hidden * tokens * c + block if cfg.activation_checkpointing else g.layers * block
+    act = g.layers * g.hidden * tokens * stream + block if ckpt else g.layers * block
     act += 2 * g.hidden * tokens * c  # final norm
-    # the bool (R, 1, T, T) mask: padding-free's whole rows, or prefix sharing's rows of a pair of <= 2 max_length tokens
-    act += tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length ** 2 if cfg.padding_free else 0
+    if dense:  # the bool (R, 1, T, T) mask (prefix sharing: rows of a pair, <= 2 max_length), and sdpa's float bias of
+        # it kept by every layer (checkpointing: the recomputed one's): padding-free's whole rows
+        mask = tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length ** 2
+        act += mask * (1 + c * (1 if ckpt else g.layers))
+    if autocast:  # the weights' cast copies: every block's (checkpointing: the recomputed one's) and the LM head's
+        act += ((g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params)
+                * (1 if ckpt else g.layers) + g.vocab * g.hidden) * c
     chunk_rows, head_backward = min(tokens, DEFAULT_CHUNK_SIZE), 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
-        # gradient accumulator + a (V, H) tile product / final cast unless fp32
+        # gradient accumulator + a (V, H) tile product / final cast unless fp32 (LoRA: the head is frozen)
         logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
-        head_backward = g.vocab * g.hidden * (4 + (c if c != 4 else 0))
+        head_backward = 0 if lora else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
     else:  # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or
         entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens  # their gradient (backward)
         logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
     return {"activations": act, "logits": logits, "LM-head backward": head_backward, "block activations": block}
 
 
-def estimate(cfg, config: dict, world_size: int) -> dict:
-    """{name: bytes or count} per rank for one optimizer step of `cfg` on the model of `config`."""
+def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
+    """{name: bytes or count} per rank for one optimizer step of `cfg` on the model of `config`, run on `device`."""
     g = geometry(config)
     fsdp = cfg.trainer == "FSDPTrainer"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     w, c, r, ref_w, ref_c = _element_bytes(cfg)
+    lora = cfg.lora.r is not None  # the reference is the policy with its adapters off: no copy
+    adapters = g.layers * cfg.lora.r * sum(i + o for i, o in lora_linears(cfg, g)) if lora else 0
+    # what gets gradients and optimizer state: the adapters (fp32: peft casts bf16 ones up), or every parameter
+    trained, tw, block_trained = (adapters, 4, adapters / g.layers) if lora else (g.params, w, g.block_params)
     needs_reference = losses.needs_reference(cfg.loss_names, cfg.loss.reference_free)
     ref_online = needs_reference and not cfg.precompute_ref_log_probs
-    pairs = 1 if set(cfg.loss_names) == {"sft"} else 2  # sft alone: no rejected responses
+    pairs = 1 if cfg.unpaired_loss or set(cfg.loss_names) == {"sft"} else 2  # sequences per example
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
     budget = cfg.max_tokens_per_microbatch
     micro = cfg.batch_size // (world_size // sp) // (1 if budget else cfg.gradient_accumulation_steps)
     tokens = min(micro * pairs * cfg.max_length, budget or 2**62)  # a token budget: the sequences that fit it
     rows = -(-tokens // cfg.max_length)  # whole rows of max_length tokens (padded or packed)
     tokens = -(-tokens // sp)  # Ulysses: each rank holds 1/sp of every row's positions
+    # packed or shared rows attend through FlexAttention block masks on GPUs (transformers' _supports_flex_attn);
+    # elsewhere through sdpa with a dense (R, 1, T, T) mask (padded rows: no mask, the model's causal one)
+    dense = (cfg.padding_free or cfg.prefix_sharing) and not (device in FLEX_DEVICES and config["model_type"] in FLEX)
     several = cfg.gradient_accumulation_steps > 1 or bool(budget)  # micro-batches per step (a budget can split)
     P, root = g.params, g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
-    out = {"parameters": P, "parameters per rank": P / shard, "micro-batch tokens": tokens, "compute bytes": c,
-           "weights": P * w / shard, "reference weights": P * ref_w / shard if ref_online else 0,
-           "optimizer state": STATES[cfg.optimizer] * P * w / shard, "gradients": P * w / shard,
-           **_activations(cfg, g, tokens, rows, c)}
-    gathered = ref_root = root_reduce = ref_gathered = 0
+    out = {"parameters": P, "adapters": adapters, "parameters per rank": (P + adapters) / shard,
+           "micro-batch tokens": tokens, "compute bytes": c, "dense mask": dense,
+           "weights": (P * w + adapters * 4) / shard,
+           "reference weights": P * ref_w / shard if ref_online and not lora else 0,
+           "optimizer state": STATES[cfg.optimizer] * trained * tw / shard, "gradients": trained * tw / shard,
+           **_activations(cfg, g, tokens, rows, c, w, dense)}
+    gathered = ref_root = root_reduce = forward_units = 0
     if fsdp:  # one block gathered (two with forward_prefetch), its unsharded gradient in backward, and the root unit
         units = 1 + cfg.fsdp.forward_prefetch
-        gathered = ((units + 1) * g.block_params * c + root * c * (1 - 1 / shard) if cfg.fsdp.reshard_after_forward
-                    else P * c + g.block_params * c)  # reshard_after_forward=false: every unit kept until its backward
+        gathered = ((units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
+                    if cfg.fsdp.reshard_after_forward  # false: every unit kept until its backward
+                    else P * c + block_trained * c)
         ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
-        ref_gathered = (units * g.block_params + root) * ref_c
-        root_reduce = root * (c + r) if cfg.fsdp.strategy == "fsdp2" else 0  # unsharded root grads + reduce buffer
+        forward_units = units * g.block_params + root  # gathered by a forward alone (reference, evaluation)
+        root_reduce = root * (c + r) if cfg.fsdp.strategy == "fsdp2" and not lora else 0  # unsharded grads + buffer
     out.update({"FSDP gathered": gathered, "reference root": ref_root, "root reduce-scatter": root_reduce})
     # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
     # with no_sync_accumulation the whole model's unsharded gradients (FSDP2: in reduce_dtype, FSDP1: param_dtype)
-    unsynced = P * (r if cfg.fsdp.strategy == "fsdp2" else c) if fsdp and cfg.no_sync_accumulation and several else 0
+    unsynced = (trained * (r if cfg.fsdp.strategy == "fsdp2" else c)
+                if fsdp and cfg.no_sync_accumulation and several else 0)
     out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
     start = held + out["activations"] + out["logits"] + max(out["LM-head backward"], ref_root)
     backward = max(start, unsynced + out["gradients"] + out["block activations"] + root_reduce) + gathered
-    optimizer = out["gradients"] + (P * w / shard if STATES[cfg.optimizer] else 0)  # foreach sqrt(second moment)
-    reference = (P * ref_w / shard + out["block activations"] + ref_gathered
-                 if needs_reference and cfg.precompute_ref_log_probs else 0)
+    fused = cfg.fused_optimizer and cfg.optimizer == "AdamW"  # one kernel: no temporary
+    optimizer = out["gradients"] + (trained * tw / shard if STATES[cfg.optimizer] and not fused else 0)  # sqrt(v)
+    # forwards without gradients of eval_batch_size pairs per data-parallel group: a block's widest moment, the
+    # output hidden states and the rows gathered from them, the logits (or tiles); sampling: a KV cache of
+    # SAMPLE_GROUP prompts
+    eval_pairs = max(1, cfg.eval_batch_size // (world_size // sp))
+    eval_tokens = -(-eval_pairs * pairs * cfg.max_length // sp)
+
+    def forward(b: int) -> int:  # computing in b bytes per element
+        logits = _activations(cfg, g, eval_tokens, eval_pairs * pairs, b, w, dense)["logits"]
+        return (g.widest + 2 * g.hidden) * eval_tokens * b + logits + forward_units * b
+    kv_cache = 2 * g.layers * g.kv_width * c * SAMPLE_GROUP * (cfg.max_prompt_length + cfg.max_new_tokens)
     out["phases"] = {"backward": static + backward, "optimizer step": static + optimizer,
-                     "reference pass": out["weights"] + reference}
-    out["peak"] = max(out["phases"].values())
+                     "evaluation": static + max(forward(c), kv_cache * cfg.sample_during_eval)}
+    precomputed = P * ref_w / shard if needs_reference and cfg.precompute_ref_log_probs and not lora else 0
+    if needs_reference and cfg.precompute_ref_log_probs:  # before training: policy and reference, no optimizer state
+        out["phases"]["reference pass"] = out["weights"] + precomputed + forward(ref_c)
+    out["peak phase"] = max(out["phases"], key=out["phases"].get)
+    out["peak"] = out["phases"][out["peak phase"]]
     # FLOPs: 6 N per trained token (forward 2N, backward 4N), 2 N more with checkpointing (a second forward),
     # 2 N per token through an online reference; N = parameters outside the input embedding (as trainers.flops_params).
-    n_tokens = (P - g.embed_params + (g.vocab * g.hidden if g.tied else 0)) * cfg.batch_size * pairs * cfg.max_length
-    out["model FLOPs per step"] = (6 + 2 * ref_online) * n_tokens
-    out["executed FLOPs per step"] = (6 + 2 * ref_online + 2 * cfg.activation_checkpointing) * n_tokens
+    # LoRA: N counts the adapters, and the frozen weights' backward computes only the inputs' gradients (2 N)
+    n = P - g.embed_params + (g.vocab * g.hidden if g.tied else 0)
+    n_tokens = cfg.batch_size * pairs * cfg.max_length
+    out["model FLOPs per step"] = (6 + 2 * ref_online) * (n + adapters) * n_tokens
+    backward_flops = 2 * n + 4 * adapters if lora else 4 * n
+    out["executed FLOPs per step"] = ((2 + 2 * cfg.activation_checkpointing) * (n + adapters) + backward_flops
+                                      + 2 * ref_online * n) * n_tokens
     return out
+
+
+def _not_modelled(cfg) -> list:
+    """(key, what the estimate counts instead, its value) of each NOT_MODELLED key set away from its default."""
+    values, schema = config.flatten(cfg.to_dict()), config.schema()
+    # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
+    values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
+    return [(key, note, values[key]) for key, note in NOT_MODELLED.items() if values[key] != schema[key][1]]
 
 
 def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
@@ -172,16 +285,24 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
         raise EstimateError(f"--estimate reads the model's config.json: {path} is missing or not JSON ({e})") from None
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
-    e = estimate(cfg, config, world)
+    device = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
+    e = estimate(cfg, config, world, device)
+    lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2 ** 20)
     lines = [f"estimate for {cfg.trainer} x {world} rank(s), {config.get('model_type')} with {e['parameters'] / 1e6:.2f}M "
-             f"parameters ({e['parameters per rank'] / 1e6:.2f}M per rank); micro-batch {e['micro-batch tokens']} tokens "
+             f"parameters{lora} ({e['parameters per rank'] / 1e6:.2f}M per rank); "
+             f"micro-batch {e['micro-batch tokens']} tokens "
              f"(every sequence at max_length={cfg.max_length}); no weights read{hint}", "memory per rank:"]
     rows = {name: e[name] for name in ("weights", "reference weights", "gradients", "accumulated gradients",
                                         "optimizer state", "activations", "logits", "FSDP gathered")}
-    rows.update({f"phase {name}": b for name, b in e["phases"].items()}, peak=e["peak"])
+    rows.update({f"phase {name}": b for name, b in e["phases"].items()}, **{f"peak ({e['peak phase']})": e["peak"]})
     lines += [f"  {name:<22} {b / size:10.1f} {unit}" for name, b in rows.items()]
+    if cfg.padding_free or cfg.prefix_sharing:
+        dense = (f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for "
+                 f"{config.get('model_type')} on {device})")
+        lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
+    lines += [f"assumes: {note} ({key}={value} is not modelled)" for key, note, value in _not_modelled(cfg)]
     lines.append(f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
                  f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)")
     if gpu is not None:

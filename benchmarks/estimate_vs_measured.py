@@ -50,6 +50,13 @@ CONFIGS = [  # (model, arguments): model size, batch, length, checkpointing, FSD
     ("llama-21M", ["loss=dpo", "batch_size=8", "max_length=256", "gradient_accumulation_steps=4"]),
     ("llama-21M", ["loss=dpo", "batch_size=8", "max_length=256", "gradient_accumulation_steps=4", "trainer=FSDPTrainer",
                    "n_workers=2"]),
+    # bf16 weights; fp32 weights under autocast (each linear keeps its bf16 input and weight copies); LoRA, whose
+    # fp32 adapters take a copy of a bf16 block's inputs; an evaluation batch of full logits larger than training's
+    ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "model.policy_dtype=bfloat16"]),
+    ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "fsdp.mixed_precision=bf16"]),
+    ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "lora.r=8"]),
+    ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "lora.r=8", "model.policy_dtype=bfloat16"]),
+    ("llama-4M", ["loss=dpo", "batch_size=2", "max_length=256", "tiled_lm_head=false", "eval_batch_size=16"]),
 ]
 
 
@@ -88,14 +95,16 @@ def make_data(root: Path) -> Path:
 def run_args(root: Path, model: str, args: list[str]) -> list[str]:
     batch = next(int(a.split("=")[1]) for a in args if a.startswith("batch_size="))
     length = next(int(a.split("=")[1]) for a in args if a.startswith("max_length="))
+    evals = next((int(a.split("=")[1]) for a in args if a.startswith("eval_batch_size=")), batch)  # <= 16 test pairs
     return [*[c.format(data=root / "data") for c in COMMON], *args, f"model.name_or_path={root / model}",
-            f"eval_batch_size={batch}", f"n_eval_examples={batch}", f"n_examples={2 * batch}",
+            f"eval_batch_size={evals}", f"n_eval_examples={evals}", f"n_examples={2 * batch}",
             f"max_prompt_length={length // 2}", f"local_dirs=[{root / 'cache'}]", f"run_dir={root / 'runs' / os.urandom(4).hex()}"]
 
 
 def worker(args: list[str], out: str) -> None:
     """One process (or one rank): import everything, note the RSS, run train.py, note the peak."""
-    import torch  # noqa: F401  everything the run imports, before the baseline
+    import pandas  # noqa: F401  everything the run imports, before the baseline (pyarrow's data path: pandas)
+    import torch  # noqa: F401
     import transformers  # noqa: F401
 
     import logps
@@ -128,9 +137,10 @@ def measure(root: Path, args: list[str]) -> float:
     world = (cfg.n_workers or 2) if cfg.trainer == "FSDPTrainer" else 1
     # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in the heap, so RSS would
     # count tensors long freed; a fixed 64 KiB threshold returns every freed tensor, and RSS follows live memory
-    # as a GPU's allocated memory does. Nothing else about the run changes.
+    # as a GPU's allocated memory does. Arrow's own pool (the data cache) keeps freed buffers too: malloc instead.
+    # Nothing else about the run changes.
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
-               MALLOC_MMAP_THRESHOLD_="65536")
+               MALLOC_MMAP_THRESHOLD_="65536", ARROW_DEFAULT_MEMORY_POOL="system")
     if world > 1:  # torchrun's environment: each rank is its own process, measured on its own
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -171,7 +181,7 @@ def main() -> None:
         args = run_args(root, model, extra)
         cfg, _ = config.load_config(args)
         world = 1 if cfg.trainer != "FSDPTrainer" else cfg.n_workers or 2
-        est = estimate.estimate(cfg, json.loads((root / model / "config.json").read_text()), world)["peak"]
+        est = estimate.estimate(cfg, json.loads((root / model / "config.json").read_text()), world, "cpu")["peak"]
         measured = measure(root, args)
         errors.append(est / measured - 1)
         print(f"{i:>2} {model:<10} {' '.join(extra):<72} {est / 2**20:>12.1f} {measured / 2**20:>12.1f} {errors[-1]:>+7.1%}", flush=True)

@@ -1,5 +1,6 @@
 """`train.py --estimate`: from config.json alone (no weights), parameter counts exact for known families."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import config
 import estimate
 import logps
+import utils
 from test_train import REPO
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
@@ -80,8 +82,8 @@ TOY = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
 BIG_VOCAB = dict(TOY, vocab_size=128256)  # a Llama-3 vocabulary on the toy blocks: the root unit dominates
 
 
-def est(*args, model=TOY, world=1):
-    return estimate.estimate(config.load_config(["loss=dpo", *args])[0], model, world)
+def est(*args, model=TOY, world=1, device="cuda"):
+    return estimate.estimate(config.load_config(["loss=dpo", *args])[0], model, world, device)
 
 
 def static(e):
@@ -168,11 +170,155 @@ def test_fsdp2_root_reduce_scatter_and_the_online_reference_root():
     assert est("trainer=FSDPTrainer", "precompute_ref_log_probs=true", model=BIG_VOCAB, world=2)["reference root"] == 0
 
 
-def test_packed_rows_mask():
-    """padding_free builds a boolean (R, 1, T, T) mask of whole rows on every rank, with or without Ulysses."""
-    fsdp = ["trainer=FSDPTrainer", "batch_size=2", "gradient_accumulation_steps=2"]
-    for sp in (1, 2):
-        args = [*fsdp, f"fsdp.ulysses_sequence_parallel_size={sp}"]
-        packed, padded = est(*args, "padding_free=true", world=2), est(*args, world=2)
-        rows = 2 // (2 // sp) // 2 * 2  # pairs per micro-batch of the group, two sequences each
-        assert packed["activations"] - padded["activations"] == rows * 512 ** 2
+def saved_per_layer(model_type: str, extra: dict, args: list, rows: int = 2, length: int = 64) -> float:
+    """Bytes autograd keeps for one decoder layer of a (rows, length) forward, in the regime `args` sets (bf16
+    weights, autocast, LoRA, packed rows' dense mask): a 2-layer model's saved tensors minus a 1-layer one's, each
+    storage counted once, parameters left out (an autocast's weight copies are in)."""
+    cfg = config.load_config(["loss=dpo", *args])[0]
+    autocast = cfg.fsdp.mixed_precision and cfg.trainer == "BasicTrainer"
+    kept = []
+    for layers in (2, 1):
+        torch.manual_seed(0)
+        spec = AutoConfig.for_model(model_type, **{**TINY, **extra, "num_hidden_layers": layers})
+        model = AutoModelForCausalLM.from_config(spec, attn_implementation="sdpa")
+        utils.disable_dropout(model)
+        model = model.bfloat16() if config.DTYPES[cfg.fsdp.model_dtype] == "bfloat16" else model
+        if cfg.lora.r:
+            import peft
+            model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules,
+                                                               lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM"))
+        model = model.bfloat16() if cfg.fsdp.mixed_precision and not autocast else model  # FSDP casts every parameter
+        backbone = model.get_base_model().base_model if cfg.lora.r else model.base_model
+        mask = torch.ones(length, length, dtype=torch.bool).tril().expand(rows, 1, length, length).clone()
+        storages, params = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.autocast("cpu", torch.bfloat16, enabled=bool(autocast))):
+            backbone(input_ids=torch.randint(0, 300, (rows, length)), attention_mask=mask if cfg.padding_free else None,
+                     use_cache=False)
+        kept.append(sum(n for ptr, n in storages.items() if ptr not in params))
+    return kept[0] - kept[1]
+
+
+GQA = {"num_key_value_heads": 2}
+BF16, AUTOCAST, FSDP_BF16 = ["model.policy_dtype=bfloat16"], ["fsdp.mixed_precision=bf16"], [
+    "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "fsdp.mixed_precision=bf16", "batch_size=2"]  # a pair per rank
+GPT2, NEOX = {"n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}, {"max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("model_type,extra,args,over", [
+    ("llama", GQA, [], 1.0), ("llama", GQA, BF16, 1.0), ("llama", GQA, AUTOCAST, 1.0), ("llama", GQA, FSDP_BF16, 1.0),
+    ("llama", GQA, ["padding_free=true"], 1.0), ("llama", GQA, ["padding_free=true", *BF16], 1.0),
+    ("qwen3", {**GQA, "head_dim": 32}, BF16, 1.0), ("qwen3", {**GQA, "head_dim": 32}, AUTOCAST, 1.0),
+    ("gpt2", GPT2, [], 1.0), ("gpt2", GPT2, BF16, 1.0), ("gpt2", GPT2, AUTOCAST, 1.0),
+    ("gpt_neox", NEOX, BF16, 1.0), ("gpt_neox", NEOX, [], 1.0),
+    # LoRA: exact with all-linear; where lora_A keeps a copy of its input (cast to the fp32 adapters of a bf16 block,
+    # or dropped out), the frozen linears' own inputs are no longer kept, which the estimate still counts
+    ("llama", GQA, ["lora.r=4"], 1.0), ("llama", GQA, ["lora.r=4", *FSDP_BF16], 1.0),
+    ("llama", GQA, ["lora.r=4", *BF16], 1.15), ("llama", GQA, ["lora.r=4", "lora.dropout=0.1"], 1.15),
+])
+def test_saved_activations_are_what_a_real_block_keeps(model_type, extra, args, over):
+    """Per layer: the bytes of every tensor autograd saves in a real block, in fp32, bf16 (FSDP's mixed precision
+    casts the weights), under autocast (fp32 weights: the norms stay fp32, each linear keeps its own bf16 input and
+    weight), with LoRA, and with packed rows' dense mask on CPU (a float copy per layer, k and v on every head)."""
+    cfg = config.load_config(["loss=dpo", "batch_size=1", "max_length=64", "max_prompt_length=32", *args])[0]
+    model = json.loads(AutoConfig.for_model(model_type, **{**TINY, **extra}).to_json_string())
+    e = estimate.estimate(cfg, model, 2 if cfg.trainer == "FSDPTrainer" else 1, device="cpu")
+    assert e["micro-batch tokens"] == 2 * 64
+    g, autocast = estimate.geometry(model), bool(cfg.fsdp.mixed_precision) and cfg.trainer == "BasicTrainer"
+    expected = (e["block activations"] + cfg.padding_free * 2 * 64 ** 2 * e["compute bytes"]
+                + (autocast and (g.block_params + e["adapters"] / g.layers) * 2))
+    measured = saved_per_layer(model_type, extra, args)
+    assert measured * 0.995 <= expected <= measured * over * 1.01, (expected, measured)
+
+
+def test_dense_masks_only_where_flex_attention_is_not_used():
+    """Packed rows attend through FlexAttention block masks on GPUs for the families transformers marks
+    _supports_flex_attn; elsewhere sdpa keeps a float copy of the dense (R, 1, T, T) mask in every layer (with
+    checkpointing, the recomputed layer's), beside the bool mask itself."""
+    for model_type in estimate.FAMILIES:
+        assert (model_type in estimate.FLEX) == AutoModelForCausalLM._model_mapping[
+            AutoConfig.for_model(model_type).__class__]._supports_flex_attn, model_type
+    args, rows = ["trainer=FSDPTrainer", "batch_size=4", "gradient_accumulation_steps=2"], 2  # a pair: 2 rows
+    for ckpt, layers in ((False, 2), (True, 1)):  # the toy: 2 layers, fp32
+        run = [*args, f"activation_checkpointing={ckpt}"]
+        packed, padded = est(*run, "padding_free=true", world=2, device="cpu"), est(*run, world=2, device="cpu")
+        assert packed["activations"] - padded["activations"] == rows * 512 ** 2 * (1 + 4 * layers)
+        assert est(*run, "padding_free=true", world=2)["activations"] == padded["activations"]  # CUDA: block masks
+    gpt2 = json.loads(AutoConfig.for_model("gpt2", **{**TINY, **GPT2}).to_json_string())
+    assert est("padding_free=true", model=gpt2)["dense mask"] and not est("padding_free=true")["dense mask"]
+
+
+@pytest.mark.parametrize("model_type,extra,targets", [
+    ("llama", GQA, "all-linear"), ("llama", GQA, "[q_proj,self_attn.v_proj]"),
+    ("qwen3", {"head_dim": 32}, "all-linear"),
+    ("gpt2", GPT2, "all-linear"), ("gpt2", GPT2, "[c_proj]"), ("gpt_neox", NEOX, "[dense,query_key_value]"),
+])
+def test_lora_adapters_are_the_ones_peft_adds(model_type, extra, targets):
+    """lora.target_modules selects what peft selects ('all-linear': every linear layer of the blocks, not the LM
+    head; a name: every module whose path ends with it), each adding r * (in + out) trained parameters."""
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, **extra}))
+    names = targets if targets == "all-linear" else targets.strip("[]").split(",")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=names, task_type="CAUSAL_LM"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    e = est("lora.r=4", f"lora.target_modules={targets}", model=json.loads(model.config.to_json_string()))
+    assert e["adapters"] == trained and e["parameters"] == sum(p.numel() for p in model.parameters()) - trained
+
+
+LLAMA_7B = dict(TOY, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, head_dim=128, vocab_size=32000)
+
+
+def test_lora_trains_the_adapters_alone_and_the_reference_is_the_policy():
+    """A 7B LoRA job: the frozen base in its dtype, no reference copy (the policy with its adapters off), gradients
+    and AdamW's two moments for the fp32 adapters only, no LM-head gradient; it fits where full fine-tuning does not."""
+    args = ["optimizer=AdamW", "model.policy_dtype=bfloat16", "activation_checkpointing=true"]
+    full, lora = est(*args, model=LLAMA_7B), est(*args, "lora.r=16", model=LLAMA_7B)
+    P, A = full["parameters"], lora["adapters"]
+    assert A == 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))  # q, k, v, o, gate, up, down
+    assert lora["weights"] == P * 2 + A * 4 and lora["reference weights"] == 0 < full["reference weights"]
+    assert lora["gradients"] == A * 4 and lora["optimizer state"] == 2 * A * 4 and lora["LM-head backward"] == 0
+    n = P - estimate.geometry(LLAMA_7B).embed_params  # the logged 8 N per token counts the adapters too
+    assert lora["model FLOPs per step"] == full["model FLOPs per step"] / n * (n + A)
+    assert lora["executed FLOPs per step"] < full["executed FLOPs per step"]  # frozen weights: no weight gradients
+    assert lora["peak"] < estimate.USABLE * 80 * estimate.GiB < full["peak"]  # an H100
+
+
+def test_lora_target_modules_the_estimate_cannot_read_are_refused():
+    """A regular expression, or a module outside the blocks (peft would adapt the LM head or the embeddings): an
+    EstimateError naming the key, never figures without those adapters."""
+    for targets, message in (("q_proj|v_proj", "not a regular expression"),
+                             ("[lm_head]", "['lm_head'] name no linear")):
+        with pytest.raises(estimate.EstimateError, match=re.escape(message)):
+            est("lora.r=4", f"lora.target_modules={targets}")
+
+
+def test_report_names_the_peak_phase():
+    """precompute_ref_log_probs: the reference pass holds policy and reference weights (no optimizer state yet), and
+    training the policy alone; with SGD and short rows the pass is the peak, and the report says so. A large
+    evaluation batch of full logits makes evaluation the peak."""
+    pre = est("optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32", "max_prompt_length=16")
+    P = pre["parameters"]
+    assert pre["reference weights"] == 0 and pre["phases"]["reference pass"] > pre["weights"] + P * 4
+    assert pre["peak phase"] == "reference pass" and pre["peak"] == pre["phases"]["reference pass"]
+    big_eval = est("eval_batch_size=64", "tiled_lm_head=false", model=BIG_VOCAB)
+    assert big_eval["peak phase"] == "evaluation"
+    cfg = config.load_config(["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32",
+                              "max_prompt_length=16"])[0]
+    out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 1)
+    assert re.search(r"peak \(reference pass\) +[\d.]+ MiB", out), out
+
+
+def test_keys_the_estimate_does_not_model_are_printed():
+    """Offloading, forward_only and size-based FSDP units are not modelled: the report says what it counts instead
+    (a block class named in fsdp.wrap_policy, as the toy model's group does, is what it counts)."""
+    cfg = config.load_config(["loss=dpo", "trainer=FSDPTrainer", "n_workers=2", "fsdp.strategy=fsdp2",
+                              "fsdp.offload_policy=true"])[0]
+    out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 2)
+    assert "assumes: parameters, gradients and optimizer state counted on the device (fsdp.offload_policy=True" in out
+    assert "assumes" not in estimate.report(config.load_config(["loss=dpo"])[0], str(REPO / "toy" / "tiny-llama"), 1)
