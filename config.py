@@ -126,6 +126,13 @@ class LossConfig(BaseConfig):
     reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = only logged)")
+    # null (off): the released MoE configs (Mixtral, Qwen3-MoE, OLMoE, gpt-oss) have output_router_logits false, so
+    # transformers and TRL (which follows it) add nothing either; DPO's few, small steps against a reference that routes
+    # as the base model does not need a pretraining-sized push toward uniform load
+    router_aux_loss: Optional[Union[float, str]] = param(
+        None, "mixture of experts: coefficient of the router's load-balancing loss (Switch, per sequence over its real "
+        "tokens, logged as router_aux_loss); null = off (logged only), model = the model config's router_aux_loss_coef",
+        (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"))
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
     label_smoothing: float = param(0.0, "assumed fraction of flipped labels: dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)")
     gamma: float = param(1.0, "SimPO target reward margin gamma")
@@ -160,6 +167,37 @@ class LoraSettings(BaseConfig):
     target_modules: Union[str, list] = param("all-linear", "names (q_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)", (bool, "module names or 'all-linear'"))
 
 
+# online.scorer: rule, reward_model=<dir> or python=<module>:<function>
+SCORER = (lambda v: v == "rule" or v.startswith("reward_model=") and len(v) > 13
+          or v.startswith("python=") and v.count(":") == 1 and all(v[7:].split(":")),
+          "rule, reward_model=<directory> or python=<module>:<function>")
+
+
+@dataclasses.dataclass
+class OnlineConfig(BaseConfig):
+    """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
+    rounds: Optional[int] = param(None, "rounds of generate, score, pair and train; null = offline DPO on the datasets' "
+                                  "pairs", POSITIVE)
+    prompts_per_round: int = param(64, "prompts of a round, the next ones in order (cycling); at most one pair each, so "
+                                   "at most prompts_per_round // batch_size steps", POSITIVE)
+    samples_per_prompt: int = param(4, "completions sampled per prompt; the best and the worst make its pair",
+                                    (lambda v: v >= 2, "at least 2"))
+    scorer: str = param("rule", "rule (the data's checkable rule: toy), reward_model=<dir> (a sequence-classification "
+                        "model) or python=<module>:<function> (score(prompts, completions) -> list of floats)", SCORER)
+    prompts: Optional[str] = param(None, "a .jsonl of {prompt: ...} rows (strings or chat messages); null = the prompt "
+                                   "fields of the datasets' .jsonl train files")
+    min_score_gap: float = param(0.0, "a pair is kept when its best score exceeds its worst by more than this (ties "
+                                 "never)", NON_NEGATIVE)
+    unfinished_penalty: float = param(1.0, "subtracted from the score of a completion with no EOS within "
+                                      "online.max_new_tokens", NON_NEGATIVE)
+    max_new_tokens: int = param(64, "tokens sampled per completion; with max_prompt_length at most max_length, so "
+                                "pairs train untruncated", POSITIVE)
+    temperature: float = param(1.0, "sampling temperature of the rounds", POSITIVE)
+    top_p: float = param(1.0, "nucleus sampling threshold of the rounds", "(0, 1]")
+    prompts_per_generate: int = param(8, "prompts per generate call, each call its own seeded stream (the same samples "
+                                      "at any world size); more: faster, more memory", POSITIVE)
+
+
 @dataclasses.dataclass
 class Config(BaseConfig):
     seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
@@ -180,6 +218,8 @@ class Config(BaseConfig):
     max_length: int = param(512, "max tokens of prompt + response", POSITIVE)
     max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)", POSITIVE)
     truncation_mode: Optional[str] = param(None, "how prompts are truncated; null = each source's default (hh: keep_end)", ("keep_start", "keep_end"))
+    drop_identical_pairs: bool = param(True, "drop pairs whose chosen equals their rejected, as text or once truncated "
+                                             "(no preference to learn); false keeps them. Counted either way")
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_examples: Optional[int] = param(None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)", POSITIVE)
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
@@ -202,6 +242,9 @@ class Config(BaseConfig):
     pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs")
     tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)")
     precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
+    self_check: bool = param(True, "before the first optimizer step, check on a few of the run's pairs that the tiled"
+                             " head, packed or shared rows and the reference give the plain path's log-probs"
+                             " (self_check.py); a failure stops the run with exit code 4")
     max_tokens_per_microbatch: Optional[int] = param(None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE)
     balance_batch: bool = param(True, "deal each step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive shares, as the original")
     no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients after a step's last micro-batch, not after each (less communication; each rank holds unsharded gradients, fp32 under FSDP2, meanwhile)")
@@ -215,6 +258,7 @@ class Config(BaseConfig):
     ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training")
     lora: LoraSettings = param(LoraSettings(), "LoRA adapters (peft) instead of full fine-tuning")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
+    online: OnlineConfig = param(OnlineConfig(), "semi-online DPO: pairs sampled from the policy and scored, in rounds")
 
     @property
     def loss_names(self) -> list:
@@ -351,6 +395,9 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         why |= {f"lora.{k}": "read only with lora.r set (null: full fine-tuning, no adapters)" for k in ("alpha", "dropout", "target_modules")}
     if cfg.ref_update.tau is None:
         why["ref_update.alpha"] = "read only with ref_update.tau set (null: the reference never changes)"
+    if cfg.online.rounds is None:
+        why |= {f"online.{k}": "read only with online.rounds set (null: offline DPO on the datasets' pairs)"
+                for k in OnlineConfig() if k != "rounds"}
     if cfg.trainer == "BasicTrainer":
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:
@@ -593,7 +640,24 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
          "no reference model" + " (loss.reference_free=true)" * c.loss.reference_free + ", so there is nothing to update"),
         (tau is not None and c.precompute_ref_log_probs, f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference "
          "log-probs are of the initial reference, but TR-DPO changes the reference during training; set one of them off"),
+        *_online_rules(c, names, kto),
     ] if broken]
+
+
+def _online_rules(c: Config, names: list, kto: Optional[str]) -> list[tuple[bool, str]]:
+    """validate's rules for semi-online DPO (online.rounds): (broken, message)."""
+    o, on = c.online, c.online.rounds is not None
+    return [
+        (on and (kto or set(names) == {"sft"}), f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
+         f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)"),
+        (on and c.precompute_ref_log_probs, f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
+         "pairs do not exist before training; set precompute_ref_log_probs=false"),
+        (on and o.prompts_per_round < c.batch_size, f"online.prompts_per_round={o.prompts_per_round}: fewer than "
+         f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step"),
+        (on and o.max_new_tokens + c.max_prompt_length > c.max_length, f"online.max_new_tokens={o.max_new_tokens} + "
+         f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in training "
+         "(and lose their EOS); lower one or raise max_length"),
+    ]
 
 
 def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> tuple[Config, set[str]]:
@@ -631,5 +695,6 @@ def help_text() -> str:
         "       --estimate [gpu=NAME]  memory per rank and FLOPs per step from config.json alone (gpu=: time, fit)",
         "       --replay <run dir>     run a recorded run again into a new directory, compare every logged metric", "",
         "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than max_nonfinite_steps",
-        "  non-finite steps in a row (checkpoint written); 130 / 143 SIGINT / SIGTERM: stopped after a step, checkpoint",
-        "  written, resume command printed"])
+        "  non-finite steps in a row (checkpoint written); 4 a self-check failed before the first optimizer",
+        "  step (nothing trained; run_dir/self_check.json); 130 / 143 SIGINT / SIGTERM: stopped after a step,",
+        "  checkpoint written, resume command printed"])

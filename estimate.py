@@ -14,6 +14,8 @@ on top of the weights (+ an online reference) and optimizer state, sharded over 
   evaluation  a forward without gradients of eval_batch_size pairs, or sampling's KV cache
   reference   precompute_ref_log_probs: policy and reference weights while the reference pass runs, before
               training (the reference is freed after it: training holds the policy alone)
+  self check  before the first step, the reference still loaded: a few pairs' forwards and, with the tiled head,
+              the full fp32 logits it is compared with (at most self_check.HEAD_LOGITS_BYTES)
 LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and optimizer state; no reference copy.
 Packed or shared rows attend through FlexAttention block masks on GPUs; elsewhere (CPU, GPT-2) sdpa keeps a float
 copy of their dense mask in every layer. Keys it does not model (NOT_MODELLED) are printed with what it counts instead.
@@ -30,6 +32,7 @@ import config
 import losses
 from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
 from preference_datasets import SAMPLE_GROUP
+from self_check import HEAD_LOGITS_BYTES, PROBE_PAIRS
 
 GiB = 2 ** 30
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
@@ -39,9 +42,12 @@ ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughp
 USABLE = 0.9       # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
 STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per parameter (SGD without momentum)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch name, as config.DTYPES maps each spelling
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3"}
+# Mixtures of experts with Llama's attention: a router (E x h) and E experts (gate, up, down of moe_intermediate_size,
+# else intermediate_size) in place of the MLP
+MOE = {"mixtral", "qwen3_moe", "olmoe"}
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", *MOE}
 FAMILIES = sorted(LLAMA_LIKE | {"gpt2", "gpt_neox"})
-FLEX = LLAMA_LIKE | {"gpt_neox"}  # transformers' _supports_flex_attn (GPT-2's attention reads a dense mask)
+FLEX = LLAMA_LIKE - {"olmoe"} | {"gpt_neox"}  # transformers' _supports_flex_attn (GPT-2's attention reads a dense mask)
 # Config keys the estimate does not model, with what it counts instead: printed when set away from their default
 NOT_MODELLED = {
     "fsdp.param_offload": "parameters counted on the device",
@@ -50,9 +56,10 @@ NOT_MODELLED = {
     "fsdp.forward_only": "counted as training (gradients, optimizer state, backward)",
     "fsdp.wrap_policy": "one FSDP unit per transformer block, not by size",
     "fsdp.entropy_checkpointing": "the entropy's work counted as kept for backward, not recomputed",
+    "online.rounds": "training on pairs as given: the rounds' sampling and a reward model scorer are not counted",
 }
 Geometry = namedtuple("Geometry", "hidden layers vocab tied block_params embed_params head_params saved widest linears "
-                                   "kv_width params")
+                                   "kv_width params active", defaults=(None,))  # active: a token's (MoE), else None
 # Elements autograd keeps per token in one block (tests/test_estimate.py measures them), by the dtype they are kept in:
 # compute (the compute dtype), fp32 (always), stream and norm_grad (the weights' dtype under autocast, else compute;
 # norm_grad only for the norms' weight gradients, none under LoRA), copies (under autocast: each linear's own cast of
@@ -77,21 +84,26 @@ def geometry(config: dict) -> Geometry:
     kv, d = get("num_key_value_heads", default=heads), get("head_dim", default=h // heads)
     act = get("activation_function", "hidden_act", default="gelu_new" if family == "gpt2" else None)
     mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
+    experts, k = (get("num_local_experts", "num_experts"), get("num_experts_per_tok")) if family in MOE else (1, 1)
     if family in LLAMA_LIKE:
-        i = config["intermediate_size"]
+        i = get("moe_intermediate_size", "intermediate_size") if family in MOE else config["intermediate_size"]
         qkv_bias, o_bias = config.get("attention_bias", family == "qwen2"), config.get("attention_bias", False)
         mlp_bias = 2 * i + h if config.get("mlp_bias") else 0  # gate, up, down
-        block = (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h + mlp_bias
-                 + ((heads + 2 * kv) * d if qkv_bias else 0) + (h if o_bias else 0) + (2 * d if family == "qwen3" else 0))
+        qk_norms = {"qwen3": 2 * d, "qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(family, 0)  # OLMoE: full width
+        block = (h * heads * d + 2 * h * kv * d + heads * d * h + experts * 3 * h * i + 2 * h + mlp_bias
+                 + ((heads + 2 * kv) * d if qkv_bias else 0) + (h if o_bias else 0) + qk_norms
+                 + (experts * h if family in MOE else 0))  # the router
         tied, positions, norm = config.get("tie_word_embeddings", False), 0, h
         # compute: the norms' outputs 2h (the linears' input), q and the attention output a*d, k and v kv*d, MLP 4i
         # (gate, up, act(gate), act*up); fp32: each RMSNorm's upcast input and rsqrt, the kernel's logsumexp per head;
         # norm_grad: each norm's normalized input, for its weight; copies: q, k, v, gate, up cast the norms' output.
         # Qwen3 normalizes q and k per head (kept: the upcast input, rsqrt, the normalized).
-        qk = (heads + kv) * d if family == "qwen3" else 0
-        saved = Saved(2 * h + 2 * heads * d + 2 * kv * d + 4 * i + qk, 2 * (h + 1) + heads + qk + qk // d, 0, 2 * h,
-                      3 * h, 2 * (heads - kv) * d)
-        widest = 3 * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, the norm's
+        # a mixture of experts: each token's k experts keep the MLP's 4i each, its router E probabilities (fp32)
+        qk = (heads + kv) * d if family in ("qwen3", "qwen3_moe") else 0
+        saved = Saved(2 * h + 2 * heads * d + 2 * kv * d + 4 * k * i + qk,
+                      2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0), 0, 2 * h, 3 * h,
+                      2 * (heads - kv) * d)
+        widest = 3 * k * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, norm's
         linears = (("self_attn.q_proj", h, heads * d), ("self_attn.k_proj", h, kv * d), ("self_attn.v_proj", h, kv * d),
                    ("self_attn.o_proj", heads * d, h), ("mlp.gate_proj", h, i), ("mlp.up_proj", h, i),
                    ("mlp.down_proj", i, h))
@@ -110,8 +122,11 @@ def geometry(config: dict) -> Geometry:
                  else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
         linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
-    return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d,
-                    params=embed + layers * block + head)
+    if family in MOE:  # the attention's; peft's all-linear also adapts the fused experts and router: not counted
+        linears = linears[:4]
+    params = embed + layers * block + head
+    return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d, params=params,
+                    active=params - layers * (experts - k) * 3 * h * i if family in MOE else None)
 
 
 def lora_linears(cfg, g: Geometry) -> list:
@@ -245,12 +260,20 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     precomputed = P * ref_w / shard if needs_reference and cfg.precompute_ref_log_probs and not lora else 0
     if needs_reference and cfg.precompute_ref_log_probs:  # before training: policy and reference, no optimizer state
         out["phases"]["reference pass"] = out["weights"] + precomputed + forward(ref_c)
+    if cfg.self_check:  # before the first step, the reference still loaded (a resume: the optimizer state too): a few
+        # pairs' forwards, and with the tiled head the full fp32 logits of the plain path it is compared with
+        probe = min(PROBE_PAIRS, max(1, micro)) * pairs * cfg.max_length
+        full = min(probe * g.vocab * 4, HEAD_LOGITS_BYTES) if cfg.tiled_lm_head else 0
+        kept = static + precomputed + full
+        out["phases"]["self check"] = kept + ((g.widest + 2 * g.hidden) * probe + forward_units) * c
     out["peak phase"] = max(out["phases"], key=out["phases"].get)
     out["peak"] = out["phases"][out["peak phase"]]
     # FLOPs: 6 N per trained token (forward 2N, backward 4N), 2 N more with checkpointing (a second forward),
     # 2 N per token through an online reference; N = parameters outside the input embedding (as trainers.flops_params).
     # LoRA: N counts the adapters, and the frozen weights' backward computes only the inputs' gradients (2 N)
-    n = P - g.embed_params + (g.vocab * g.hidden if g.tied else 0)
+    # A mixture of experts: N counts the parameters a token runs through (top-k experts), memory all of them
+    n = (g.active or P) - g.embed_params + (g.vocab * g.hidden if g.tied else 0)
+    out["FLOPs parameters"], out["mixture of experts"] = n, g.active is not None
     n_tokens = cfg.batch_size * pairs * cfg.max_length
     out["model FLOPs per step"] = (6 + 2 * ref_online) * (n + adapters) * n_tokens
     backward_flops = 2 * n + 4 * adapters if lora else 4 * n
@@ -305,6 +328,9 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     lines += [f"assumes: {note} ({key}={value} is not modelled)" for key, note, value in _not_modelled(cfg)]
     lines.append(f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
                  f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)")
+    if e["mixture of experts"]:
+        lines.append(f"mixture of experts: FLOPs count N = {e['FLOPs parameters'] / 1e6:.2f}M, the parameters a token "
+                     f"runs through (its top-k experts; as throughput/mfu), memory all {e['parameters'] / 1e6:.2f}M")
     if gpu is not None:
         bf16, fp32, mem = DEVICES[gpu]
         dtype, peak = ("bf16", bf16) if e["compute bytes"] == 2 else ("fp32", fp32)

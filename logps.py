@@ -15,6 +15,7 @@ and tests/test_trainers.py compare each with the plain path.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import math
 import warnings
@@ -469,12 +470,16 @@ class SequenceLogps(NamedTuple):
     entropy: Optional[Tensor] = None  # (N,) their mean entropy, with `entropy`
     tokens: Optional[Tensor] = None  # (N, T) each labelled token's log-prob at its input column, 0 elsewhere, with `per_token`
     log_sum_sq: Optional[Tensor] = None  # (N,) summed log sum_v p_v^2 (log_sum_sq) over them, detached, with `sum_sq`
+    # (N, 2, E) over each sequence's real tokens and routed layers: top-k picks and router probabilities per expert,
+    # with `routing` on a mixture of experts (losses.load_balancing_loss)
+    routing: Optional[Tensor] = None
 
 
 def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacity: Optional[int] = None,
                   tiled: bool = False, prefix_sharing: bool = False, entropy: Optional[dict] = None,
                   entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None,
-                  per_token: bool = False, sum_sq: bool = False) -> SequenceLogps:
+                  per_token: bool = False, sum_sq: bool = False, routing: bool = False,
+                  routing_grad: bool = False) -> SequenceLogps:
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
     tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,);
     with `per_token` each token's log-prob (N, T), differentiable; with `sum_sq` WPO's per-token statistic summed.
@@ -492,7 +497,8 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
     if prefix_sharing and sequence_parallel:
         raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
     options = dict(packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing, entropy=entropy,
-                   entropy_grad=entropy_grad, sequence_parallel=sequence_parallel, per_token=per_token, sum_sq=sum_sq)
+                   entropy_grad=entropy_grad, sequence_parallel=sequence_parallel, per_token=per_token, sum_sq=sum_sq,
+                   routing=routing, routing_grad=routing_grad)
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
         return _score(model, model, inputs, **options)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
@@ -503,6 +509,50 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
         return model(inputs)
     finally:
         del inner.forward
+
+
+def routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The router modules of a mixture of experts and the index of the logits in their output: those transformers
+    records as `router_logits` (output_router_logits, load_balancing_loss_func); [] for a dense model."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    recorder = (getattr(lm, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return []
+    if recorder.target_class is None:  # a class named by its suffix: not among the models tested here
+        raise ValueError(f"{type(lm).__name__} records router logits of class {recorder.class_name!r}, which "
+                         "logps.routers does not find; set loss.router_aux_loss=off")
+    return [(m, recorder.index) for m in lm.modules() if isinstance(m, recorder.target_class)]
+
+
+@contextlib.contextmanager
+def _router_logits(model: Optional[nn.Module]):
+    """A list that each router of `model` (None: none) appends its logits (tokens, E) to during the forward inside.
+    The hooks go before backward: a checkpointed block's recomputation appends nothing."""
+    found, hooks = [], [m.register_forward_hook(lambda _m, _a, out, i=i: found.append(out[i]))
+                        for m, i in (routers(model) if model is not None else [])]
+    try:
+        yield found
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _routing(logits: list[Tensor], owner: Tensor, column: Tensor, n: int, shared_prefix: bool, top_k: int) -> Tensor:
+    """(n, 2, E): per sequence, how often each expert is among a token's top_k and its summed router probability,
+    over the sequence's real tokens (owner (R, T): its index, -1 on padding) and every routed layer (logits: one
+    (R * T, E) per layer), as load_balancing_loss_func counts them (softmax over all experts, top-k of it). Shared
+    rows (chosen, then the rejected of the same pairs) hold a pair's prompt once: it counts for both sequences."""
+    probs = [torch.softmax(x.to(owner.device).float(), -1) for x in logits]  # device_map: layers on several GPUs
+    picks = sum(torch.zeros_like(p).scatter_(1, p.detach().topk(top_k).indices, 1.0) for p in probs)
+    tokens, owner, column = torch.stack([picks, sum(probs)], 1), owner.flatten(), column.flatten()
+    real = owner >= 0
+    out = tokens.new_zeros(n, *tokens.shape[1:]).index_add(0, owner[real], tokens[real])
+    if shared_prefix:  # the prompt: the chosen's tokens before the column where its rejected's own tokens start
+        start = torch.full((n,), column.numel(), device=owner.device)
+        start, half = start.scatter_reduce(0, owner[real], column[real], "amin"), n // 2
+        prompt = real & (owner < half) & (column < start[(owner + half).clamp(max=n - 1)])
+        out = out.index_add(0, owner[prompt] + half, tokens[prompt])
+    return out
 
 
 def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: Optional[tuple], *, tiled, entropy,
@@ -559,7 +609,7 @@ def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: O
 
 
 def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, prefix_sharing, entropy,
-           entropy_grad, sequence_parallel, per_token, sum_sq) -> SequenceLogps:
+           entropy_grad, sequence_parallel, per_token, sum_sq, routing, routing_grad) -> SequenceLogps:
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
     forward inside the root unit's forward)."""
     (n, width), sp = inputs["input_ids"].shape, sequence_parallel
@@ -580,15 +630,17 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     # each token's column in its input row: its position, where rows hold several sequences
     column = kwargs["position_ids"] if "position_ids" in kwargs else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
+    token_of = (owner, column)  # unshifted: a router sees token t at position t
     targets, owner, column = (F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0)))
     if sp:
         kwargs = kwargs if packed else ulysses.whole_row_inputs(kwargs)
-        kwargs, targets, owner, column = ulysses.local_slice(kwargs, sp, targets, owner, column)
+        kwargs, targets, owner, column, *token_of = ulysses.local_slice(kwargs, sp, targets, owner, column, *token_of)
     if isinstance(kwargs.get("attention_mask"), Tensor) and kwargs["attention_mask"].dim() == 4:
         kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
                                                          kwargs["position_ids"] if prefix_sharing else None)
-    logps, token_entropy, token_sq, scored = _label_logps(model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy,
-                                                          entropy_grad=entropy_grad, sum_sq=sum_sq)
+    with _router_logits(model if routing else None) as routed:
+        logps, token_entropy, token_sq, scored = _label_logps(model, call, kwargs, targets, extra, tiled=tiled,
+                                                              entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq)
     owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
     if extra is not None:
         owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])
@@ -600,5 +652,10 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     # each rank scattered its slice's tokens: the group's sum holds every token once
     tokens = logps.new_zeros(n, width).index_put((owner, column), logps) if per_token else None
     tokens = ulysses.sum_over_group(tokens, sp) if sp and per_token else tokens
+    stats = None
+    if routed:
+        with torch.set_grad_enabled(routing_grad and torch.is_grad_enabled()):
+            stats = _routing(routed, *token_of, n, prefix_sharing, model.config.num_experts_per_tok)
+            stats = ulysses.sum_over_group(stats, sp) if sp else stats  # each rank routed a slice of the tokens
     return SequenceLogps(sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
-                         tokens, None if token_sq is None else per_sequence(token_sq))
+                         tokens, None if token_sq is None else per_sequence(token_sq), stats)

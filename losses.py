@@ -394,6 +394,19 @@ def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, f
     return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
 
 
+# --- A mixture of experts' router ---
+def load_balancing_loss(routing: Tensor) -> Tensor:
+    """Switch Transformer's auxiliary load-balancing loss (Fedus et al. 2021, arXiv:2101.03961, Eq. 4-6) of each
+    sequence over its own real tokens and routed layers: E sum_e f_e P_e, with f_e the top-k picks of expert e per
+    (token, layer) and P_e its mean router probability; top_k when routing is uniform. For one sequence alone it is
+    transformers' load_balancing_loss_func. Per sequence, the mean over a step's sequences is the same however they
+    are grouped into micro-batches, packed rows and ranks (a micro-batch's f and P are not). routing: (N, 2, E), each
+    sequence's picks and summed probabilities (logps.SequenceLogps.routing). Returns Shape (N,)."""
+    picks, probs = routing.unbind(1)
+    slots = probs.detach().sum(-1).round().clamp(min=1)  # (token, layer) pairs: each one's probabilities sum to 1
+    return probs.size(-1) * (picks * probs).sum(-1) / slots ** 2
+
+
 # --- The dispatcher ---
 class LossOutput(NamedTuple):
     losses: Tensor  # Shape (batch,): weighted sum over the named losses; differentiable

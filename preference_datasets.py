@@ -1,4 +1,4 @@
-"""Preference data: raw sources -> normalized examples -> tokenized pairs (cached on disk) -> batches.
+"""Preference data: raw sources -> normalized examples -> tokenized pairs (Arrow, cached on disk) -> batches.
 
 Sources (SOURCES): hh, shp, se, ultrafeedback, kto_mix (Hugging Face Hub), toy, or a .jsonl/.json path ('{split}' in
 it replaced) whose first row picks its shape (SHAPES): {prompt, chosen, rejected[, sft_target]} as strings (appended
@@ -6,12 +6,12 @@ verbatim: a response has its own leading space) or {role, content} lists (chat t
 label}; raw HH, SHP, UltraFeedback. Bad rows raise DataError naming file, line, field and expectation, none skipped.
 
 Departures from the original DPO code:
-  1. Tokenized once per run and cached on disk, not on every rank at every step.
+  1. Tokenized once, into Arrow files the ranks memory-map (one copy per node); the original tokenized on every rank.
   2. The shuffle is over pairs, a fresh permutation per epoch from (seed, epoch); resumable from start_example.
   3. Prompt and response are tokenized separately and concatenated: the prompt is a prefix by construction.
   4. BOS once, first in the prompt, when the tokenizer adds one; EOS after every response but a truncated one.
   5. Special-token text in plain text is ordinary text (the original crashed); chat-template markup is special.
-  6. Pairs with an empty response or chosen == rejected (as text, or as tokens once truncated) are dropped, counted.
+  6. Empty responses and, unless drop_identical_pairs=false, chosen == rejected (text, or tokens once cut) are dropped.
   7. Responses get the room left after the prompt (max_length - len(prompt)), not max_length - max_prompt_length.
   8. SHP and SE keep at most MAX_PAIRS_PER_PROMPT pairs per prompt; SE drops ties and holds out 1% as 'test'.
   9. hh: the prompt ends at the last "\\n\\nAssistant:" both transcripts share; rows whose histories differ are dropped.
@@ -26,26 +26,29 @@ import html
 import itertools
 import json
 import os
-import pickle
 import re
+import shutil
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
+import pyarrow as pa  # not `datasets`: the same Arrow files without its second of import time on every run
 import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-CODE_VERSION = 4  # bump when tokenization, conversion or SourceStats change, so old cache files are not reused
+from utils import data_options
+
+CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
 MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: comparisons grow as O(n^2) in a post's answers (the SHP authors' advice)
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
 HH_MARKER = "\n\nAssistant:"
-ENCODE_CHUNK = 512  # prompts per tokenizer call: a call per text is slow, one call for all holds every list at once
+ENCODE_CHUNK = 2048  # prompts per tokenizer call: a call per text is slow, one call for all holds every list at once
 SAMPLE_GROUP = 8  # prompts per generate call during evaluation (see get_sample_batches)
 Converted = tuple[dict[str, "PromptResponses"], Counter]  # a converter's ({prompt: ...}, rows dropped by reason)
 
@@ -64,27 +67,29 @@ class PromptResponses:
     sft_targets: list[str] = field(default_factory=list)
     rated: list[tuple[int, bool]] = field(default_factory=list)  # (i, label) per unpaired row
     chat: bool = False  # rendered by a chat template: its special-token text is markup
+    rows: list[int] = field(default_factory=list)  # each pair's row in the source (1-based), to name it in messages
 
     def index(self, response: str) -> int:
         if response not in self.responses:
             self.responses.append(response)
         return self.responses.index(response)
 
-    def add_pair(self, chosen: str, rejected: str) -> None:
+    def add_pair(self, chosen: str, rejected: str, row: int = 0) -> None:
         self.pairs.append((self.index(chosen), self.index(rejected)))
+        self.rows.append(row)
 
 
 def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """Anthropic/hh-rlhf rows {chosen, rejected}, whole transcripts (departure 9). SFT target: the last chosen."""
     data, dropped = {}, Counter()
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         cut = row["chosen"].rfind(HH_MARKER, 0, len(os.path.commonprefix([row["chosen"], row["rejected"]])))
         prompt = row["chosen"][: cut + len(HH_MARKER)]
         responses = row["chosen"][len(prompt):], row["rejected"][len(prompt):]
         if cut == -1 or any("\n\nHuman:" in r for r in responses):  # the histories differ
             dropped["hh_prompt_mismatch"] += 1
         else:
-            (entry := data.setdefault(prompt, PromptResponses(prompt))).add_pair(*responses)
+            (entry := data.setdefault(prompt, PromptResponses(prompt))).add_pair(*responses, n)
             entry.sft_targets = [responses[0]]
     return data, dropped
 
@@ -92,7 +97,7 @@ def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
 def convert_shp(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """stanfordnlp/SHP rows; a score ratio below 2 (a weak preference) is dropped, as the original. SFT: the best."""
     data, dropped, best = {}, Counter(), {}
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         (a, b), prompt = (row["score_A"], row["score_B"]), "\n\nHuman: " + row["history"] + HH_MARKER
         if max(a, b) < 2 * min(a, b) or max(a, b) <= 0:  # ratio >= 2 without dividing by a score of 0
             dropped["shp_score_ratio_below_2"] += 1
@@ -100,7 +105,7 @@ def convert_shp(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
             dropped["over_pair_cap"] += 1
         else:
             ref_a, ref_b = " " + row["human_ref_A"], " " + row["human_ref_B"]
-            entry.add_pair(*((ref_a, ref_b) if row["labels"] == 1 else (ref_b, ref_a)))
+            entry.add_pair(*((ref_a, ref_b) if row["labels"] == 1 else (ref_b, ref_a)), n)
             if max(a, b) > best.get(prompt, -float("inf")):  # a != b: the ratio filter passed
                 best[prompt], entry.sft_targets = max(a, b), [ref_a if a > b else ref_b]
     return data, dropped
@@ -117,7 +122,7 @@ def strip_html(text: str) -> str:
 def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """stack-exchange-preferences rows: every pair of answers with different scores, better first. SFT: the best."""
     data, dropped = {}, Counter()
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         entry = data.setdefault(p := "\n\nHuman: " + strip_html(row["question"]) + HH_MARKER, PromptResponses(p))
         answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
         for (text_i, score_i), (text_j, score_j) in itertools.combinations(answers, 2):
@@ -126,7 +131,7 @@ def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
             elif len(entry.pairs) >= MAX_PAIRS_PER_PROMPT:
                 dropped["over_pair_cap"] += 1
             else:
-                entry.add_pair(*((text_i, text_j) if score_i > score_j else (text_j, text_i)))
+                entry.add_pair(*((text_i, text_j) if score_i > score_j else (text_j, text_i)), n)
         entry.sft_targets = [max(answers, key=lambda answer: answer[1])[0]] if answers else entry.sft_targets
     return data, dropped
 
@@ -152,7 +157,9 @@ def reply_messages(prompt: list[dict], messages: list[dict]) -> list[dict]:  # t
 def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """Local {prompt, chosen, rejected[, sft_target]} or {prompt, completion, label} rows; message lists rendered."""
     data = {}
-    for row in rows:
+    for n, row in enumerate(rows, 1):
+        if row is None:  # a row convert_ultrafeedback dropped, counted in its numbers
+            continue
         target, chat = "sft_target" if "sft_target" in row else "chosen", not isinstance(row["prompt"], str)
         names = ("completion",) if "completion" in row else ("chosen", "rejected", target)
         rendered = [render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[n])[0]) if chat
@@ -162,7 +169,7 @@ def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
         if "completion" in row:  # a completion rated twice counts twice
             entry.rated.append((entry.index(replies[0]), bool(row["label"])))
         else:
-            entry.add_pair(*replies[:2])
+            entry.add_pair(*replies[:2], n)
             entry.sft_targets.append(replies[2])
     return data, Counter()
 
@@ -173,6 +180,7 @@ def convert_ultrafeedback(rows: Iterable[dict], tokenizer: Any = None) -> Conver
     for row in rows:
         if row["rejected"][:-1] != row["chosen"][:-1] or row["chosen"][-1]["role"] != "assistant":
             dropped["ultrafeedback_prompt_mismatch"] += 1
+            pairs.append(None)  # still a row: later rows keep their numbers
         else:
             pairs.append({"prompt": row["chosen"][:-1], "chosen": row["chosen"][-1:], "rejected": row["rejected"][-1:]})
     return convert_rows(pairs, tokenizer)[0], dropped
@@ -242,11 +250,16 @@ SHAPES = {  # named in messages; a file's first row takes the first that matches
 
 
 def resolve_source(name: str, split: str) -> tuple[Source | None, Path | None]:
-    """A dataset name -> (its Source, None for a local file: its first row picks one; its file, None on the hub)."""
+    """A dataset name -> (its Source, None for a local file: its first row picks one; its file, None on the hub),
+    DataError for an unknown name or a local file that is not there."""
     if source := SOURCES.get(name):
         return source, Path(__file__).resolve().parent / source.path.format(split=split) if source.path else None
     if "/" in name or os.sep in name or Path(name).suffix or Path(name).exists():
-        return None, Path(name.replace("{split}", split))
+        if (path := Path(name.replace("{split}", split))).suffix in (".jsonl", ".json") and path.is_file():
+            return None, path
+        what = "expected a .jsonl or .json file of {prompt, chosen, rejected} rows"
+        why = f"no such file ({what})" if path.suffix in (".jsonl", ".json") else f"{what}, got a '{path.suffix}' file"
+        raise DataError(f"{path}: {why}")
     guess = difflib.get_close_matches(name, list(SOURCES), 1, cutoff=0.5)
     raise DataError(f"unknown dataset '{name}': expected one of {', '.join(SOURCES)} or a path to a .jsonl/.json "
                     "file" + (f"; did you mean '{guess[0]}'?" if guess else ""))
@@ -314,7 +327,8 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file, checked for its shape."""
+    """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file (resolve_source's), checked
+    for its shape."""
     def parse(text: str, line: int, expected: str) -> Any:  # json.loads refusing duplicate fields; errors name the line
         def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
             for key in (key for key, n in Counter(k for k, _ in pairs).items() if n > 1):
@@ -327,9 +341,6 @@ def read_rows(path: Path) -> list[dict]:
             raise DataError(f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); "
                             f"expected {expected}") from e
     path, what = Path(path), "{prompt, chosen, rejected} rows"
-    if path.suffix not in (".jsonl", ".json") or not path.is_file():
-        raise DataError(f"{path}: " + (f"no such file (expected a .jsonl or .json file of {what})" if path.suffix in (
-            ".jsonl", ".json") else f"expected a .jsonl or .json file of {what}, got a '{path.suffix}' file"))
     try:
         text = (data := path.read_bytes()).decode("utf-8-sig")  # -sig: tolerate the byte-order mark editors write
     except UnicodeDecodeError as e:
@@ -361,26 +372,20 @@ def read_rows(path: Path) -> list[dict]:
     return [row for row, _ in located]
 
 
-def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test"), *, unpaired: bool = False,
-                     pairs_to_unpaired: bool = False) -> None:
-    """At config time, no tokenizer: names, paths and local files (hub sources by name); every problem at once."""
+def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test")) -> None:
+    """At config time: every name known and every local file there, every problem at once (rows are checked as they
+    load: a file is read once)."""
     problems = {}  # a dict: a file serving both splits is reported once
     for name, split in itertools.product(names, splits):
         try:
-            source, path = resolve_source(name, split)
-            holds_unpaired = (source if path is None else SHAPES[detect_shape(read_rows(path)[0])]).unpaired
-            if holds_unpaired != unpaired and not (unpaired and pairs_to_unpaired):
-                raise DataError((f"dataset '{name}'" if path is None else str(path)) + (": holds unpaired {prompt, "
-                    "completion, label} rows; only an unpaired loss reads them (loss=kto), this one needs pairs" if
-                    holds_unpaired else ": holds pairs, but loss kto needs {prompt, completion, label} rows; set "
-                    "pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"))
+            resolve_source(name, split)
         except DataError as e:
             problems[str(e)] = None
     if problems:
         raise DataError("\n".join(problems))
 
 
-# --- Tokenization: the normalized form -> token ids, once per run, cached on disk under a key of its inputs ----
+# --- Tokenization: the normalized form -> token ids in Arrow columns, cached on disk under a key of its inputs --
 @dataclass(frozen=True)
 class LoadOptions:
     """What the tokenized examples depend on besides the source and the tokenizer (all of it in the cache key)."""
@@ -390,11 +395,11 @@ class LoadOptions:
     truncation_mode: str | None = None  # keep_start | keep_end; None: each source's default (departure 10)
     unpaired: bool = False  # one example per labelled completion (KTO)
     pairs_to_unpaired: bool = False  # with unpaired: a pair gives a desirable (chosen) and an undesirable completion
+    drop_identical_pairs: bool = True  # chosen == rejected, as text or once truncated: no signal, so not trained on
 
 
 class TokenizedExample(NamedTuple):
     """One pair (SFT: a target; unpaired: a completion in chosen_*, labelled `desirable`); texts untruncated."""
-    source: str
     prompt: str
     chosen: str
     rejected: str | None  # None in SFT and unpaired modes
@@ -404,13 +409,18 @@ class TokenizedExample(NamedTuple):
     desirable: bool | None = None
 
 
+# The Arrow columns of a tokenized split, one per TokenizedExample field (int32 ids: half int64's bytes)
+SCHEMA = pa.schema([(name, pa.list_(pa.int32()) if name.endswith("_ids") else pa.bool_() if name == "desirable"
+                     else pa.string()) for name in TokenizedExample._fields])
+
+
 @dataclass
 class SourceStats:
     """What loading one source did; dataset_summary() prints every number."""
     source: str
     split: str
-    unit: str  # 'pairs', 'sft_targets' or 'completions'
-    truncation_mode: str
+    unit: str = "pairs"  # 'pairs', 'sft_targets' or 'completions'
+    truncation_mode: str | None = None
     origin: str = ""  # the local file (and its shape), or "hub:<fingerprint>"
     prompts: int = 0
     kept: int = 0
@@ -420,8 +430,30 @@ class SourceStats:
     reply_cues_cut: int = 0  # prompts ending in a cue to reply, truncated keep_start: the cue is gone
     desirable: int = 0  # unpaired: completions kept per label
     undesirable: int = 0
-    tokens: dict = field(default_factory=dict)  # {prompt,response}_tokens_{mean,max}
+    tokens: dict = field(default_factory=dict)  # {prompt,response}_tokens_{mean,max}, chosen_rejected_length_ratio
+    no_signal: dict = field(default_factory=dict)  # reason -> [pairs, their first rows]: chosen == rejected
     cache: str = "off"
+
+
+@dataclass
+class Split:
+    """One split's tokenized examples as Arrow columns (memory-mapped from the cache: the ranks of a node share one
+    copy), with a SourceStats and a cache key per source. Loaded once per rank and handed on; a batch reads its rows."""
+    table: pa.Table
+    stats: list[SourceStats]
+    keys: dict[str, str]  # {source: cache key}: the run manifest's fingerprints
+    lengths: np.ndarray  # (3, len): prompt, chosen, rejected tokens per example (0: none), kept out of the mapped file
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int | slice) -> TokenizedExample | list[TokenizedExample]:  # iter() stops at IndexError
+        return self.rows(range(len(self))[i]) if isinstance(i, slice) else self.rows([i])[0]
+
+    def rows(self, indices: Iterable[int]) -> list[TokenizedExample]:
+        """The examples at `indices`, each a one-row slice (take() on a chunked table copies whole columns)."""
+        rows = (self.table.slice(int(i), 1).to_pylist()[0].values() for i in indices)
+        return [TokenizedExample(*(np.asarray(v, np.int32) if isinstance(v, list) else v for v in r)) for r in rows]
 
 
 def tokenizer_adds_bos(tokenizer: Any) -> bool:
@@ -440,65 +472,89 @@ def truncate(prompt_ids: list[int], responses: list[list[int]], *, max_length: i
     return prompt_ids, [r[: max_length - len(prompt_ids)] for r in responses]
 
 
-def _jobs(entries: list[PromptResponses], opts: LoadOptions, drops: Counter) -> Iterator[tuple]:
-    """(entry, chosen or the completion, rejected or None, label or None) per example to tokenize."""
+def _jobs(entries: list[PromptResponses], opts: LoadOptions, no_signal: dict) -> Iterator[tuple]:
+    """(entry, chosen or the completion, rejected or None, label or None, source row) per example to tokenize; a
+    pair whose chosen is its rejected is listed in no_signal, and yielded only with drop_identical_pairs=False."""
     for entry in entries:
         if opts.sft_mode:
-            yield from ((entry, target, None, None) for target in entry.sft_targets)
+            yield from ((entry, target, None, None, 0) for target in entry.sft_targets)
             continue
         if opts.unpaired:
-            yield from ((entry, entry.responses[i], None, label) for i, label in entry.rated)
-        for i, j in entry.pairs if opts.pairs_to_unpaired or not opts.unpaired else ():
+            yield from ((entry, entry.responses[i], None, label, 0) for i, label in entry.rated)
+        for (i, j), row in zip(entry.pairs, entry.rows) if opts.pairs_to_unpaired or not opts.unpaired else ():
             if i == j:  # responses are distinct: the same index is the same text
-                drops["chosen_equals_rejected"] += 1
-            elif opts.unpaired:  # pairs_to_unpaired: the pair's two completions, labelled by the preference
-                yield from ((entry, entry.responses[i], None, True), (entry, entry.responses[j], None, False))
+                no_signal.setdefault("chosen_equals_rejected", []).append(row)
+                if opts.drop_identical_pairs:
+                    continue
+            if opts.unpaired:  # pairs_to_unpaired: the pair's two completions, labelled by the preference
+                yield from ((entry, entry.responses[i], None, True, row), (entry, entry.responses[j], None, False, row))
             else:
-                yield entry, entry.responses[i], entry.responses[j], None
+                yield entry, entry.responses[i], entry.responses[j], None, row
 
 
-def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, *, source: str, split: str,
-                        truncation_mode: str, dropped: Counter | None = None, origin: str = "", **options
-                        ) -> tuple[list[TokenizedExample], SourceStats]:
-    """[BOS] + ids(prompt), ids(response) + [EOS], truncated; drops counted: chosen_equals_rejected, empty_response
-    (nothing to learn; length-normalised losses would divide by 0), identical_after_truncation (no preference left)."""
-    opts, drops, counts = LoadOptions(**options, truncation_mode=truncation_mode), Counter(dropped), Counter()
+def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats,
+                        file: Path | None = None) -> Split:
+    """[BOS] + ids(prompt), ids(response) + [EOS], truncated, into Arrow columns written to `file` chunk by chunk (or
+    kept in memory); `stats` (source, split, origin, the converter's drops) completed. Dropped, counted: empty_response;
+    unless drop_identical_pairs=False, the pairs without signal (listed in no_signal with their first rows either way):
+    chosen_equals_rejected, identical_after_truncation (no preference left once cut)."""
+    drops, counts, no_signal, batches, lengths, prompts = Counter(stats.dropped), Counter(), {}, [], [], set()
+    stats.truncation_mode = opts.truncation_mode
     bos, eos, add_bos = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer_adds_bos(tokenizer)
-    entries, examples = list(data.values()), []
+    entries, limits = list(data.values()), dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
+    writer = pa.ipc.new_file(str(file), SCHEMA) if file else None
+    ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
     for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs, ids = list(_jobs(entries[start:start + ENCODE_CHUNK], opts, drops)), {}
+        jobs, ids = list(_jobs(entries[start:start + ENCODE_CHUNK], opts, no_signal)), {}
         for chat in (False, True):  # special-token text is parsed as such only in chat-template output (departure 5)
-            if texts := [*dict.fromkeys(t for e, *rest, _ in jobs if e.chat == chat for t in (e.prompt, *rest) if t)]:
-                encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=not chat, verbose=False)
+            if texts := [*dict.fromkeys(t for e, *two, _, _ in jobs if e.chat == chat for t in (e.prompt, *two) if t)]:
+                encoded = tokenizer(texts, split_special_tokens=not chat, **ids_only)
                 ids.update(((t, chat), row) for t, row in zip(texts, encoded["input_ids"]))
-        for entry, chosen, rejected, label in jobs:
+        columns = {name: [] for name in SCHEMA.names}
+        for entry, chosen, rejected, label, row in jobs:
             prompt_ids = ids.get((entry.prompt, entry.chat), [])
             prompt_ids = [bos] + prompt_ids if add_bos and prompt_ids[:1] != [bos] else prompt_ids  # once (departure 4)
-            bodies = [ids.get((t, entry.chat)) for t in (chosen, rejected) if t is not None]
-            if not all(bodies):
+            bodies = [ids.get((t, entry.chat), []) for t in (chosen, rejected) if t is not None]
+            cut, responses = truncate(prompt_ids, [b + [eos] for b in bodies], mode=opts.truncation_mode, bos_id=bos,
+                                      **limits)
+            if not all(bodies) or not all(responses):  # nothing to learn (config.py leaves room for >= 1 token)
                 drops["empty_response"] += 1
                 continue
-            # every response keeps >= 1 token: 0 < max_prompt_length < max_length (config.py checks) leaves room
-            cut, responses = truncate(prompt_ids, [b + [eos] for b in bodies], max_length=opts.max_length,
-                                      max_prompt_length=opts.max_prompt_length, mode=truncation_mode, bos_id=bos)
-            if len(responses) == 2 and responses[0] == responses[1]:
-                drops["identical_after_truncation"] += 1
-                continue
-            cue = truncation_mode == "keep_start" and (entry.chat or entry.prompt.endswith(HH_MARKER))
-            shortened = int(len(cut) < len(prompt_ids))  # int: a Counter's first update keeps a bool as it is
-            counts.update(prompts_truncated=shortened, reply_cues_cut=shortened * cue,
-                          responses_truncated=sum(len(r) <= len(b) for r, b in zip(responses, bodies)))  # lost EOS
-            arrays = [np.asarray(x, dtype=np.int32) for x in (cut, *responses)] + [None]  # int32: half int64's memory
-            examples.append(TokenizedExample(source, entry.prompt, chosen, rejected, *arrays[:3], label))
-    lengths = {"prompt": [len(e.prompt_ids) for e in examples],
-               "response": [len(r) for e in examples for r in (e.chosen_ids, e.rejected_ids) if r is not None]}
-    tokens = {f"{kind}_tokens_{stat}": value for kind, x in lengths.items()
-              for stat, value in (("mean", round(float(np.mean(x or [0])), 1)), ("max", max(x, default=0)))}
-    return examples, SourceStats(
-        source, split, "sft_targets" if opts.sft_mode else "completions" if opts.unpaired else "pairs", truncation_mode,
-        origin, prompts=len({e.prompt for e in examples}), kept=len(examples), dropped=dict(sorted(drops.items())),
-        desirable=sum(e.desirable is True for e in examples), undesirable=sum(e.desirable is False for e in examples),
-        tokens=tokens, **counts)
+            if chosen != rejected and len(responses) == 2 and responses[0] == responses[1]:
+                no_signal.setdefault("identical_after_truncation", []).append(row)
+                if opts.drop_identical_pairs:
+                    continue
+            cue = opts.truncation_mode == "keep_start" and (entry.chat or entry.prompt.endswith(HH_MARKER))
+            counts["prompts_truncated"] += (shortened := len(cut) < len(prompt_ids))  # a Counter's += is cheap
+            counts["reply_cues_cut"] += shortened and cue
+            counts["responses_truncated"] += sum(len(r) <= len(b) for r, b in zip(responses, bodies))  # lost EOS
+            counts["desirable" if label else "undesirable"] += label is not None  # unpaired: per label
+            prompts.add(entry.prompt)
+            for name, value in zip(SCHEMA.names, (entry.prompt, chosen, rejected, cut, *(*responses, None)[:2], label)):
+                columns[name].append(value)
+        batch = pa.record_batch(columns, schema=SCHEMA)
+        writer.write_batch(batch) if writer else batches.append(batch)
+        lengths.append([[len(ids or ()) for ids in columns[side]] for side in ("prompt_ids", "chosen_ids",
+                                                                               "rejected_ids")])
+    if writer:
+        writer.close()
+    # memory-mapped: a page is read when used, and the processes that map the file share it
+    table = pa.ipc.open_file(pa.memory_map(str(file))).read_all() if writer else pa.Table.from_batches(batches, SCHEMA)
+    drops.update({reason: len(rows) for reason, rows in no_signal.items()} if opts.drop_identical_pairs else {})
+    prompt, chosen, rejected = lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
+    paired, tokens = len(table) > 0 and table["rejected"].null_count == 0, {}
+    for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected[:len(rejected) * paired]])):
+        tokens[f"{kind}_tokens_mean"] = round(float(x.mean()) if len(x) else 0.0, 1)
+        tokens[f"{kind}_tokens_max"] = int(x.max(initial=0))
+    if paired:  # length bias: chosen responses longer than rejected ones teach length along with the preference
+        tokens["chosen_rejected_length_ratio"] = round(float(chosen.mean() / rejected.mean()), 3)
+    unit = "sft_targets" if opts.sft_mode else "completions" if opts.unpaired else "pairs"
+    stats = replace(stats, **counts, kept=len(table), prompts=len(prompts), unit=unit)
+    stats.tokens, stats.dropped = tokens, dict(sorted(drops.items()))
+    stats.no_signal = {reason: [len(rows), rows[:5]] for reason, rows in no_signal.items()}  # count, first rows
+    if file:  # read whole by every rank that maps the table: a few bytes an example, beside it
+        np.save(file.with_name("lengths.npy"), lengths)
+    return Split(table, [stats], {}, lengths)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -514,71 +570,92 @@ def _sha256(value: Any) -> str:
 
 
 def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: str | None, opts: LoadOptions):
-    """(cache key of content, tokenizer, options and CODE_VERSION; build() that converts and tokenizes the source)."""
+    """(cache key of content, tokenizer, options and CODE_VERSION; build(file) that converts and tokenizes the
+    source). A local file is hashed as a stream, never held whole; its rows are read and checked if build() runs."""
     source, path = resolve_source(name, split)
     if path is None:
         rows = source.fetch(split, cache_dir)
         content = origin = "hub:" + str(getattr(rows, "_fingerprint", None) or _sha256(list(rows)))
     else:
-        rows, origin, content = read_rows(path), str(path), "sha256:" + _sha256(path.read_bytes())
-        if source is None:
-            source, origin = SHAPES[shape := detect_shape(rows[0])], f"{path} ({shape})"
-    prompt = rows[0].get("prompt") if source.truncation_mode is None else None  # a local file's first prompt: does it
-    cues = isinstance(prompt, list) or str(prompt).endswith(HH_MARKER)  # cue the reply? then keep_end (departure 10)
-    mode = opts.truncation_mode or source.truncation_mode or ("keep_end" if cues else "keep_start")
-    key = _sha256(dict(asdict(opts), truncation_mode=mode, code_version=CODE_VERSION, source=name, split=split,
-                       content=content, tokenizer=tokenizer_fp, max_pairs_per_prompt=MAX_PAIRS_PER_PROMPT))
+        with open(path, "rb") as f:
+            content, origin = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest(), str(path)
+    key = _sha256([asdict(opts), CODE_VERSION, name, split, content, tokenizer_fp, MAX_PAIRS_PER_PROMPT])
 
-    def build() -> tuple[list[TokenizedExample], SourceStats]:
-        data, dropped = source.convert(rows, tokenizer)
-        return tokenize_normalized(data, tokenizer, source=name, split=split, dropped=dropped, origin=origin,
-                                   **dict(asdict(opts), truncation_mode=mode))
+    def build(file: Path | None) -> Split:
+        records = rows if path is None else read_rows(path)
+        shape = None if source else detect_shape(records[0])  # a local file's shape, picked by its first row
+        src = source or SHAPES[shape]
+        if src.unpaired != opts.unpaired and not (opts.unpaired and opts.pairs_to_unpaired):
+            raise DataError(f"{path or f'dataset {name!r}'}: " + (
+                "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), this "
+                "one needs pairs" if src.unpaired else "holds pairs, but loss kto needs {prompt, completion, label} "
+                "rows; set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"))
+        prompt = records[0].get("prompt") if src.truncation_mode is None else None  # a local file's first prompt:
+        cues = isinstance(prompt, list) or str(prompt).endswith(HH_MARKER)  # does it cue the reply? (departure 10)
+        mode = opts.truncation_mode or src.truncation_mode or ("keep_end" if cues else "keep_start")
+        data, dropped = src.convert(records, tokenizer)
+        where = SourceStats(name, split, origin=origin + f" ({shape})" * bool(shape), dropped=dropped)
+        return tokenize_normalized(data, tokenizer, replace(opts, truncation_mode=mode), where, file)
     return key, build
 
 
 def load_tokenized(names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None,
-                   silent: bool = False, **options) -> tuple[list[TokenizedExample], list[SourceStats]]:
-    """Every source tokenized (cached in cache_dir), concatenated; one SourceStats each, summarised unless silent."""
-    opts, loaded = LoadOptions(**options), []
+                   tokenizer_fp: str = "", **options) -> tuple[Split, list[SourceStats]]:
+    """Every source tokenized (cached in cache_dir), concatenated: (the split, one SourceStats per source: printed by
+    dataset_summary)."""
+    opts, parts, keys = LoadOptions(**options), [], {}
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses end in EOS, so set tokenizer.eos_token")
-    tokenizer_fp = tokenizer_fingerprint(tokenizer) if cache_dir is not None else ""
+    tokenizer_fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
     for name in names:
-        key, build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
-        loaded.append(build() if cache_dir is None else _cached(Path(cache_dir), f"{name}-{split}", key, build))
-    examples, all_stats = [e for ex, _ in loaded for e in ex], [stats for _, stats in loaded]
-    if not silent:
-        print(dataset_summary(all_stats))
-    return examples, all_stats
+        keys[name], build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
+        parts.append(_cached(Path(cache_dir), f"{name}-{split}", keys[name], build) if cache_dir else build(None))
+    loaded = Split(pa.concat_tables([part.table for part in parts]), [s for part in parts for s in part.stats], keys,
+                   np.concatenate([part.lengths for part in parts], axis=1))
+    return loaded, loaded.stats
 
 
-def _cached(cache_dir: Path, what: str, key: str, build: Callable) -> tuple[list, SourceStats]:
-    file = cache_dir / "tokenized" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)[-60:]}-{key[:16]}.pkl"
-    file.parent.mkdir(parents=True, exist_ok=True)
-    # several ranks may start at once: the first builds the file while the others wait, then all read it
-    with FileLock(str(file) + ".lock"):
-        if file.exists():
-            payload = pickle.loads(file.read_bytes())
-            return ([TokenizedExample(*row) for row in payload["examples"]],
-                    SourceStats(**dict(payload["stats"], cache=f"hit {file}")))
-        examples, stats = build()
-        stats.cache, tmp = f"written {file}", file.with_suffix(f".tmp{os.getpid()}")
-        # plain tuples and dicts: the file must not depend on where this module was imported from
-        tmp.write_bytes(pickle.dumps({"examples": [tuple(e) for e in examples], "stats": asdict(stats)}))
-        os.replace(tmp, file)  # atomic: a reader never sees half a file
-    return examples, stats
+def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]) -> Split:
+    """The source's entry cache_dir/tokenized/<what>-<key>/: examples.arrow (memory-mapped), lengths.npy and
+    stats.json, or built there. No file holds code. Files whose size or times differ from the record made when they
+    were written (edited, truncated, replaced) are rebuilt; an older version's cache file is never read."""
+    entry = cache_dir / "tokenized" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)[-60:]}-{key[:16]}"
+    entry.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
+        return [[(st := (folder / f).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns] for f in ("examples.arrow",
+                                                                                                "lengths.npy")]
+    # several ranks may start at once: the first builds the entry while the others wait, then all map it
+    with FileLock(str(entry) + ".lock"):
+        try:
+            stats = json.loads((entry / "stats.json").read_text())
+            if stats.pop("key") == key and stats.pop("files") == record(entry):
+                table = pa.ipc.open_file(pa.memory_map(str(entry / "examples.arrow"))).read_all()
+                stats = SourceStats(**dict(stats, cache=f"hit {entry}"))
+                return Split(table, [stats], {}, np.load(entry / "lengths.npy"))
+        except (ValueError, TypeError, KeyError, OSError):  # not built yet, or unreadable
+            pass
+        changed = entry.exists()  # but not as its record says: edited, truncated or replaced since it was written
+        shutil.rmtree(entry, ignore_errors=True)
+        (tmp := entry.with_name(f"{entry.name}.tmp{os.getpid()}")).mkdir()
+        try:
+            split = build(tmp / "examples.arrow")
+            split.stats[0].cache = f"{'rewritten (it had changed)' if changed else 'written'} {entry}"
+            stats = dict(asdict(split.stats[0]), key=key, files=record(tmp))
+            (tmp / "stats.json").write_text(json.dumps(stats))
+            os.replace(tmp, entry)  # atomic: a reader sees the whole entry or none (renaming keeps the file's times)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return split
 
 
-def data_fingerprints(names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None,
-                      **options) -> dict[str, str]:
-    """{source: its cache key}, untokenized: the run manifest's, so a resume or replay on other data refuses."""
-    fp, opts = tokenizer_fingerprint(tokenizer), LoadOptions(**options)
-    return {name: _plan(name, split, tokenizer, fp, cache_dir, opts)[0] for name in names}
-
-
-def count_examples(names: list[str], tokenizer: Any, *, split: str, silent: bool = True, **load_kwargs) -> int:
-    """How many examples the iterator draws from (with cache_dir set, later loads hit the cache this fills)."""
-    return len(load_tokenized(names, tokenizer, split, silent=silent, **load_kwargs)[0])
+def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:
+    """{'train': ..., 'test': ...} as the run reads them (utils.data_options), the tokenizer fingerprinted once:
+    loaded once per rank and handed on to the checks, the trainer and the manifest."""
+    fp, splits = tokenizer_fingerprint(tokenizer), {}
+    for split in ("train", "test"):
+        splits[split], _ = load_tokenized(cfg.datasets, tokenizer, split, tokenizer_fp=fp, **data_options(cfg, split))
+    return splits
 
 
 def dataset_summary(stats: list[SourceStats]) -> str:
@@ -592,6 +669,10 @@ def dataset_summary(stats: list[SourceStats]) -> str:
                   f"       prompts_truncated={s.prompts_truncated} responses_truncated={s.responses_truncated} "
                   f"truncation_mode={s.truncation_mode}",
                   "       " + " ".join(f"{k}={v}" for k, v in s.tokens.items()), f"       cache: {s.cache}"]
+        found = ", ".join(f"{k}={n} (first rows {rows})" for k, (n, rows) in s.no_signal.items())  # 1-based rows
+        fate = "dropped" if set(s.no_signal) & set(s.dropped) else "kept (drop_identical_pairs=false)"
+        lines += [f"       no signal (chosen == rejected): {f'{found}: {fate}' if found else 'none'}"] * bool(
+            s.unit == "pairs" or found)
         lines += [f"       warning: reply_cues_cut={s.reply_cues_cut}: keep_start cut prompts' cue to reply ('\\n\\n"
                   "Assistant:' or the generation prompt): set truncation_mode=keep_end"] * bool(s.reply_cues_cut)
     return "\n".join(lines)
@@ -667,48 +748,41 @@ def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows:
     return batch
 
 
-def get_batch_iterator(names: list[str], tokenizer: Any, *, split: str, batch_size: int, shuffle: bool = True,
-                       n_epochs: int | None = None, n_examples: int | None = None, seed: int = 0, rank: int = 0,
-                       world_size: int = 1, start_example: int = 0, balance: bool = False, kl_rows: bool = False,
-                       shared_prompt: bool = False, silent: bool = False, **load_kwargs) -> Iterator[dict[str, Any]]:
-    """This rank's share of each global batch (iter_batch_indices), collated, with `example_index`; raises at once.
-    `balance` deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
-    examples, _ = load_tokenized(names, tokenizer, split, silent=silent, **load_kwargs)
-
-    def tokens(e: TokenizedExample) -> int:
-        responses = [len(r) for r in (e.chosen_ids, e.rejected_ids) if r is not None]
-        return len(e.prompt_ids) * (1 if shared_prompt else len(responses)) + sum(responses)
-    sizes = [tokens(e) for e in examples] if balance else None
-    return (dict(collate([examples[i] for i in idx], tokenizer.pad_token_id, kl_rows),
-                 example_index=torch.as_tensor(idx))
-            for idx in iter_batch_indices(len(examples), batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                          n_epochs=n_epochs, n_examples=n_examples, rank=rank, world_size=world_size,
-                                          start_example=start_example, sizes=sizes))  # called now: errors raise here
+def get_batch_iterator(split: Split, pad_token_id: int | None, *, balance: bool = False, kl_rows: bool = False,
+                       shared_prompt: bool = False, **order) -> Iterator[dict[str, Any]]:
+    """This rank's share of each global batch (iter_batch_indices: `order` its arguments batch_size, seed, n_epochs,
+    n_examples, rank, world_size, start_example, shuffle), collated, with `example_index`; raises at once. `balance`
+    deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
+    sizes = None
+    if balance:  # the tokens of the rows an example becomes: the prompt in each row, or once if shared
+        prompt, chosen, rejected = split.lengths
+        sizes = prompt * (1 if shared_prompt or not rejected.any() else 2) + chosen + rejected
+    return (dict(collate(split.rows(idx), pad_token_id, kl_rows), example_index=torch.as_tensor(idx))
+            for idx in iter_batch_indices(len(split), sizes=sizes, **order))  # called now: errors raise here
 
 
-def get_eval_batches(names: list[str], tokenizer: Any, *, batch_size: int, n_examples: int, rank: int = 0,
-                     world_size: int = 1, kl_rows: bool = False, silent: bool = False, **load_kwargs) -> list[dict]:
+def get_eval_batches(split: Split, pad_token_id: int | None, *, batch_size: int, n_examples: int, rank: int = 0,
+                     world_size: int = 1, kl_rows: bool = False) -> list[dict]:
     """This rank's shares of the first n_examples test pairs in global batches, the last filled with repeats marked
     `valid` False (B,): every rank runs the same forwards (FSDP), and the mean counts each pair once."""
-    examples, _ = load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)
-    n, per_rank, batches = min(n_examples, len(examples)), batch_size // world_size, []
+    n, per_rank, batches = min(n_examples, len(split)), batch_size // world_size, []
     for start in range(0, n, batch_size):
         positions = range(start + rank * per_rank, start + (rank + 1) * per_rank)  # past n: the batch's first pair
-        idx, valid = [p if p < n else start for p in positions], [p < n for p in positions]
-        batches.append(dict(collate([examples[i] for i in idx], tokenizer.pad_token_id, kl_rows),
-                            example_index=torch.as_tensor(idx, dtype=torch.long), valid=torch.tensor(valid)))
+        idx, valid = [p if p < n else start for p in positions], torch.tensor([p < n for p in positions])
+        batch = collate(split.rows(idx), pad_token_id, kl_rows)
+        batches.append(dict(batch, example_index=torch.tensor(idx), valid=valid))
     return batches
 
 
-def get_sample_batches(names: list[str], tokenizer: Any, *, n_examples: int, rank: int = 0, world_size: int = 1,
-                       silent: bool = False, **load_kwargs) -> list[tuple[int, dict]]:
+def get_sample_batches(split: Split, pad_token_id: int | None, *, n_examples: int, rank: int = 0,
+                       world_size: int = 1) -> list[tuple[int, dict]]:
     """(group, batch): groups of SAMPLE_GROUP of the first n_examples distinct test prompts, round-robin over the
     ranks, each generated with its own seed (world-size independent); repeats that even out the ranks' counts have
     group -1."""
     firsts = {}
-    for example in load_tokenized(names, tokenizer, "test", silent=silent, **load_kwargs)[0]:
+    for example in itertools.takewhile(lambda _: len(firsts) < n_examples, split):
         firsts.setdefault(example.prompt, example)  # a prompt with several pairs is sampled (and counted) once
-    examples = list(firsts.values())[:n_examples]
+    examples = list(firsts.values())
     groups = [examples[start:start + SAMPLE_GROUP] for start in range(0, len(examples), SAMPLE_GROUP)]
     mine = (list(range(len(groups)))[rank::world_size] + [-1] * world_size)[:-(-len(groups) // world_size)]
-    return [(g, collate(groups[max(g, 0)], tokenizer.pad_token_id)) for g in mine]
+    return [(g, collate(groups[max(g, 0)], pad_token_id)) for g in mine]

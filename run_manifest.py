@@ -11,6 +11,7 @@ import json
 import platform
 import subprocess
 import sys
+from dataclasses import asdict
 from datetime import datetime, timezone
 from importlib.metadata import version  # not `import datasets`: that would load pyarrow for two version strings
 from pathlib import Path
@@ -19,7 +20,6 @@ import torch
 import yaml
 
 import config
-import preference_datasets as data
 import utils
 
 REPO = Path(__file__).resolve().parent
@@ -45,13 +45,7 @@ def git_state() -> tuple[dict, str]:
             "untracked": untracked}, diff
 
 
-def fingerprints(cfg, tokenizer) -> dict[str, dict[str, str]]:
-    """{split: {source: sha256 of what its tokenized data depends on}} (preference_datasets' cache key)."""
-    return {split: data.data_fingerprints(cfg.datasets, tokenizer, split, **utils.data_options(cfg, split))
-            for split in ("train", "test")}
-
-
-def write(run_dir, cfg, tokenizer, world_size: int) -> None:
+def write(run_dir, cfg, splits: dict, world_size: int) -> None:
     """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
     code, diff = git_state()
     device = ({"type": "cuda", "name": torch.cuda.get_device_name(0)} if torch.cuda.is_available()
@@ -60,13 +54,18 @@ def write(run_dir, cfg, tokenizer, world_size: int) -> None:
                 **{name: version(name) for name in ("transformers", "datasets")}}
     manifest = {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "config": cfg.to_dict(), "code": code, "versions": versions, "device": device,
-                "world_size": world_size, "data": fingerprints(cfg, tokenizer)}
+                "world_size": world_size, "data": {split: loaded.keys for split, loaded in splits.items()},
+                "data_counts": {split: [dict(asdict(s), cache=None) for s in loaded.stats]  # kept, dropped, truncated
+                                for split, loaded in splits.items()}}
+    if cfg.online.rounds:  # semi-online DPO: what regenerates its rounds (sampling, seeds, prompts, scorer)
+        import online
+        manifest["online"] = online.record(cfg)
     if diff:
         utils.atomic_write_text(Path(run_dir) / DIFF, diff)
     utils.atomic_write_text(Path(run_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
-def check_against(recorded_dir, cfg, tokenizer, what: str) -> None:
+def check_against(recorded_dir, cfg, splits: dict, what: str) -> None:
     """Before any model loads: refuse (ManifestError) when the data of `cfg` differs from recorded_dir's manifest,
     warn on stderr when the code differs. A run older than manifests is not checked."""
     path = Path(recorded_dir) / MANIFEST
@@ -79,7 +78,7 @@ def check_against(recorded_dir, cfg, tokenizer, what: str) -> None:
     except (ValueError, KeyError) as e:
         raise ManifestError(f"{path}: unreadable run manifest ({type(e).__name__}: {e}); expected the JSON that "
                             "train.py writes at the start of a run") from None
-    now = fingerprints(cfg, tokenizer)
+    now = {split: loaded.keys for split, loaded in splits.items()}  # preference_datasets' cache keys
     drift = [f"{split}/{name}: recorded {then.get(split, {}).get(name, 'absent')[:16]}, now {fp[:16]}"
              for split, names in now.items() for name, fp in names.items() if then.get(split, {}).get(name) != fp]
     drift += [f"{split}/{name}: recorded, now absent" for split, names in then.items() for name in names
@@ -88,6 +87,11 @@ def check_against(recorded_dir, cfg, tokenizer, what: str) -> None:
         raise ManifestError(f"cannot {what}: the tokenized data differs from the data recorded in {path} (the "
                             "fingerprint hashes the raw file, the tokenizer, the lengths and the truncation); nothing "
                             "was loaded or written:\n  " + "\n  ".join(drift))
+    if cfg.online.rounds and "online" in recorded:  # a scorer whose code or weights changed samples other pairs
+        import online
+        if (now_scorer := online.record(cfg)["scorer"]) != recorded["online"].get("scorer"):
+            print(f"warning: the online scorer differs from the recorded run's ({path}): the rounds it scores will "
+                  f"differ:\n  then {recorded['online'].get('scorer')}\n  now  {now_scorer}", file=sys.stderr)
     code, _ = git_state()
     if (code["commit"], code["diff_sha256"]) != (recorded_code.get("commit"), recorded_code.get("diff_sha256")):
         print(f"warning: the code differs from the recorded run's ({path}): commit {recorded_code.get('commit')} "
@@ -148,6 +152,11 @@ def report(original_dir, replay_dir) -> str:
     steps = {split: rows.get(f"loss/{split}", (0, 0, 0))[1:] for split in ("train", "eval")}
     lines.append(f"compared {steps['train'][0]} training steps ({steps['train'][1]} in one run only) and "
                  f"{steps['eval'][0]} evaluations ({steps['eval'][1]} in one run only)")
+    if rounds := sorted(Path(original_dir).glob("rounds/*/pairs.jsonl")):  # semi-online DPO: the pairs, sampled again
+        again = [Path(replay_dir) / p.relative_to(original_dir) for p in rounds]
+        differ = [p.parent.name for p, q in zip(rounds, again) if not q.is_file() or p.read_bytes() != q.read_bytes()]
+        lines.append(f"online rounds: {len(rounds)} compared, " + (f"rounds {', '.join(differ)} differ" if differ else
+                     "identical pairs in every round"))
     lines.append(f"replay differs in {len(differ)} metric(s): {', '.join(differ)}" if differ else
                  "replay identical: every metric that is not wall-clock time matches exactly at every step both runs logged")
     return "\n".join(lines)

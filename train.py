@@ -50,6 +50,7 @@ import logps  # noqa: E402
 import losses  # noqa: E402
 import preference_datasets as data  # noqa: E402
 import run_manifest  # noqa: E402
+import self_check  # noqa: E402
 import trainers  # noqa: E402
 import utils  # noqa: E402
 # transformers and peft are imported where they are used, after work_offline_if_the_hub_is_unreachable: the hub
@@ -162,13 +163,13 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
               " (HF_HUB_OFFLINE=1 set for this run)", file=sys.stderr)
 
 
-def check_inputs(cfg, world_size: int) -> None:
-    """Every check of the user's input that needs no model (--cfg runs them too); the data it tokenizes is cached."""
+def check_inputs(cfg, world_size: int) -> dict:
+    """Every check of the user's input that needs no model (--cfg runs them too); returns the tokenized splits."""
     if problems := validate(cfg, world_size):  # load_config knew the world size only under torchrun
         raise ConfigError(problems)
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
-    data.validate_sources(cfg.datasets, unpaired=cfg.unpaired_loss, pairs_to_unpaired=cfg.pairs_to_unpaired)
+    data.validate_sources(cfg.datasets)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])
     if cfg.resume_from:  # under torchrun every rank runs this: sizes here, rank 0 alone hashes (distributed_worker)
@@ -179,7 +180,13 @@ def check_inputs(cfg, world_size: int) -> None:
         check_tiled_head(cfg)
     if cfg.fsdp.ulysses_sequence_parallel_size > 1:
         check_sequence_parallel(cfg)
-    check_data(cfg, world_size)
+    if cfg.loss.router_aux_loss is not None:
+        check_router_aux_loss(cfg)
+    splits = check_data(cfg, world_size)
+    if cfg.online.rounds:  # semi-online DPO: its scorer and prompts, before any model loads
+        import online
+        online.check(cfg, load_tokenizer(cfg))
+    return splits
 
 
 def check_tiled_head(cfg) -> None:
@@ -197,6 +204,24 @@ def check_tiled_head(cfg) -> None:
         raise ConfigError([f"model.name_or_path={name!r}: {e}"]) from None
 
 
+def check_router_aux_loss(cfg) -> None:
+    """loss.router_aux_loss balances the routers of a mixture of experts: refused, from config.json alone, for a model
+    without experts, and `model` for one whose config has no router_aux_loss_coef."""
+    import transformers
+    name, value = resolve_local(cfg.model.name_or_path), cfg.loss.router_aux_loss
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError):  # unreadable here: loading the model reports it
+        return
+    if trainers.expert_share(config) == 1:
+        raise ConfigError([f"loss.router_aux_loss={value}: model type {config.model_type!r} (model.name_or_path="
+                           f"{name!r}) has no experts (num_experts_per_tok), so no router to balance; set "
+                           "loss.router_aux_loss=null"])
+    if value == "model" and getattr(config, "router_aux_loss_coef", None) is None:
+        raise ConfigError([f"loss.router_aux_loss=model: the config of model type {config.model_type!r} has no "
+                           "router_aux_loss_coef; set a number"])
+
+
 def check_sequence_parallel(cfg) -> None:
     """Ulysses gives each rank of a group heads / sp whole attention heads: sp must divide the model's attention heads
     (fewer key/value heads are repeated); RoPE types that scale by the longest position of a call are refused."""
@@ -212,23 +237,35 @@ def check_sequence_parallel(cfg) -> None:
         raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
                            f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"])
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if (kind := rope.get("rope_type", rope.get("type"))) in ("dynamic", "longrope"):  # each rank sees only its slice
-        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r}: its RoPE type "
-                           f"{kind!r} scales frequencies by the longest position of a call, and each rank of a group"
-                           " sees only its slice of the positions: not supported yet"])
+    # Gemma 3: one per layer type
+    kinds = [r.get("rope_type", r.get("type")) for r in (rope, *rope.values()) if isinstance(r, dict)]
+    if (kind := next((k for k in kinds if k in ("dynamic", "longrope")), None)):  # each rank sees only its slice
+        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r} (model type "
+                           f"{config.model_type!r}): its RoPE type {kind!r} scales frequencies by the longest position"
+                           " of a call, and each rank of a group sees only its slice of the positions: not supported yet"])
+    # logps._score refuses the same at the first forward; sdpa is the default of a model class that supports it
+    cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    window = logps.sliding_window(config, float("inf"))
+    no_flex = cls is not None and cls._supports_sdpa and not cls._supports_flex_attn
+    if torch.cuda.is_available() and no_flex and (cfg.padding_free or window):
+        option = "padding_free=true" if cfg.padding_free else f"a sliding window ({window})"
+        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with {option}: {cls.__name__} (model type "
+                           f"{config.model_type!r}) does not attend through FlexAttention, and sdpa on CUDA would "
+                           "keep a dense (T, T) mask in every layer; "
+                           + ("set padding_free=false" if cfg.padding_free else "not supported yet")])
 
 
-def check_data(cfg, world_size: int) -> None:
-    """Tokenize both splits as the trainer will; refuse fewer training pairs than one step, or fewer eval pairs than
-    ranks, naming each source and its drops; warn of a warmup as long as the run, and of one file for both splits."""
+def check_data(cfg, world_size: int) -> dict:
+    """Tokenize both splits as the trainer will (returned: handed on); refuse fewer training pairs than one step, or
+    fewer eval pairs than ranks, naming each source and its drops; warn of a long warmup and of one file for both."""
     for name in cfg.datasets:
         if name not in data.SOURCES and "{split}" not in name:
             print(f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
                   " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)")
-    tokenizer, (dp, ranks) = load_tokenizer(cfg), data_parallel_size(cfg, world_size)
+    splits, (dp, ranks) = data.load_splits(cfg, load_tokenizer(cfg)), data_parallel_size(cfg, world_size)
     for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
                                 ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)")):
-        examples, stats = data.load_tokenized(cfg.datasets, tokenizer, split, silent=True, **utils.data_options(cfg, split))
+        examples, stats = splits[split], splits[split].stats
         if len(examples) < needed:
             per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
                                    + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none") for s in stats)
@@ -239,6 +276,7 @@ def check_data(cfg, world_size: int) -> None:
         if steps and cfg.warmup_steps >= steps:
             print(f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
                   f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})", file=sys.stderr)
+    return splits
 
 
 def resume_run_dir(resume_from: str) -> str:
@@ -268,7 +306,7 @@ def world_size_of(cfg) -> int:
     return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or gpus or 2
 
 
-def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
+def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | None = None) -> None:
     utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     device_map = None
     if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
@@ -277,13 +315,15 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str) -> None:
                                " which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
+    splits = splits or data.load_splits(cfg, tokenizer)  # a spawned rank: from the cache check_inputs filled
     if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
-        run_manifest.write(run_dir, cfg, tokenizer, world_size)
+        run_manifest.write(run_dir, cfg, splits, world_size)
     if world_size > 1:  # rank 0 read the weights alone; the others wait without collective_timeout_secs
         utils.wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy, reference = policy.to("cuda"), reference.to("cuda") if reference is not None else None
-    trainer = getattr(trainers, cfg.trainer)(policy, cfg, cfg.seed, run_dir, reference, rank, world_size, tokenizer)
+    trainer = getattr(trainers, cfg.trainer)(policy, cfg, cfg.seed, run_dir, reference, rank, world_size, tokenizer,
+                                             splits)
     del policy, reference  # the trainer owns the models: precompute_ref_log_probs can free the reference for real
     trainer.train()
 
@@ -303,7 +343,8 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
         run_dir, created = Path(cfg.resume_from), False
     elif cfg.run_dir:
         run_dir, created = Path(cfg.run_dir), not Path(cfg.run_dir).exists()
-        written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", run_manifest.MANIFEST, run_manifest.DIFF}
+        written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", "rounds",
+                   run_manifest.MANIFEST, run_manifest.DIFF, self_check.REPORT}
         earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")] if run_dir.is_dir() else []
         if earlier:
             keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
@@ -332,11 +373,13 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
         distributed_worker(cfg, run_dir)
     except trainers.Interrupted as e:  # the launcher tells the user how to resume
         sys.exit(128 + e.signum)
+    except self_check.SelfCheckError:  # every rank agreed; the launcher reads the message from run_dir/self_check.json
+        sys.exit(4)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the launcher says so, once
         sys.exit(128 + signal.SIGINT)
 
 
-def distributed_worker(cfg, run_dir: str | None) -> None:
+def distributed_worker(cfg, run_dir: str | None, splits: dict | None = None) -> None:
     """Join the process group (env://), agree on the run directory, train, leave."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
@@ -353,7 +396,7 @@ def distributed_worker(cfg, run_dir: str | None) -> None:
             verdict = rank == 0 and checkpoint_problem(Path(cfg.resume_from) / "LATEST")
             if verdict := utils.broadcast_object(verdict, slow=True):
                 raise trainers.CheckpointError(verdict)
-        worker_main(rank, world_size, cfg, run_dir)
+        worker_main(rank, world_size, cfg, run_dir, splits)
     except KeyboardInterrupt:  # a second Ctrl-C under torchrun: one line per rank, no traceback
         remove_orphan(run_dir, created)
         raise interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
@@ -406,6 +449,8 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
         while not context.join():
             pass
     except torch.multiprocessing.ProcessExitedException as e:
+        if e.exit_code == 4:
+            raise self_check.SelfCheckError(self_check.failure(run_dir)) from None
         if e.exit_code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise
         raise interrupted(e.exit_code - 128, run_dir, cfg.batch_size) from None
@@ -414,15 +459,15 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
             signal.signal(s, h)
 
 
-def launch(cfg) -> None:
+def launch(cfg, splits: dict | None = None) -> None:
     """One process (BasicTrainer), this process as one torchrun rank, or N local processes (FSDPTrainer)."""
     if started_by_torchrun(cfg):
-        return distributed_worker(cfg, None)
+        return distributed_worker(cfg, None, splits)
     run_dir, created = prepare_run_dir(cfg)
     print(f"run directory: {run_dir}", flush=True)
     try:
         if cfg.trainer == "BasicTrainer":
-            worker_main(0, 1, cfg, str(run_dir))
+            worker_main(0, 1, cfg, str(run_dir), splits)
         else:
             spawn_ranks(cfg, world_size_of(cfg), run_dir)
     except BaseException as e:
@@ -469,19 +514,21 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
-        check_inputs(cfg, world_size_of(cfg))
+        splits = check_inputs(cfg, world_size_of(cfg))
         if cfg.resume_from or replay_of:  # the data must be the recorded run's
-            run_manifest.check_against(cfg.resume_from or replay_of, cfg, load_tokenizer(cfg), "resume" if cfg.resume_from else "replay")
+            run_manifest.check_against(cfg.resume_from or replay_of, cfg, splits,
+                                       "resume" if cfg.resume_from else "replay")
         if "--cfg" in flags:
             print(to_yaml(cfg), end="")
             return 0
-        launch(cfg)
+        launch(cfg, splits)
         if replay_of is not None:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
     except (ConfigError, estimate.EstimateError, data.DataError, FileExistsError, FileNotFoundError,
-            run_manifest.ManifestError, trainers.CheckpointError, trainers.NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)  # bad input (2: nothing loaded or written) or non-finite steps (3)
-        return 3 if isinstance(e, trainers.NonFiniteError) else 2
+            run_manifest.ManifestError, trainers.CheckpointError, trainers.NonFiniteError,
+            self_check.SelfCheckError) as e:
+        print(f"error: {e}", file=sys.stderr)  # 2 bad input (nothing loaded or written), 3 non-finite, 4 self-check
+        return 3 if isinstance(e, trainers.NonFiniteError) else 4 if isinstance(e, self_check.SelfCheckError) else 2
     except trainers.Interrupted as e:
         if utils.get_rank() == 0:
             print(interrupt_message(e, argv), file=sys.stderr, flush=True)

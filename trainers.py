@@ -36,12 +36,13 @@ import yaml
 
 import losses
 import preference_datasets as data
+import self_check
 import ulysses
 from config import flatten, loss_registry
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
-from utils import (all_gather_object, atomic_write_text, broadcast_object, data_options, dtype_of, formatted_dict, fsync_dir, get_rng_state,
-                   rank0_print, set_rng_state, use_shape_free_attention)
+from utils import (all_gather_object, atomic_write_text, broadcast_object, dtype_of, first_usable_dir, formatted_dict,
+                   fsync_dir, get_rng_state, rank0_print, set_rng_state, use_shape_free_attention)
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 # Dense bf16 matmul peak TFLOP/s (vendors' datasheets) that throughput/mfu divides by; peak_tflops wins.
@@ -111,7 +112,7 @@ class BasicTrainer:
     reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`."""
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None):
+                 rank: int = 0, world_size: int = 1, tokenizer=None, splits: Optional[dict] = None):
         c, self.config, self.seed, self.rank, self.world_size = config, config, seed, rank, world_size
         self.sharding = getattr(self, "sharding", None) or OneProcess(policy, config)  # FSDPTrainer sets its own
         self.sp = getattr(self, "sp", None)  # FSDPTrainer's Ulysses group, if any
@@ -125,29 +126,35 @@ class BasicTrainer:
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.stop, self.log, self.beta_dpo_running = {"signal": None}, RunLog(self.run_dir, rank, config), None  # beta-DPO's
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
-        train_options, eval_options = data_options(c, "train"), data_options(c, "test")
-        self.n_train_pairs = data.count_examples(c.datasets, tokenizer, split="train", silent=rank != 0, **train_options)
+        self.splits = splits or data.load_splits(c, tokenizer)  # train.py hands on what its checks loaded
+        train, test = self.splits["train"], self.splits["test"]
+        rank0_print(data.dataset_summary(train.stats))
+        self.n_train_pairs = len(train)
         self.total_steps = data.num_steps(self.n_train_pairs, batch_size=c.batch_size, n_epochs=c.n_epochs, n_examples=c.n_examples)
         # The first n_eval_examples test pairs, each once (repeats completing the last batch are left out); KTO needs
         # >= 2 rows per rank for its KL estimate
-        self.n_eval_pairs = min(data.count_examples(c.datasets, tokenizer, split="test", silent=True, **eval_options), c.n_eval_examples)
+        self.n_eval_pairs = min(len(test), c.n_eval_examples)
         self.eval_batch_size = min(c.eval_batch_size, max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size)) * self.dp_size)
-        shares = dict(rank=self.dp_rank, world_size=self.dp_size, silent=True)
-        self.eval_batches = data.get_eval_batches(c.datasets, tokenizer, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples,
-                                                  kl_rows=self.unpaired, **shares, **eval_options)
-        self.sample_batches = data.get_sample_batches(c.datasets, tokenizer, n_examples=c.n_eval_model_samples * c.sample_during_eval,
-                                                      **shares, **eval_options)
+        shares = dict(pad_token_id=tokenizer.pad_token_id, rank=self.dp_rank, world_size=self.dp_size)
+        self.eval_batches = data.get_eval_batches(test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples,
+                                                  kl_rows=self.unpaired, **shares)
+        self.sample_batches = data.get_sample_batches(test, n_examples=c.n_eval_model_samples * c.sample_during_eval,
+                                                      **shares)
         self.reference = Reference(self, reference_model)
         self.checkpoints = Checkpoints(self)
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference (N counted before any sharding)
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * (getattr(self, "n_params", None) or flops_params(policy))
+        if (share := expert_share(unwrap(policy).config)) < 1:
+            active = self.flops_per_token // (6 + 2 * online)
+            rank0_print(f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
+                        f"{share:g}: top-k of the experts run per token); memory holds all of them")
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         self.peak_flops = 1e12 * (c.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0.0))
         unit = "completions" if self.unpaired else "pairs"
         ranks = (f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
                  if self.sp_size > 1 else f"world size {world_size}")
-        doubled = f" (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)" if c.pairs_to_unpaired else ""
+        doubled = " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)" if c.pairs_to_unpaired else ""
         rank0_print(f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation {c.gradient_accumulation_steps} x "
                     f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}"
                     f"{doubled}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}")
@@ -174,10 +181,12 @@ class BasicTrainer:
         n, paired, c = batch["chosen_input_ids"].size(0), "rejected_input_ids" in batch, self.config
         entropy_grad = bool(c.loss.entropy_coeff)
         ld = c.loss.ld_alpha != 1  # the loss modifiers that need more than sums: LD-DPO's tokens, WPO's statistic
+        router = router_aux_coef(c.loss.router_aux_loss, unwrap(self.policy).config)  # a mixture of experts' balance
         with self.autocast():
             out = forward_logps(self.policy, inputs, entropy=self.entropy_options, entropy_grad=entropy_grad, per_token=ld,
-                                sum_sq=c.loss.wpo, **self.forward_options(entropy_grad))
-        sums, counts, entropy = out[:3]
+                                sum_sq=c.loss.wpo, routing=True, routing_grad=router > 0,
+                                **self.forward_options(entropy_grad))
+        sums, counts, entropy, routing = *out[:3], out.routing
         kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], policy_sum_sq=out.log_sum_sq)
         if paired:
             kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
@@ -198,6 +207,11 @@ class BasicTrainer:
         loss = out.losses.mean()
         if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
             loss = loss - c.loss.entropy_coeff * entropy.mean()
+        if routing is not None:  # per example (a pair: its two sequences' mean), weighted like the loss in train_step
+            aux = losses.load_balancing_loss(routing)
+            aux = (aux[:n] + aux[n:]) / 2 if paired else aux
+            metrics["router_aux_loss"] = aux.detach()
+            loss = loss + router * aux.mean() if router else loss
         return loss, {split_name(k, split): v for k, v in metrics.items()}
 
     def step_statistics(self, batch: dict) -> dict:
@@ -249,10 +263,14 @@ class BasicTrainer:
         if c.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
             self.log.start(None)
             return self.evaluate_and_log()
+        if c.online.rounds:  # semi-online DPO: the pairs come from rounds of sampling and scoring (online.py)
+            import online
+            return online.train(self)
         self.build_optimizer()
-        self.reference.precompute()
         self.log.start(self.checkpoints.resume())
         self.sharding.barrier()  # W&B starts on rank 0 alone (up to minutes online): the others wait here
+        self_check.run(self)  # on the resumed weights, before the first step and before precompute frees the reference
+        self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
         with stop_on_signals(self.stop), tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step",
@@ -276,10 +294,10 @@ class BasicTrainer:
     def train_batches(self):
         """This rank's share of every step's pairs, from where the run stands (a resume continues the order)."""
         c = self.config
-        return data.get_batch_iterator(c.datasets, self.tokenizer, split="train", batch_size=c.batch_size, n_epochs=c.n_epochs,
-                                       n_examples=c.n_examples, rank=self.dp_rank, world_size=self.dp_size, seed=self.seed,
-                                       start_example=self.example_counter, balance=c.balance_batch, kl_rows=self.unpaired,
-                                       shared_prompt=c.prefix_sharing, silent=True, **data_options(c, "train"))
+        return data.get_batch_iterator(self.splits["train"], self.tokenizer.pad_token_id, batch_size=c.batch_size,
+                                       n_epochs=c.n_epochs, n_examples=c.n_examples, rank=self.dp_rank,
+                                       world_size=self.dp_size, seed=self.seed, start_example=self.example_counter,
+                                       balance=c.balance_batch, kl_rows=self.unpaired, shared_prompt=c.prefix_sharing)
 
     def step_and_log(self, batch: dict, bar) -> None:
         """One step, its metrics and throughput logged; then a requested stop or too many non-finite steps."""
@@ -521,16 +539,13 @@ class Reference:
         key of model, archive, dtype, tokenizer and tokenized examples; a later run computes only what the cache lacks.
         Rank 0 reads the cache (local_dirs may be node-local); every rank takes its table."""
         t, c = self.trainer, self.trainer.config
-        options = data_options(c, split)
-        examples, _ = data.load_tokenized(c.datasets, t.tokenizer, split, silent=True, **options)
+        examples = t.splits[split]
         wanted = list(range(min(c.n_eval_examples, len(examples)))) if wanted is None else wanted
         archive = Path(c.model.archive) if c.model.archive else None
         digest = hashlib.sha256(repr((c.model.name_or_path, c.model.reference_dtype or c.fsdp.model_dtype, self.mixed and c.fsdp.mixed_precision,
                                       archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
-                                      data.tokenizer_fingerprint(t.tokenizer), len(examples))).encode())
-        for e in examples:
-            digest.update(b"".join(bytes(memoryview(a)) for a in (e.prompt_ids, e.chosen_ids, e.rejected_ids) if a is not None))
-        path = Path(options["cache_dir"]).parent / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
+                                      sorted(examples.keys.items()), len(examples))).encode())  # keys: data, tokenizer
+        path = first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
         table = (torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan)) if t.rank == 0 else None
         table = broadcast_object(table)
         missing = [i for i in wanted if math.isnan(table[i, 0])]
@@ -539,7 +554,7 @@ class Reference:
             mine = rank_share(missing, t.dp_rank, t.dp_size)  # as many forwards on every rank (collectives under FSDP)
             size, values = max(1, c.eval_batch_size // t.dp_size), []
             for start in range(0, len(mine), size):
-                sums = self.forward(concatenated_inputs(data.collate([examples[i] for i in mine[start:start + size]],
+                sums = self.forward(concatenated_inputs(data.collate(examples.rows(mine[start:start + size]),
                                                                      t.tokenizer.pad_token_id))).sums.float().cpu()
                 values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)  # SFT: one
             # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
@@ -636,7 +651,9 @@ class Checkpoints:
         if self.trainer.reference.lora:
             lora = self.trainer.config.lora
             model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
-            state, model = merged_lora_state(state, lora.alpha / lora.r, fan_in_fan_out_layers(model)), model.get_base_model()
+            state = merged_lora_state(state, lora.alpha / lora.r, fan_in_fan_out_layers(model),
+                                      experts=expert_lora_layers(model))
+            model = model.get_base_model()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.trainer.tokenizer.save_pretrained(out)
 
@@ -733,7 +750,7 @@ RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples"
                      "run_dir", "resume_from", "collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps",
                      "peak_tflops", "activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload",
                      "fsdp.offload_policy", "fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking",
-                     "fsdp.entropy_checkpointing", "fsdp.use_torch_compile")
+                     "fsdp.entropy_checkpointing", "fsdp.use_torch_compile", "self_check")
 
 
 def check_compatible(state: dict, config, world_size: int) -> None:
@@ -755,8 +772,25 @@ def check_compatible(state: dict, config, world_size: int) -> None:
 
 # --- Small pure helpers ---
 def flops_params(model: nn.Module) -> int:
-    """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul)."""
-    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul); of a
+    mixture of experts the active ones: each `experts` module's times top_k / num_experts (expert_share), as a token
+    runs through top_k experts (its memory holds them all)."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    experts = [p for name, m in model.named_modules() if name.rpartition(".")[2] == "experts" for p in m.parameters()]
+    return n - round((1 - expert_share(model.config)) * sum(p.numel() for p in experts))
+
+
+def expert_share(config) -> float:
+    """The fraction of a mixture of experts' expert parameters a token runs through (top_k / experts); 1 if dense."""
+    k = getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return k / experts if k and experts else 1.0
+
+
+def router_aux_coef(setting, model_config) -> float:
+    """loss.router_aux_loss as a number: null 0 (off), model the model config's router_aux_loss_coef (train.py refused
+    it where there is none)."""
+    return float(model_config.router_aux_loss_coef if setting == "model" else setting or 0.0)
 
 
 def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
@@ -822,20 +856,38 @@ def clean_name(name: str) -> str:
 
 
 def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset = frozenset(),
-                      adapter: str = "default") -> dict[str, torch.Tensor]:
+                      adapter: str = "default", experts: Optional[dict] = None) -> dict[str, torch.Tensor]:
     """A peft LoRA model's full state dict -> the base model's with each adapter merged, W + scaling * B @ A (scaling
     = lora.alpha / lora.r), keys without peft's prefixes. Layers in `transposed` store W as (in, out) (transformers'
-    Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as peft merges it. The live model is untouched."""
-    merged = {}
+    Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as peft merges it. `experts` (expert_lora_layers:
+    peft's LoRA on fused 3-D expert parameters, nested one wrapper per parameter) adds B_e @ A_e to each expert e's
+    matrix, as peft's ParamWrapper.get_delta_weight. The live model is untouched."""
+    merged, deltas = {}, {}
+    for stem, (name, n, swapped) in (experts or {}).items():
+        a, b = (state[f"{stem}.lora_{x}.{adapter}.weight"].double() for x in "AB")
+        a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(b.shape[0], -1, n)  # (experts, r, in), (out, r, experts)
+        base = next(k for k in state if k.startswith(f"{stem}.base_layer.") and k.endswith(f".{name}")
+                    and ".lora_" not in k)
+        deltas[base] = scaling * torch.einsum("ore,eri->e" + ("oi" if swapped else "io"), b, a)
     for key, value in state.items():
         if ".lora_" in key:
             continue
-        if key.endswith(".base_layer.weight"):
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        elif key.endswith(".base_layer.weight"):
             stem = key[: -len(".base_layer.weight")]
             delta = scaling * (state[f"{stem}.lora_B.{adapter}.weight"].double() @ state[f"{stem}.lora_A.{adapter}.weight"].double())
             value = value + (delta.T if stem in transposed else delta).to(value.dtype)
-        merged[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
+        parts = key.removeprefix("base_model.model.").split(".")
+        merged[".".join(part for part in parts if part != "base_layer")] = value  # nested wrappers: each level
     return merged
+
+
+def expert_lora_layers(model: nn.Module) -> dict[str, tuple[str, int, bool]]:
+    """State-dict stem of each peft LoRA layer on a fused expert parameter -> (its parameter's name, experts, whether
+    it is stored (experts, out, in)); peft's all-linear adapts them in transformers' MoE models."""
+    return {clean_name(name): (m.parameter_name, m.num_experts, m._did_swap_in_out_features)
+            for name, m in model.named_modules() if getattr(m, "num_experts", 1) > 1 and hasattr(m, "parameter_name")}
 
 
 def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
@@ -851,7 +903,7 @@ class FSDPTrainer(BasicTrainer):
     BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (sharding.py) does the rest."""
 
     def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None):
+                 rank: int = 0, world_size: int = 1, tokenizer=None, splits: Optional[dict] = None):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
         # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
@@ -867,4 +919,4 @@ class FSDPTrainer(BasicTrainer):
         policy = self.sharding.shard(policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward)
         if reference_model is not None:  # in its own compute dtype (reference_mixed_precision)
             reference_model = self.sharding.shard(reference_model, False, mixed_precision=reference_mixed_precision(config))
-        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer)
+        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer, splits)

@@ -78,12 +78,13 @@ def _exchange(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, n // sp.size, sp.size * m, d)
 
 
-class _AllKeyValueHeads:
-    """The attention module as the inner function sees it after repeat_kv: one key/value head per query head."""
-    num_key_value_groups = 1
+class _AttentionView:
+    """The attention module as the inner function sees it: `overrides` (after repeat_kv one key/value head per query
+    head; this rank's heads' sinks) in place of its own attributes."""
 
-    def __init__(self, module):
+    def __init__(self, module, **overrides):
         self._module = module
+        self.__dict__.update(overrides)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -115,7 +116,12 @@ def _wrap(inner_of, takes_is_causal: bool):
         if key.shape[1] % sp.size:  # fewer KV heads than ranks (or not a multiple): one per query head
             from transformers.integrations.sdpa_attention import repeat_kv
             key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
-            module = _AllKeyValueHeads(module)
+            module = _AttentionView(module, num_key_value_groups=1)
+        if getattr(module, "sinks", None) is not None:  # gpt-oss: a learned sink logit per head; this rank's heads only
+            heads = slice(sp.rank * query.size(1) // sp.size, (sp.rank + 1) * query.size(1) // sp.size)
+            module = _AttentionView(module, sinks=module.sinks[heads])
+            if "s_aux" in kwargs:  # the copy FlexAttention and flash kernels read
+                kwargs["s_aux"] = module.sinks
         causal = getattr(attention_mask, "causal_only", False)
         if causal and takes_is_causal:
             attention_mask, kwargs["is_causal"] = None, True

@@ -121,7 +121,8 @@ def data_options(cfg, split: str) -> dict:
     unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
     return dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length, truncation_mode=cfg.truncation_mode,
                 sft_mode=set(cfg.loss_names) == {"sft"}, cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"),
-                unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired)
+                unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
+                drop_identical_pairs=cfg.drop_identical_pairs)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -242,9 +242,10 @@ def verify_our_batches(meta: dict, workdir: Path) -> str:
         tok = AutoTokenizer.from_pretrained(meta["model_dir"])
         for k, path in meta["data"].items():
             designed = [json.loads(line)["prompt"] for line in open(meta["data_in_step_order"][k])]
-            it = pd.get_batch_iterator([path], tok, split="train", batch_size=BATCH, shuffle=True, seed=SEED,
-                                       n_examples=len(designed), max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT_LENGTH,
-                                       cache_dir=str(workdir / "verify_cache"), silent=True)
+            examples, _ = pd.load_tokenized([path], tok, "train", max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT_LENGTH,
+                                            cache_dir=str(workdir / "verify_cache"))
+            it = pd.get_batch_iterator(examples, tok.pad_token_id, batch_size=BATCH, shuffle=True, seed=SEED,
+                                       n_examples=len(designed))
             for s, batch in enumerate(it):
                 if sorted(batch["prompt"]) != sorted(designed[s * BATCH:(s + 1) * BATCH]):
                     return f"MISMATCH in pairs_{k}.jsonl at step {s}: our batches differ from the designed order"

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11: small random GPT-2 / Llama / Qwen2 models (benchmarks/gpu_models.py) trained with DPO
-# on 1 GPU and on all GPUs of this node (nccl; train.py starts one process per GPU), fp32 and bf16, under
-# BasicTrainer, FSDP1 and FSDP2 with each FSDP knob. Prints one row per run (pairs/s and MFU: medians over the
+# The GPU check of issue 11: small random GPT-2 / Llama / Qwen2 / Qwen3-MoE / gpt-oss models (benchmarks/gpu_models.py;
+# gpt-oss at gpt-oss-20b's attention geometry: sinks, 64 x 64 query heads, alternating 128-token windows) trained
+# with DPO on 1 GPU and on all GPUs of this node (nccl; train.py starts one process per GPU), fp32 and bf16,
+# under BasicTrainer, FSDP1 and FSDP2 with each FSDP knob. Prints one row per run (pairs/s and MFU: medians over the
 # steps after the first) and exits non-zero when any run failed; each run's log is under $WORK/logs/.
 #
-#   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs (~40 runs of ~30 s)
+#   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs (~120 runs of ~30 s on 8 GPUs)
 #   bash benchmarks/gpu_check.sh --dry-run       # print the commands, run nothing
 #   bash benchmarks/gpu_check.sh --cpu           # the script's own check on CPU: tiny Llama, 1 process + 2 gloo ranks
 # Then python -u benchmarks/gpu_prefix_sharing.py: prefix_sharing at Llama-3.2-1B geometry, with and without.
 #
-# Environment: ARCHS ("gpt2 llama qwen2"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS (the GPU's bf16
-# matmul peak for MFU, e.g. 989 for an H100 SXM; unset = trainers.PEAK_TFLOPS's entry for a known GPU, else MFU
-# shows "-"), WORK (a temporary directory), RUN_TIMEOUT (seconds per run, 900), ONLY (a regular expression: run
-# only the settings whose name matches it).
+# The mixtures of experts also run with the router's load-balancing loss (loss.router_aux_loss=model, *_router_aux).
+# Environment: ARCHS ("gpt2 llama qwen2 qwen3_moe gpt_oss"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS
+# (the GPU's bf16 matmul peak for MFU, e.g. 989 for an H100 SXM; unset = trainers.PEAK_TFLOPS's entry for a known
+# GPU, else MFU shows "-"), WORK (a temporary directory), RUN_TIMEOUT (seconds per run, 900), ONLY (a regular
+# expression: run only the settings whose name matches it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +32,7 @@ else
   NGPU=$(python -c "import torch; print(torch.cuda.device_count())") || exit 1
   if [ "$MODE" = gpu ] && [ "$NGPU" -lt 1 ]; then echo "no CUDA device: use --cpu or --dry-run" >&2; exit 1; fi
   [ "$NGPU" -lt 1 ] && NGPU=8  # --dry-run without GPUs: show the commands of an 8-GPU node
-  ARCHS=${ARCHS:-gpt2 llama qwen2}; SIZE=${SIZE:-small}
+  ARCHS=${ARCHS:-gpt2 llama qwen2 qwen3_moe gpt_oss}; SIZE=${SIZE:-small}
 fi
 STEPS=${STEPS:-5}
 WORK=${WORK:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
@@ -68,6 +70,8 @@ else
                "${s}_bf16_shared_packed|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;prefix_sharing=true;padding_free=true;activation_checkpointing=true")
     [ "$NGPU" -gt 1 ] && SETTINGS+=("${s}_bf16_replicate|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.fsdp_size=1")
     [ $(( NGPU % 2 )) -eq 0 ] && SETTINGS+=("${s}_bf16_ulysses|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;fsdp.ulysses_sequence_parallel_size=2")
+    # mixtures of experts only: the router's logits from inside recomputed blocks, on packed rows
+    SETTINGS+=("${s}_bf16_router_aux|all|trainer=FSDPTrainer;fsdp.strategy=$s;$BF16_MP;loss.router_aux_loss=model;activation_checkpointing=true;padding_free=true")
   done
   SETTINGS+=("fsdp_bf16_orig_params|all|trainer=FSDPTrainer;fsdp.strategy=fsdp;$BF16_MP;fsdp.use_orig_params=true")
 fi
@@ -86,6 +90,7 @@ while IFS=$'\t' read -r arch path; do
   for setting in "${SETTINGS[@]}"; do
     IFS='|' read -r name gpus args <<< "$setting"
     [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || continue
+    [[ "$name" != *router_aux* || "$arch" == qwen3_moe || "$arch" == gpt_oss ]] || continue  # refused for dense models
     run_dir="$WORK/runs/$arch-$name"
     IFS=';' read -ra argv <<< "$args"
     cmd=(python -u train.py "${COMMON[@]}" "model.name_or_path=$path" "run_dir=$run_dir" "${argv[@]}")
@@ -106,6 +111,9 @@ while IFS=$'\t' read -r arch path; do
   done
 done <<< "$MODELS"
 
+# every run above checked itself (self_check.py); its own CUDA test adds the faults it must catch
+if [ "$MODE" = dry ]; then echo "python -m pytest tests/gpu/test_self_check_gpu.py -q"
+elif [ "$MODE" = gpu ]; then python -m pytest tests/gpu/test_self_check_gpu.py -q -s || failed=$((failed + 1)); fi
 [ "$MODE" = dry ] && exit 0
 echo "gpu_check: $failed run(s) failed; logs in $WORK/logs"
 [ "$failed" -eq 0 ]

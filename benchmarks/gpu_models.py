@@ -6,8 +6,11 @@
 
 Models are built offline from transformers config classes, with random weights and the toy tokenizer's vocabulary
 (512), one per architecture family whose quirks break distributed code: GPT-2 (tied embeddings, learned positions,
-Conv1D), Llama (RoPE, GQA, untied), Qwen2 (tied, qkv bias). `tiny` (~0.3M parameters) checks correctness fast;
-`small` (~20-40M) gives throughput numbers worth reading.
+Conv1D), Llama (RoPE, GQA, untied), Qwen2 (tied, qkv bias), Qwen3-MoE (per-head q/k norms, fused experts, a router)
+and gpt-oss (attention sinks, alternating 128-token sliding windows, YaRN, biased fused experts; `small` keeps
+gpt-oss-20b's attention geometry: 64 query heads of 64 over 8 key/value heads, 32 experts, 4 a token). `tiny` (~0.3M
+parameters) checks correctness fast; `small` (~20-40M, the MoEs ~100M of which a quarter is active) gives throughput
+numbers worth reading.
 """
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ import sys
 from pathlib import Path
 
 VOCAB = 512  # the toy tokenizer's (toy/tiny-llama), which every model here is trained with
-SIZES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128),
-         "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, mlp=2048)}
+SIZES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, experts=(4, 2), gpt_oss_heads=(4, 2, 16)),
+         "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, mlp=2048, experts=(32, 4), gpt_oss_heads=(64, 8, 64))}
+MOE = ("qwen3_moe", "gpt_oss")  # the ones that take loss.router_aux_loss
 
 
 def configs(size: str) -> dict:
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GptOssConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
     s = SIZES[size]
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return {
@@ -35,6 +39,20 @@ def configs(size: str) -> dict:
         "qwen2": Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                              num_key_value_heads=s["kv_heads"], intermediate_size=s["mlp"], max_position_embeddings=512,
                              tie_word_embeddings=True, **common),
+        # top-k of the experts a token (experts: (count, k)), each a quarter of the dense MLP's width
+        "qwen3_moe": Qwen3MoeConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                                    num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                                    head_dim=s["hidden"] // s["heads"], intermediate_size=s["mlp"],
+                                    moe_intermediate_size=s["mlp"] // 4, num_experts=s["experts"][0],
+                                    num_experts_per_tok=s["experts"][1], max_position_embeddings=512,
+                                    tie_word_embeddings=False, **common),
+        # layers alternate sliding (128) and full attention, as gpt-oss-20b's; its YaRN (x32 over 4096 positions)
+        "gpt_oss": GptOssConfig(hidden_size=s["hidden"], num_hidden_layers=max(2, s["layers"] // 2),
+                                num_attention_heads=s["gpt_oss_heads"][0], num_key_value_heads=s["gpt_oss_heads"][1],
+                                head_dim=s["gpt_oss_heads"][2], intermediate_size=s["hidden"],
+                                num_local_experts=s["experts"][0], num_experts_per_tok=s["experts"][1],
+                                sliding_window=128, max_position_embeddings=131072, tie_word_embeddings=False,
+                                **common),
     }
 
 

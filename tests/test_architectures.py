@@ -1,5 +1,6 @@
-"""Real architectures on the real path: GPT-2, GPT-NeoX, Llama, Qwen2, Gemma2, Mistral (tests/architectures.py),
-each a tiny random model saved with save_pretrained and loaded by train.py through `from_pretrained`.
+"""Real architectures on the real path: GPT-2, GPT-NeoX, Llama, Qwen2, Gemma2, Mistral, Qwen3, Gemma3, SmolLM3 and
+the mixtures of experts Qwen3-MoE, OLMoE, Mixtral and gpt-oss (tests/architectures.py), each a tiny random model saved
+with save_pretrained and loaded by train.py through `from_pretrained`.
 
 - our log-probs (plain, tiled LM head, packed) equal the ones from the model's own `forward().logits`;
 - one DPO step (SGD, lr 1: the parameter change is the gradient) under FSDP1 and FSDP2 on 2 gloo ranks equals
@@ -8,7 +9,10 @@ each a tiny random model saved with save_pretrained and loaded by train.py throu
 - tied embeddings stay ONE parameter on every rank after sharding, in policy.pt, through resume and in the HF export;
 - with bf16 mixed precision the rotary tables stay fp32 and late-position log-probs stay close to fp32;
 - sampling under FSDP1 and FSDP2 (before any other forward: FSDP1 must go through its root unit) gives the
-  same tokens as one process for a fixed seed.
+  same tokens as one process for a fixed seed;
+- a mixture of experts is sharded one decoder layer per unit, its fused experts split within it; the router's
+  load-balancing loss (loss.router_aux_loss) is transformers' per sequence, and one step with it is the same under
+  accumulation 1 and 4, packed and shared rows, one process and 2 ranks; LoRA's reference (adapters off) is the base.
 
 ONE pair of workers runs every scenario (spawning costs ~15 s of imports); the one-process baselines run here.
 """
@@ -16,6 +20,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +35,7 @@ import architectures
 import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import logps
+import losses
 import sharding
 import trainers
 from config import load_config
@@ -49,11 +55,21 @@ BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
 PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
 BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 120  # rank 0: 4 micro-batches, rank 1: 3
 SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the same 8 pairs, each half of every row
-SP_ARCHS = ["llama", "qwen2"]
+# gemma3: local and global layers under Ulysses; gpt_oss: its sinks sliced to each rank's heads, eager attention
+SP_ARCHS = ["llama", "qwen2", "gemma3", "gpt_oss"]
+AUX = ["loss.router_aux_loss=0.5"]  # large enough that the router's term moves the parameters well past 1e-5
+# the same 8 pairs under 2 ranks: packed shared rows, 2 micro-batches each (FSDP1); padded rows, tiled head (FSDP2)
+AUX_RUNS = {"mixtral-fsdp-aux": ["fsdp.strategy=fsdp", "prefix_sharing=true", *PACKED],
+            "mixtral-fsdp2-aux": ["fsdp.strategy=fsdp2"]}
 MODIFIERS = ["loss.ld_alpha=0.5", "loss.wpo=true", "loss.dpop_lambda=5"]  # LD-DPO's per-token log-probs, WPO's statistic
 ARCHS = list(architectures.ARCHITECTURES)
 TIED = [a for a in ARCHS if architectures.ARCHITECTURES[a][2]]
 ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no rotary table
+MOE = architectures.MOE
+# Prefix sharing's masks in one process: Qwen3, SmolLM3, Qwen3-MoE, OLMoE and Mixtral attend through Llama's masks,
+# so of the newer families Gemma3 (local and global layers) and gpt-oss (sinks, eager) run it (the per-token columns,
+# bookkeeping of the layouts, run on the first six); every family runs every layout in the FSDP matrix
+MASKS = [a for a in ARCHS if a not in ("qwen3", "smollm3", "qwen3_moe", "olmoe", "mixtral")]
 PROMPT = torch.randint(2, architectures.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 LONG = torch.randint(2, architectures.VOCAB, (1, 260), generator=torch.Generator().manual_seed(1))
 SAMPLE_SEED = 1234
@@ -100,6 +116,8 @@ def scenarios() -> dict[str, list[str]]:
         # (consecutive halves: shares balanced by FLOPs happen to split into 4 micro-batches each on this batch)
         out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
                                             "balance_batch=false"]
+    for name, args in AUX_RUNS.items():  # the router's loss, with recomputed blocks (its logits come from inside them)
+        out[name] = [*args, *ONE_STEP, *AUX, "gradient_accumulation_steps=2", "activation_checkpointing=true"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
         out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
         out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
@@ -121,6 +139,31 @@ def tie_state(model) -> dict:
         same = out is inp or (is_fsdp1 and out.data_ptr() == inp.data_ptr())
         full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
         return {"same_parameter": same, "equal_values": torch.equal(full(out), full(inp))}
+
+
+def block_of(unit) -> str:
+    """An FSDP unit's block class: FSDP1 wraps it (.module), activation checkpointing too; FSDP2 names it FSDP<block>."""
+    module = getattr(unit, "module", unit)
+    return type(getattr(module, "_checkpoint_wrapped_module", module)).__name__.removeprefix("FSDP")
+
+
+def units(model) -> list[str]:
+    """The block class of each FSDP unit below the root."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+    found = FSDP.fsdp_modules(model)[1:] if isinstance(model, FSDP) else \
+        [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    return sorted({block_of(unit) for unit in found})
+
+
+def expert_shard(model) -> object:
+    """Where the fused experts of the first MoE layer live on this rank: FSDP2, the rows of gate_up_proj (experts)
+    this rank holds; FSDP1, the unit whose flat parameter holds them. None for a dense model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if isinstance(model, FSDP):
+        return next((block_of(u) for u in FSDP.fsdp_modules(model)[1:]
+                     if any(".experts." in f or f.startswith("experts.") for f in u._handle.flat_param._fqns)), None)
+    param = next((p for k, p in model.named_parameters() if "experts.gate_up_proj" in k), None)
+    return None if param is None else param.to_local().shape[0]
 
 
 def late_token_logps(model) -> torch.Tensor:
@@ -149,7 +192,8 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)  # as train.py: rank 0 loads
     trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, resume[0].split("=", 1)[1] if resume else str(run_dir),
                                    reference, rank, world_size, tokenizer)
-    info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference.model)}
+    info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference.model),
+            "units": units(trainer.policy), "experts": expert_shard(trainer.policy)}
     if name.endswith("fp32") or name.endswith("sp"):
         info["samples"] = sample(trainer, trainer.policy)  # the first forward of the run: no warm root unit
     if name.endswith("bf16"):
@@ -194,12 +238,19 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
             save()
             raise Preempted
         trainer.checkpoints.save = save_then_die
+    check = trainers.self_check.run  # its probe's forwards are not the step's: what the hooks saw is put back after it
+
+    def checked(t):
+        kept = {k: v.copy() if isinstance(v, (set, list)) else v for k, v in info.items()}
+        check(t)
+        info.clear(), info.update(kept)
+    trainers.self_check.run = checked
     try:
         trainer.train()
     except Preempted:
         pass
     hook.remove(), seen.remove()
-    trainers.split_by_tokens = split_by_tokens
+    trainers.split_by_tokens, trainers.self_check.run = split_by_tokens, check
     for layout, function in layouts.items():
         setattr(logps, layout, function)
     info["tie_after_training"] = tie_state(trainer.policy)
@@ -259,6 +310,9 @@ def single(tmp_path_factory, models):
     runs["gpt2-two-steps"] = [f"model.name_or_path={models['gpt2']}", *TWO_STEPS, "activation_checkpointing=true"]
     runs.update({f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS, "tiled_lm_head=false"]
                  for arch in ("llama", "qwen2")})
+    for accumulation in (1, 4):  # the router's loss on the plain path, in one and in four micro-batches
+        runs[f"mixtral-aux{accumulation}"] = [f"model.name_or_path={models['mixtral']}", *ONE_STEP, *AUX,
+                                              "tiled_lm_head=false", f"gradient_accumulation_steps={accumulation}"]
     for name, args in runs.items():
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0, name
@@ -332,7 +386,7 @@ def shared_prompt_pairs(seed: int = 3) -> dict:
     return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", MASKS)
 def test_prefix_sharing_equals_separate_sequences(models, arch):
     """prefix_sharing (one sequence per pair: prompt + chosen + rejected) against the plain path (chosen and rejected
     as separate padded rows): sums, counts, entropies and one backward's gradients equal (1e-5 relative), padded
@@ -360,7 +414,7 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
         assert changed[0] != sums[0] and torch.equal(changed[4:], sums[4:]), options
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS[:6])
 def test_per_token_logps_and_wpo_statistic_on_every_path(models, arch):
     """per_token: each labelled token's log-prob at its input column, as gathered from the model's own
     log_softmax(forward().logits) (1e-5), the same on every path (padded, tiled, packed, shared prefix), and its
@@ -389,13 +443,18 @@ def test_per_token_logps_and_wpo_statistic_on_every_path(models, arch):
     assert logps.forward_logps(model, inputs).tokens is None  # nothing kept unless asked
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+DENSE_MASK = ("gemma2", "gpt2", "olmoe", "gpt_oss")  # no FlexAttention for their packed rows, on GPUs too
+
+
+# the newer dense families attend as Llama does here (sdpa, one mask per layer type); Gemma3 for its local layers
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2", "gpt2", "gemma3", *MOE])
 def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     """The GPU path of packed and shared rows, FlexAttention block masks (logps.block_masks), run here on CPU,
     eagerly and forward only (CPU FlexAttention has no backward): the log-probs equal the plain path's (1e-5), Mistral given a
-    sliding window of 16 (counted in positions), Qwen2 one mask per layer type. Gemma2 attends eagerly (its logit
-    softcapping) and GPT-2's attention reads the mask as a tensor: they keep the dense mask, FlexAttention is never
-    called."""
+    sliding window of 16 (counted in positions), Qwen2 and Gemma3 one mask per layer type. Gemma2 attends eagerly (its
+    logit softcapping), GPT-2's attention reads the mask as a tensor, OLMoE has no FlexAttention in transformers and
+    gpt-oss attends eagerly (no sdpa: its sinks join each row's softmax after the mask is added): they keep the dense
+    mask, FlexAttention is never called."""
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
     monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
@@ -412,7 +471,7 @@ def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
             sums, counts, _, *_ = logps.forward_logps(model, inputs, **options)
             torch.testing.assert_close(sums, base[0], rtol=1e-5, atol=1e-5, msg=str(options))
             assert torch.equal(counts, base[1])
-    assert bool(calls) == (arch not in ("gemma2", "gpt2")), (arch, model.config._attn_implementation)
+    assert bool(calls) == (arch not in DENSE_MASK), (arch, model.config._attn_implementation)
 
 
 @pytest.mark.parametrize("order", ["embedding first", "head first"])
@@ -436,17 +495,25 @@ def test_fsdp1_param_init_fn_keeps_ties(models, order):
 def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy):
     """SGD, lr 1: parameters after one step = before - gradient; 2 ranks vs one process on the full batch.
     The sharded runs take the tiled LM head (fp32: the head module is never called) and the padding-free path
-    (packed: full logits); both equal the one-process plain path (full logits, padded rows) to 1e-5."""
+    (packed: full logits); both equal the one-process plain path (full logits, padded rows) to 1e-5, and so does
+    the evaluation loss after the step. Each unit is one decoder layer (the class of the model's layer list); a
+    mixture of experts' fused experts are sharded within it (FSDP2: 2 of the 4 experts' rows on each rank)."""
     out, results = sharded
-    before = AutoModelForCausalLM.from_pretrained(models[arch]).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(models[arch])
+    layer = type(next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[0]).__name__
+    before = model.state_dict()
     step = max_difference(final_state(single / f"{arch}-fp32"), {k: v for k, v in before.items() if k in final_state(single / f"{arch}-fp32")})
     assert step > 1e-3  # a real step happened
     for info in ok(results, f"{arch}-{strategy}-fp32"):
         assert info["head_calls"] == 0  # tiled under FSDP: no full-logits forward of the policy
+        assert info["units"] == [layer]
+        assert info["experts"] == ((2 if strategy == "fsdp2" else layer) if arch in MOE else None)
     for info in ok(results, f"{arch}-{strategy}-packed"):
         assert info["head_calls"] > 0
+    expected = records(single / f"{arch}-fp32", "loss/eval")[-1]["loss/eval"]
     for path in ("fp32", "packed"):
         assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
+        assert abs(records(out / f"{arch}-{strategy}-{path}", "loss/eval")[-1]["loss/eval"] - expected) <= 1e-5, path
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -498,8 +565,12 @@ def test_token_budget_under_fsdp_equals_one_process(sharded, single, arch, strat
     assert max_difference(final_state(out / f"{arch}-{strategy}-budget"), final_state(single / f"{arch}-fp32")) <= 1e-5
 
 
+def records(run_dir: Path, key: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
 def train_records(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss/train" in r]
+    return records(run_dir, "loss/train")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -573,20 +644,183 @@ def test_sampling_equals_one_process(sharded, one_process, arch, strategy):
         assert torch.equal(info["samples"], expected)  # under Ulysses too: sampling attends over whole prompts
 
 
-def test_matrix_table(sharded, single, capsys):
-    """Prints architecture x trainer x precision -> max |parameter difference| from the fp32 one-process step."""
+def test_router_load_balancing_is_transformers_per_sequence(models):
+    """Per sequence, the router statistics of padded rows and of shared-prefix packed rows (through the tiled head)
+    give losses.load_balancing_loss equal to transformers' load_balancing_loss_func on that sequence alone (real
+    tokens only, so padding never counts: 1e-6), and the same gradient on the routers."""
+    import importlib
+    inputs = shared_prompt_pairs()
+    for arch in MOE:  # padded rows, and shared-prefix packed rows (the prompt counted for both sequences of a pair)
+        model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
+        function, config = importlib.import_module(type(model).__module__).load_balancing_loss_func, model.config
+        experts, (n, t) = getattr(config, "num_local_experts", None) or config.num_experts, inputs["input_ids"].shape
+        with torch.no_grad():  # right-padded rows, causal: a row's real positions route as its sequence alone would
+            layers = model(input_ids=inputs["input_ids"], output_router_logits=True).router_logits
+            expected = torch.stack([function(tuple(x.view(n, t, -1)[i, :length] for x in layers), experts,
+                                             config.num_experts_per_tok)
+                                    for i, length in enumerate(inputs["attention_mask"].sum(1).tolist())])
+        grads = []
+        for options in ({}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
+            model.zero_grad()
+            routing = logps.forward_logps(model, inputs, routing=True, routing_grad=True, **options).routing
+            aux = losses.load_balancing_loss(routing)
+            torch.testing.assert_close(aux.detach(), expected, rtol=1e-6, atol=1e-6, msg=f"{arch} {options}")
+            aux.sum().backward()
+            grads.append(torch.cat([m.weight.grad.flatten() for m, _ in logps.routers(model)]))
+            torch.testing.assert_close(grads[-1], grads[0], rtol=1e-5, atol=1e-6, msg=f"{arch} {options}")
+        assert grads[0].abs().sum() > 0
+
+
+def test_mfu_and_estimate_count_the_active_parameters_of_an_moe(models):
+    """trainers.flops_params, the N of MFU's 6N per token: of a mixture of experts, the parameters a token runs
+    through. torch's FLOP counter on a forward of T tokens (experts looped: its counter skips grouped_mm) counts
+    2 N T within 3% (attention's T x T products and the norms aside), where all parameters would be ~35% over.
+    --estimate, from config.json alone, counts every parameter for memory and the same N for FLOPs, and says so."""
+    import estimate
+    from torch.utils.flop_counter import FlopCounterMode
+    ids = torch.randint(2, architectures.VOCAB, (1, 64), generator=torch.Generator().manual_seed(6))
+    for arch in ("qwen3_moe", "olmoe", "mixtral"):
+        model = AutoModelForCausalLM.from_pretrained(models[arch], experts_implementation="eager")
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(input_ids=ids)
+        active = trainers.flops_params(model)
+        every = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+        assert abs(counter.get_total_flops() / (2 * ids.numel()) / active - 1) < 0.03 and every > 1.3 * active, arch
+        geometry = estimate.geometry(json.loads((Path(models[arch]) / "config.json").read_text()))
+        assert geometry.params == sum(p.numel() for p in model.parameters()), arch
+        assert geometry.active - geometry.embed_params == active, arch
+    cfg, _ = load_config([*FAST, *ONE_STEP, f"model.name_or_path={models['mixtral']}"])
+    assert "mixture of experts: FLOPs count N = 0.04M, the parameters a token runs through" in estimate.report(
+        cfg, models["mixtral"], 1)  # the 0.04M active parameters train.py prints for MFU
+
+
+def test_router_aux_loss_is_the_same_under_accumulation_packing_and_ranks(sharded, single):
+    """loss.router_aux_loss=0.5 on Mixtral, the same 8 pairs: one process in 1 and in 4 micro-batches (padded rows,
+    full logits), 2 ranks x 2 micro-batches under FSDP1 (packed shared rows) and FSDP2 (padded rows, tiled head),
+    blocks recomputed: the logged router_aux_loss/train, the loss and the parameters after one step agree (1e-5).
+    Without the key the same value is logged (the model before the step), as the same DPO loss (loss/train leaves the
+    router's term out); with it the step moves the parameters elsewhere (the routers' gradient is in it)."""
     out, results = sharded
+    expected, plain = train_records(single / "mixtral-aux1")[0], train_records(single / "mixtral-fp32")[0]
+    aux = expected["router_aux_loss/train"]
+    assert abs(plain["router_aux_loss/train"] - aux) <= 1e-6 and aux >= 2  # top-2 routing: 2 when perfectly balanced
+    assert abs(expected["loss/train"] - plain["loss/train"]) <= 1e-6
+    assert max_difference(final_state(single / "mixtral-aux1"), final_state(single / "mixtral-fp32")) > 1e-4
+    for name in AUX_RUNS:
+        ok(results, name)
+    for run in (single / "mixtral-aux4", *(out / name for name in AUX_RUNS)):
+        record = train_records(run)[0]
+        for key in ("router_aux_loss/train", "loss/train"):
+            assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (run.name, key)
+        assert max_difference(final_state(run), final_state(single / "mixtral-aux1")) <= 1e-5, run.name
+
+
+def test_lora_reference_on_moe_is_the_base_model(models):
+    """LoRA on a mixture of experts: Mixtral as train.py builds it (lora.r=4, all-linear: peft 0.21 adapts its router
+    and its fused 3-D experts, stored (experts, out, in)), padded rows; gpt-oss (whose experts all-linear leaves alone)
+    with peft's target_parameters on its fused experts, stored (experts, in, out), packed rows. With random adapters the
+    policy's log-probs move; the reference, the policy inside trainers.Reference.context (adapters off), gives exactly
+    (torch.equal) the base model's log-probs and routing; the HF export's merged weights (trainers.merged_lora_state)
+    give the policy's log-probs (1e-5; before expert_lora_layers the experts' keys came out wrong)."""
+    import types
+    import peft
+    cfg, _ = load_config([*FAST, *ONE_STEP, f"model.name_or_path={models['mixtral']}", "lora.r=4", "lora.alpha=8"])
+    policy = train_py.load_models(cfg)[1]
+    assert not any(p.requires_grad for k, p in policy.named_parameters() if ".lora_" not in k)
+    assert any(".experts." in k for k, _ in policy.named_parameters() if ".lora_" in k)
+    fused = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(models["gpt_oss"], dtype=torch.float32),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    inputs, g = shared_prompt_pairs(), torch.Generator().manual_seed(5)
+    for arch, model, options in (("mixtral", policy, {}), ("gpt_oss", fused, {"packed_capacity": 64})):
+        base = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                if "lora_B" in k:  # peft starts B at 0 (the policy is the base): move it
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        merged = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
+        merged.load_state_dict(trainers.merged_lora_state(model.state_dict(), 2.0, trainers.fan_in_fan_out_layers(model),
+                                                          experts=trainers.expert_lora_layers(model)))  # the export's
+        with torch.no_grad():
+            expected = logps.forward_logps(base, inputs, routing=True, **options)
+            moved = logps.forward_logps(model.eval(), inputs, routing=True, **options)
+            with trainers.Reference.context(types.SimpleNamespace(lora=True, model=model)):
+                reference = logps.forward_logps(model, inputs, routing=True, **options)
+            exported = logps.forward_logps(merged, inputs, **options)
+        assert (moved.sums - expected.sums).abs().max() > 1e-2, arch
+        assert torch.equal(reference.sums, expected.sums) and torch.equal(reference.routing, expected.routing), arch
+        torch.testing.assert_close(exported.sums, moved.sums, rtol=1e-5, atol=1e-4, msg=arch)
+
+
+def gemma3_with_dynamic_rope(models, tmp_path) -> str:
+    """Gemma3's config.json with its global layers' RoPE made dynamic (one dict per layer type)."""
+    config = json.loads((Path(models["gemma3"]) / "config.json").read_text())
+    config["rope_parameters"]["full_attention"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("arch,args,message", ids=["olmoe-sp-packed", "llama-aux", "qwen3-aux-model", "gemma3-sp-dynamic"],
+                         argvalues=[
+    ("olmoe", [*SP, "padding_free=true"], "fsdp.ulysses_sequence_parallel_size=2 with padding_free=true: "
+     "OlmoeForCausalLM (model type 'olmoe') does not attend through FlexAttention"),
+    ("llama", AUX, "loss.router_aux_loss=0.5: model type 'llama'"),
+    ("qwen3", ["loss.router_aux_loss=model"], "loss.router_aux_loss=model: model type 'qwen3'"),
+    ("gemma3", SP, "(model type 'gemma3_text'): its RoPE type 'dynamic' scales frequencies by the longest position"),
+])
+def test_options_an_architecture_cannot_take_are_refused_before_loading(models, arch, args, message, monkeypatch,
+                                                                         tmp_path):
+    """Refused from config.json alone (train.check_inputs), naming the option and the architecture: OLMoE under
+    Ulysses with packed rows on CUDA (sdpa, no FlexAttention: a dense (T, T) mask per layer; CPU keeps the dense
+    mask); the router's loss for a dense model; a Gemma3 whose global layers' RoPE is dynamic, under Ulysses."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check of the GPU path, on this CPU
+    path = gemma3_with_dynamic_rope(models, tmp_path) if arch == "gemma3" else models[arch]
+    cfg, _ = load_config([*FAST, *ONE_STEP, "trainer=FSDPTrainer", f"model.name_or_path={path}", *args], world_size=2)
+    with pytest.raises(train_py.ConfigError, match=re.escape(message)):
+        train_py.check_inputs(cfg, 2)
+
+
+def test_matrix_table(sharded, single, capsys):
+    """Prints architecture x layout x trainer -> max |parameter difference| from the fp32 one-process step (plain
+    path): fp32 (tiled head), packed, shared (prefix sharing), bf16 (mixed precision), sp, sp_packed (Ulysses); '-':
+    not run (bf16 under one strategy per architecture in CI, Ulysses for SP_ARCHS)."""
+    out, results = sharded
+
+    def cell(run: Path, name: str = "") -> str:
+        if name and name not in results[0] or not name and not run.exists():
+            return "   -   "
+        return "error" if name and "error" in results[0][name] else f"{max_difference(final_state(run), base):.1e}"
     rows = []
     for arch in ARCHS:
         base = final_state(single / f"{arch}-fp32")
-        for precision in ("fp32", "bf16"):
-            cells = [f"{max_difference(final_state(single / f'{arch}-{precision}'), base):.2e}"]
-            for strategy in ("fsdp", "fsdp2"):
-                name = f"{arch}-{strategy}-{precision}"
-                if name not in results[0]:
-                    cells.append("   -    ")  # not run in CI (bf16_in_ci)
-                    continue
-                cells.append("error" if "error" in results[0][name] else f"{max_difference(final_state(out / name), base):.2e}")
-            rows.append(f"{arch:9s} {precision}  basic {cells[0]}  fsdp1 {cells[1]}  fsdp2 {cells[2]}")
+        for layout in ("fp32", "packed", "shared", "bf16", "sp", "sp_packed"):
+            cells = [cell(single / f"{arch}-{layout}")] + [cell(out / f"{arch}-{s}-{layout}", f"{arch}-{s}-{layout}")
+                                                           for s in ("fsdp", "fsdp2")]
+            if any(c.strip() != "-" for c in cells):
+                rows.append(f"{arch:9s} {layout:9s}  basic {cells[0]}  fsdp1 {cells[1]}  fsdp2 {cells[2]}")
     with capsys.disabled():
         print("\nmax |param - fp32 one-process param| after one SGD lr=1 DPO step:\n" + "\n".join(rows))
+
+
+def test_every_matrix_run_checked_itself(sharded, single):
+    """Every run above (BasicTrainer fp32 and bf16; FSDP1 and FSDP2 with the tiled head, packed and shared rows,
+    bf16, Ulysses, loss modifiers, a precomputed reference, token budgets, a resume) ran self_check.py before its
+    first step and passed: no false alarm on any architecture. The checks that apply ran: head with the tiled head,
+    layout with packed, shared or Ulysses rows, cache with a precomputed reference, reference at step 0 (skipped on
+    the resume, whose policy has trained)."""
+    out, _ = sharded
+    layouts = ("padding_free=true", "prefix_sharing=true", "fsdp.ulysses_sequence_parallel_size=2")
+    for name, args in scenarios().items():
+        if name.endswith("resumed"):
+            continue  # it resumed into the interrupted run's directory: its report is that one's
+        report = json.loads((out / name / "self_check.json").read_text())
+        found = {c["check"]: c for c in report["checks"]}
+        expected = {"reference", *(["head"] if "tiled_lm_head=false" not in args else []),
+                    *(["layout"] if set(layouts) & set(args) else []),
+                    *(["cache"] if "precompute_ref_log_probs=true" in args else [])}
+        assert report["passed"] and set(found) == expected, (name, report)
+        assert ("skipped" in found["reference"]) == name.endswith("interrupted"), (name, report)
+    for run in single.iterdir():
+        report = json.loads((run / "self_check.json").read_text())
+        found = {c["check"]: c for c in report["checks"]}
+        assert report["passed"] and "skipped" not in found["reference"], (run.name, report)

@@ -137,7 +137,8 @@ def hash_once(rank: int, run_dir: Path, second_port: int) -> dict:
     digest, hashed = hashlib.file_digest, []
 
     def counted(f, *args, **kwargs):
-        hashed.append(str(Path(f.name).resolve().relative_to(run_dir)).replace(".tmp/", "/"))  # LATEST, step-N.tmp
+        if (path := Path(f.name).resolve()).is_relative_to(run_dir):  # not the data files the cache fingerprints
+            hashed.append(str(path.relative_to(run_dir)).replace(".tmp/", "/"))  # LATEST, step-N.tmp
         return digest(f, *args, **kwargs)
     args = [*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"]
     phases = {}

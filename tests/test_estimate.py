@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import config
 import estimate
 import logps
+import self_check
 import utils
 from test_train import REPO
 
@@ -308,6 +309,11 @@ def test_report_names_the_peak_phase():
     assert pre["peak phase"] == "reference pass" and pre["peak"] == pre["phases"]["reference pass"]
     big_eval = est("eval_batch_size=64", "tiled_lm_head=false", model=BIG_VOCAB)
     assert big_eval["peak phase"] == "evaluation"
+    # self_check compares the tiled head with the full fp32 logits of a few pairs, cut to HEAD_LOGITS_BYTES
+    long = ["max_length=2048", "max_prompt_length=1024"]
+    checked = [est(*long, *tiled, model=BIG_VOCAB)["phases"]["self check"] for tiled in ([], ["tiled_lm_head=false"])]
+    assert checked[0] - checked[1] == self_check.HEAD_LOGITS_BYTES
+    assert "self check" not in est("self_check=false")["phases"]
     cfg = config.load_config(["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32",
                               "max_prompt_length=16"])[0]
     out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 1)

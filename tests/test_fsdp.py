@@ -284,7 +284,7 @@ def gathered_units(model) -> int:
 def kto_global_batch(tokenizer) -> dict:
     """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
     import preference_datasets as data
-    examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, silent=True,
+    examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32,
                                       unpaired=True, pairs_to_unpaired=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
     return data.collate(examples[:8], pad, kl_rows=True)

@@ -11,9 +11,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
+import pickle  # noqa: E402  (to plant an old-format cache file, never to read one)
 import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -87,6 +93,13 @@ def numbered_rows(n: int) -> list[dict]:
 
 def hh_row(history: str, chosen: str, rejected: str) -> dict:
     return {"chosen": history + chosen, "rejected": history + rejected}
+
+
+def batch_iterator(path: str, tok, *, split: str = "train", **kw):
+    """get_batch_iterator over a file tokenized as the trainer reads it (load options such as sft_mode go there)."""
+    options = {f.name for f in dataclasses.fields(pd.LoadOptions)}
+    examples, _ = pd.load_tokenized([path], tok, split, **{k: v for k, v in kw.items() if k in options})
+    return pd.get_batch_iterator(examples, tok.pad_token_id, **{k: v for k, v in kw.items() if k not in options})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,7 +187,7 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
 # ---------------------------------------------------------------------------------------------------------
 
 def load_one(path, tok, **kw):
-    (examples, (stats,)) = pd.load_tokenized([path], tok, "train", silent=True, **kw)
+    (examples, (stats,)) = pd.load_tokenized([path], tok, "train", **kw)
     return examples, stats
 
 
@@ -253,7 +266,7 @@ def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tm
     rows = [{"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
             {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.",
              "rejected": " cats nap."}]
-    examples, _ = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train", silent=True)
+    examples, _ = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train")
     for ex in examples:
         prompt_alone = gpt2_tok(ex.prompt, add_special_tokens=True)["input_ids"]
         for response in (ex.chosen_ids, ex.rejected_ids):
@@ -267,7 +280,7 @@ def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tm
 def test_bos_exactly_once_for_llama_style_tokenizer(tmp_path, llama_tok):
     bos, eos = llama_tok.bos_token_id, llama_tok.eos_token_id
     assert pd.tokenizer_adds_bos(llama_tok)
-    examples, _ = pd.load_tokenized([str(REPO / "examples" / "pairs.jsonl")], llama_tok, "train", silent=True)
+    examples, _ = pd.load_tokenized([str(REPO / "examples" / "pairs.jsonl")], llama_tok, "train")
     batch = pd.collate(examples, pad_token_id=eos)
     for ex in examples:
         assert ex.prompt_ids[0] == bos and (ex.prompt_ids == bos).sum() == 1
@@ -281,7 +294,7 @@ def test_chat_file_bos_once_and_eos_once(tmp_path, chat_tok):
            "chosen": [{"role": "assistant", "content": "Hello"}],
            "rejected": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                         {"role": "assistant", "content": "Go away"}]}  # may repeat the prompt's messages
-    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train", silent=True)
+    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train")
     assert ex.prompt.startswith("<s><|system|>") and ex.prompt.endswith("<|assistant|>\n")
     assert ex.chosen == "Hello" and ex.rejected == "Go away"
     assert ex.prompt_ids[0] == chat_tok.bos_token_id and (ex.prompt_ids == chat_tok.bos_token_id).sum() == 1
@@ -294,7 +307,7 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_tok):
     row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "a"}],
            "rejected": [{"role": "assistant", "content": "b"}]}
     with pytest.raises(pd.DataError, match="chat template"):
-        pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train", silent=True)
+        pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train")
 
 
 def test_a_file_mixing_string_and_chat_rows_warns_naming_it_and_each_kinds_first_line(tmp_path, chat_tok):
@@ -319,7 +332,7 @@ def test_example_files_are_one_kind_each_and_the_chat_one_renders(chat_tok):
 
 def test_eos_text_inside_a_response_is_plain_text(tmp_path, gpt2_tok):
     rows = [{"prompt": "Q:", "chosen": " fine <|endoftext|> really", "rejected": " no"}]
-    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train", silent=True)
+    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train")
     eos = gpt2_tok.eos_token_id
     assert (ex.chosen_ids == eos).sum() == 1 and ex.chosen_ids[-1] == eos  # the appended EOS is the only one
 
@@ -343,7 +356,7 @@ def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
     prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
     rows = [{"prompt": prompt, "chosen": " cats purr and nap " * 10, "rejected": " no."}]
     (ex,), (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "t.jsonl", rows)], llama_tok, "train",
-                                        max_length=48, max_prompt_length=16, truncation_mode=mode, silent=True)
+                                        max_length=48, max_prompt_length=16, truncation_mode=mode)
     full = llama_tok(prompt)["input_ids"]
     assert len(ex.prompt_ids) == 16 and ex.prompt_ids[0] == llama_tok.bos_token_id
     expected = full[:16] if mode == "keep_start" else full[:1] + full[-15:]
@@ -360,10 +373,35 @@ def test_pairs_dropped_by_reason(tmp_path, gpt2_tok):
             {"prompt": "Q:", "chosen": same + " yes", "rejected": same + " no"},     # identical once cut
             {"prompt": "Q:", "chosen": " ok", "rejected": " not ok"}]                # kept
     examples, (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "d.jsonl", rows)], gpt2_tok, "train",
-                                           max_length=16, max_prompt_length=8, silent=True)
+                                           max_length=16, max_prompt_length=8)
     assert [ex.chosen for ex in examples] == [" ok"]
     assert stats.dropped == {"chosen_equals_rejected": 1, "empty_response": 1, "identical_after_truncation": 1}
     assert (stats.kept, stats.prompts) == (1, 1)
+
+def test_pairs_without_signal_and_cut_prompts_are_counted_exactly_and_dropped_or_kept_as_configured(tmp_path, gpt2_tok):
+    """Rows 1 and 4: chosen == rejected; row 3: identical once cut to max_length 16; rows 2 and 4: prompts over
+    max_length, cut to 8 tokens. Dropped by default, kept with drop_identical_pairs=False; counted and listed by
+    row either way, with the chosen/rejected mean length ratio (length bias) of what is kept."""
+    long, same = "\n\nHuman: " + "hello there " * 20 + "\n\nAssistant:", " cats purr and nap and chase mice" * 4
+    rows = [{"prompt": "Q1:", "chosen": " same", "rejected": " same"},
+            {"prompt": long, "chosen": " fine.", "rejected": " bad."},
+            {"prompt": "Q3:", "chosen": same + " yes", "rejected": same + " no"},
+            {"prompt": long + " two", "chosen": " same", "rejected": " same"},
+            {"prompt": "Q5:", "chosen": " cats purr.", "rejected": " no"},
+            {"prompt": "Q6:", "chosen": " ok", "rejected": " not ok"}]
+    path = write_jsonl(tmp_path / "signal.jsonl", rows)
+    no_signal = {"chosen_equals_rejected": [2, [1, 4]], "identical_after_truncation": [1, [3]]}
+    for drop, kept, dropped, cut in ((True, 3, {"chosen_equals_rejected": 2, "identical_after_truncation": 1}, 1),
+                                     (False, 6, {}, 2)):
+        examples, stats = load_one(path, gpt2_tok, max_length=16, max_prompt_length=8, drop_identical_pairs=drop)
+        assert (stats.kept, stats.dropped, stats.no_signal, stats.prompts_truncated) == (kept, dropped, no_signal, cut)
+        assert [e.chosen for e in examples] == [rows[n]["chosen"] for n in ((1, 4, 5) if drop else range(6))]
+        lengths = [(len(e.chosen_ids), len(e.rejected_ids)) for e in examples]
+        ratio = sum(c for c, _ in lengths) / sum(r for _, r in lengths)
+        assert stats.tokens["chosen_rejected_length_ratio"] == round(ratio, 3) == (0.588 if drop else 0.833)
+        fate = "dropped" if drop else "kept (drop_identical_pairs=false)"
+        assert ("       no signal (chosen == rejected): chosen_equals_rejected=2 (first rows [1, 4]), "
+                f"identical_after_truncation=1 (first rows [3]): {fate}") in pd.dataset_summary([stats]).splitlines()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -374,8 +412,8 @@ def test_collate_exact_padding_and_labels():
     """Prompt [5, 6] + chosen [7, E] and prompt [5] + chosen [7, 8, 9, E]; pad 0, E = 2.
     Labels are the input ids on the response (EOS included) and -100 on prompt and padding."""
     a = np.array
-    examples = [pd.TokenizedExample("s", "P1", " c1", " r1", a([5, 6]), a([7, 2]), a([8, 9, 2])),
-                pd.TokenizedExample("s", "P2", " c2", " r2", a([5]), a([7, 8, 9, 2]), a([2]))]
+    examples = [pd.TokenizedExample("P1", " c1", " r1", a([5, 6]), a([7, 2]), a([8, 9, 2])),
+                pd.TokenizedExample("P2", " c2", " r2", a([5]), a([7, 8, 9, 2]), a([2]))]
     b = pd.collate(examples, pad_token_id=0)
     t = torch.tensor
     assert torch.equal(b["prompt_input_ids"], t([[5, 6], [0, 5]]))  # left-padded, for generation
@@ -398,7 +436,7 @@ PAIR_KEYS = {"prompt", "chosen", "rejected", "chosen_response_only", "rejected_r
 
 def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):
     path = str(REPO / "examples" / "pairs.jsonl")
-    batch = next(pd.get_batch_iterator([path], gpt2_tok, split="train", batch_size=6, n_epochs=1, silent=True))
+    batch = next(batch_iterator(path, gpt2_tok, split="train", batch_size=6, n_epochs=1))
     assert set(batch) == PAIR_KEYS
     for side in ("chosen", "rejected"):
         ids, labels, mask = batch[f"{side}_input_ids"], batch[f"{side}_labels"], batch[f"{side}_attention_mask"]
@@ -414,8 +452,8 @@ def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):
 def test_sft_mode_yields_sft_targets_only(tmp_path, gpt2_tok):
     rows = numbered_rows(4)
     rows[1]["sft_target"] = " the sft answer."
-    it = pd.get_batch_iterator([write_jsonl(tmp_path / "s.jsonl", rows)], gpt2_tok, split="train", batch_size=4,
-                               shuffle=False, n_epochs=1, sft_mode=True, silent=True)
+    it = batch_iterator(write_jsonl(tmp_path / "s.jsonl", rows), gpt2_tok, split="train", batch_size=4,
+                        shuffle=False, n_epochs=1, sft_mode=True)
     (batch,) = list(it)
     assert set(batch) == {k for k in PAIR_KEYS if "rejected" not in k}
     assert batch["chosen_response_only"] == [" good answer 0.", " the sft answer.", " good answer 2.",
@@ -436,16 +474,16 @@ def test_same_seed_same_order_other_seed_other_order_fresh_each_epoch():
 
 def test_seed_changes_batches_end_to_end(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(32))
-    texts = lambda seed: [b["chosen"] for b in pd.get_batch_iterator(
-        [path], gpt2_tok, split="train", batch_size=8, n_epochs=1, seed=seed, silent=True)]
+    texts = lambda seed: [b["chosen"] for b in batch_iterator(
+        path, gpt2_tok, split="train", batch_size=8, n_epochs=1, seed=seed)]
     assert texts(3) == texts(3) and texts(3) != texts(4)
 
 
 def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(24))
-    kw = dict(split="train", batch_size=8, n_epochs=1, seed=7, silent=True)
-    whole = [b["chosen"] for b in pd.get_batch_iterator([path], gpt2_tok, **kw)]
-    shares = [[b["chosen"] for b in pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, **kw)]
+    kw = dict(split="train", batch_size=8, n_epochs=1, seed=7)
+    whole = [b["chosen"] for b in batch_iterator(path, gpt2_tok, **kw)]
+    shares = [[b["chosen"] for b in batch_iterator(path, gpt2_tok, rank=r, world_size=2, **kw)]
               for r in (0, 1)]
     for step, global_batch in enumerate(whole):
         r0, r1 = shares[0][step], shares[1][step]
@@ -459,12 +497,12 @@ def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens
     rows = [{"prompt": f"question {i}" + " more" * (60 if i % 8 == 3 else i % 5), "chosen": f" yes {i}" + " so" * (i % 7),
              "rejected": f" no {i}"} for i in range(32)]
     path = write_jsonl(tmp_path / "skew.jsonl", rows)
-    kw = dict(split="train", batch_size=8, n_epochs=2, seed=5, silent=True)
-    whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    kw = dict(split="train", batch_size=8, n_epochs=2, seed=5)
+    whole = list(batch_iterator(path, gpt2_tok, **kw))
     tokens = lambda b: int(b["chosen_attention_mask"].sum() + b["rejected_attention_mask"].sum())
     worst = {}  # balance -> per step: the heaviest share's tokens / an even share's
     for balance in (False, True):
-        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, balance=balance, **kw))
+        shares = [list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, balance=balance, **kw))
                   for r in (0, 1)]
         worst[balance] = []
         for step, batch in enumerate(whole):
@@ -479,8 +517,8 @@ def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens
     assert max(worst[False]) > 1.4, worst  # the data is skewed enough for the checks below to mean something
     assert all(b <= a for a, b in zip(worst[False], worst[True])) and sum(worst[True]) < sum(worst[False]) - 0.3, worst
     # a resumed balanced iterator deals exactly what the uninterrupted one did
-    full = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, balance=True, **kw))
-    resumed = list(pd.get_batch_iterator([path], gpt2_tok, rank=1, world_size=2, balance=True, start_example=3 * 8, **kw))
+    full = list(batch_iterator(path, gpt2_tok, rank=1, world_size=2, balance=True, **kw))
+    resumed = list(batch_iterator(path, gpt2_tok, rank=1, world_size=2, balance=True, start_example=3 * 8, **kw))
     assert [b["chosen"] for b in full[3:]] == [b["chosen"] for b in resumed]
 
 
@@ -490,11 +528,12 @@ def test_balanced_shares_with_prefix_sharing_count_each_prompt_once(tmp_path, gp
     rows = [{"prompt": f"question {i}" + " more" * int(rng.integers(0, 80)), "chosen": f" yes {i}" + " so" * int(rng.integers(0, 40)),
              "rejected": f" no {i}" + " not" * int(rng.integers(0, 40))} for i in range(64)]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    kw = dict(split="train", batch_size=8, n_epochs=1, seed=3, silent=True, balance=True)
-    whole = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    kw = dict(split="train", batch_size=8, n_epochs=1, seed=3, balance=True)
+    whole = list(batch_iterator(path, gpt2_tok, **kw))
     differ = 0
     for shared in (False, True):
-        shares = [list(pd.get_batch_iterator([path], gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw)) for r in (0, 1)]
+        shares = [list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw))
+                  for r in (0, 1)]
         for step, batch in enumerate(whole):
             # the tokens of the rows logps lays each pair out in: two sequences, or one shared-prefix unit per row
             inputs = logps.concatenated_inputs(batch)
@@ -534,10 +573,10 @@ def test_balance_shares_is_near_optimal_and_never_heavier_than_consecutive_slice
 
 def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(20))  # 20 // 6 = 3 steps per epoch, 2 pairs dropped
-    kw = dict(split="train", batch_size=6, n_epochs=3, seed=1, silent=True)
-    full = list(pd.get_batch_iterator([path], gpt2_tok, **kw))
+    kw = dict(split="train", batch_size=6, n_epochs=3, seed=1)
+    full = list(batch_iterator(path, gpt2_tok, **kw))
     assert len(full) == 9
-    resumed = list(pd.get_batch_iterator([path], gpt2_tok, start_example=4 * 6, **kw))  # crosses an epoch
+    resumed = list(batch_iterator(path, gpt2_tok, start_example=4 * 6, **kw))  # crosses an epoch
     assert len(resumed) == 5
     for a, b in zip(full[4:], resumed):
         assert a["chosen"] == b["chosen"] and torch.equal(a["rejected_input_ids"], b["rejected_input_ids"])
@@ -545,12 +584,12 @@ def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok)
 
 def test_n_examples_rounds_up_to_whole_batches_and_eval_takes_the_first_n(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(10))
-    batches = list(pd.get_batch_iterator([path], gpt2_tok, split="test", batch_size=2, shuffle=False,
-                                         n_epochs=1, n_examples=5, silent=True))
+    batches = list(batch_iterator(path, gpt2_tok, split="test", batch_size=2, shuffle=False,
+                                         n_epochs=1, n_examples=5))
     assert [b["chosen_response_only"] for b in batches] == [[" good answer 0.", " good answer 1."],
                                                              [" good answer 2.", " good answer 3."],
                                                              [" good answer 4.", " good answer 5."]]
-    endless = pd.get_batch_iterator([path], gpt2_tok, split="train", batch_size=4, n_examples=40, silent=True)
+    endless = batch_iterator(path, gpt2_tok, split="train", batch_size=4, n_examples=40)
     assert len(list(endless)) == 10  # n_examples alone runs as many epochs as it takes
 
 
@@ -559,23 +598,24 @@ def test_sample_batches_take_each_prompt_once(tmp_path, gpt2_tok):
     r = numbered_rows(4)
     rows = [r[0], dict(r[0], chosen=" other 0."), r[1], r[2], dict(r[2], rejected=" worse 2"), r[3]]
     path = write_jsonl(tmp_path / "repeats.jsonl", rows)
-    ((group, batch),) = pd.get_sample_batches([path], gpt2_tok, n_examples=3, silent=True)
+    examples, _ = pd.load_tokenized([path], gpt2_tok, "test")
+    ((group, batch),) = pd.get_sample_batches(examples, gpt2_tok.pad_token_id, n_examples=3)
     assert group == 0 and batch["prompt"] == [f"\n\nHuman: question {i}?\n\nAssistant:" for i in range(3)]
 
 
-def test_num_steps_matches_the_iterator_and_count_examples(tmp_path, gpt2_tok):
+def test_num_steps_matches_the_iterator_and_the_examples(tmp_path, gpt2_tok):
     assert pd.num_steps(100, batch_size=64, n_epochs=3) == 3  # 36 pairs per epoch dropped, not carried over
     assert pd.num_steps(100, batch_size=8, n_examples=20) == 3  # rounded up to whole batches
     assert pd.num_steps(100, batch_size=8, n_epochs=1, n_examples=1000) == 12  # whichever comes first
     assert len(list(pd.iter_batch_indices(100, batch_size=64, n_epochs=3))) == 3
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(9))
-    assert pd.count_examples([path], gpt2_tok, split="train", cache_dir=str(tmp_path)) == 9
+    assert len(pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(tmp_path))[0]) == 9
 
 
 def test_json_list_file_loads(tmp_path, gpt2_tok):
     path = tmp_path / "pairs.json"
     path.write_text(json.dumps(numbered_rows(3)))
-    examples, (stats,) = pd.load_tokenized([str(path)], gpt2_tok, "train", silent=True)
+    examples, (stats,) = pd.load_tokenized([str(path)], gpt2_tok, "train")
     assert [e.chosen for e in examples] == [" good answer 0.", " good answer 1.", " good answer 2."]
 
 
@@ -587,9 +627,9 @@ def test_sample_rule_only_where_every_source_has_it():
 
 def test_bad_iterator_arguments(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(4))
-    base = dict(split="train", batch_size=4, n_epochs=1, silent=True)
+    base = dict(split="train", batch_size=4, n_epochs=1)
     with pytest.raises(pd.DataError, match="fewer than one global batch"):
-        pd.get_batch_iterator([path], gpt2_tok, **{**base, "batch_size": 8})
+        batch_iterator(path, gpt2_tok, **{**base, "batch_size": 8})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -600,7 +640,7 @@ def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_
     path = tmp_path / "n.jsonl"
     write_jsonl(path, numbered_rows(6))
     load = lambda **kw: pd.load_tokenized([str(path)], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"),
-                                          silent=True, **kw)
+                                          **kw)
     first, (s1,) = load()
     second, (s2,) = load()
     assert s1.cache.startswith("written") and s2.cache.startswith("hit")
@@ -611,6 +651,124 @@ def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_
     assert load()[1][0].cache.startswith("written")  # the file's content is in the key
     other = make_llama_tok()
     assert pd.tokenizer_fingerprint(other) != pd.tokenizer_fingerprint(gpt2_tok)
+
+
+# The previous implementation's tokenized rows (the pickled cache, before Arrow) of PINNED_ROWS with make_llama_tok(),
+# max_length=24, max_prompt_length=10: (prompt_ids, chosen_ids, rejected_ids) each. Row 1: a cueing prompt cut keep_end
+# (BOS kept); row 2: a chosen response cut to the room left (no EOS); row 3: 'hel' + 'lo' not merged across the cut.
+PINNED_ROWS = [{"prompt": "\n\nHuman: " + " ".join(f"word{i}" for i in range(12)) + "\n\nAssistant:",
+                "chosen": " cats purr and nap.", "rejected": " no."},
+               {"prompt": "Tell me about cats.", "chosen": " cats purr and nap and chase mice" * 3,
+                "rejected": " hello there!"},
+               {"prompt": "Q: say hel", "chosen": "lo there", "rejected": " bye"}]
+PINNED_IDS = [([0, 83, 86, 72, 21, 21, 203, 203, 307, 30], [302, 385, 306, 359, 18, 1], [225, 82, 83, 18, 1]),
+              ([0, 313, 267, 380, 399, 302, 18], [302, 385, 306, 359, 306, 366, 381, 302, 385, 306, 359, 306, 366, 381,
+                                                  302, 385, 306], [282, 371, 5, 1]),
+              ([0, 53, 30, 225, 87, 319, 276, 80], [80, 83, 371, 1], [225, 70, 93, 73, 1])]
+
+
+def test_tokenized_rows_equal_the_previous_implementations_through_the_arrow_cache(tmp_path, llama_tok):
+    """Written and read back: the same ids, the same prompt/response boundary, hence the same labels."""
+    path = write_jsonl(tmp_path / "rows.jsonl", PINNED_ROWS)
+    for cache in ("written", "hit"):
+        examples, (stats,) = pd.load_tokenized([path], llama_tok, "train", cache_dir=str(tmp_path / "cache"),
+                                               max_length=24, max_prompt_length=10)
+        assert stats.cache.startswith(cache) and (stats.prompts_truncated, stats.responses_truncated) == (1, 1)
+        assert [(e.prompt_ids.tolist(), e.chosen_ids.tolist(), e.rejected_ids.tolist()) for e in examples] == PINNED_IDS
+        batch = pd.collate(examples.rows([0, 1, 2]), llama_tok.eos_token_id)
+        for i, (prompt, chosen, _) in enumerate(PINNED_IDS):  # labels: -100 on the prompt and the padding
+            n, width = len(prompt) + len(chosen), batch["chosen_labels"].shape[1]
+            assert batch["chosen_input_ids"][i, :n].tolist() == prompt + chosen
+            assert batch["chosen_labels"][i].tolist() == [-100] * len(prompt) + chosen + [-100] * (width - n)
+
+
+def test_a_cache_entry_changed_on_disk_is_rebuilt_and_no_cache_file_is_ever_executed(tmp_path, gpt2_tok):
+    """The cache holds Arrow columns and JSON, no code (it was a pickle: whoever could write local_dirs ran code in
+    every job that read it). An entry whose examples.arrow was edited (same size) or whose stats.json was damaged is
+    written again, with the right data; a pickle an older version left is never opened."""
+    path, cache = write_jsonl(tmp_path / "n.jsonl", numbered_rows(6)), tmp_path / "cache"
+    load = lambda: pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(cache))
+    first, (stats,) = load()
+    expected, entry = [(e.chosen, e.chosen_ids.tolist()) for e in first], Path(stats.cache.split(" ", 1)[1])
+    del first  # its memory map is of the file edited below
+    marker = tmp_path / "the pickle ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+    (entry.parent / f"{entry.name}.pkl").write_bytes(pickle.dumps(Payload()))  # as the previous version named them
+    time.sleep(0.05)  # an edit comes after the write: the filesystem's clock moves in steps of a few milliseconds
+    with open(entry / "examples.arrow", "r+b") as f:
+        data = f.read()
+        f.seek(data.index(b"good answer 3"))
+        f.write(b"GOOD")
+    examples, (stats,) = load()
+    assert stats.cache.startswith("rewritten") and [(e.chosen, e.chosen_ids.tolist()) for e in examples] == expected
+    (entry / "stats.json").write_text("{")
+    assert load()[1][0].cache.startswith("rewritten") and load()[1][0].cache.startswith("hit")
+    assert not marker.exists()
+    modules = [p.read_text() for p in REPO.glob("*.py")]
+    assert not [m for m in modules if re.search(r"^\s*(import pickle|from pickle)", m, re.M)]
+
+
+RANK = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import preference_datasets as pd
+from transformers import PreTrainedTokenizerFast
+tok = PreTrainedTokenizerFast.from_pretrained({tok!r})
+examples, (stats,) = pd.load_tokenized([{path!r}], tok, "train", cache_dir={cache!r})
+batches = pd.get_batch_iterator(examples, tok.pad_token_id, batch_size=8, n_epochs=2, seed=3, rank={rank},
+                                world_size=2, balance=True)
+print(json.dumps([stats.cache.split()[0], [(b["example_index"].tolist(), b["chosen_input_ids"].tolist())
+                                           for b in batches]]))
+"""
+
+
+def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path, gpt2_tok):
+    """Two processes start together on an empty cache: one writes the entry, the other waits and maps it; each
+    builds its balanced share of every step, and the shares are those one process computes for each rank."""
+    rows = [dict(r, prompt=r["prompt"] + " more" * (i % 7)) for i, r in enumerate(numbered_rows(40))]
+    path, cache, tok = write_jsonl(tmp_path / "n.jsonl", rows), str(tmp_path / "cache"), str(tmp_path / "tok")
+    gpt2_tok.save_pretrained(tok)
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK.format(repo=str(REPO), tok=tok, path=path, cache=cache,
+                                                                 rank=rank)], stdout=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [json.loads(p.communicate()[0].splitlines()[-1]) for p in ranks]
+    assert sorted(cache for cache, _ in outputs) == ["hit", "written"]
+    examples, _ = pd.load_tokenized([path], gpt2_tok, "train", cache_dir=cache)
+    kw = dict(batch_size=8, n_epochs=2, seed=3, world_size=2, balance=True)
+    for rank, (_, batches) in enumerate(outputs):
+        mine = pd.get_batch_iterator(examples, gpt2_tok.pad_token_id, rank=rank, **kw)
+        assert batches == [[b["example_index"].tolist(), b["chosen_input_ids"].tolist()] for b in mine]
+    whole = pd.iter_batch_indices(40, batch_size=8, n_epochs=2, seed=3)
+    assert [sorted(a + b) for (a, _), (b, _), in zip(outputs[0][1], outputs[1][1])] == [sorted(w) for w in whole]
+
+
+def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_tokenizer_once(tmp_path, monkeypatch):
+    """train.py's checks load both splits and hand them to the trainer and the manifest (before: the data was loaded
+    7 times per run, a file parsed 11 times, the tokenizer hashed 9 times). Cold, each file is hashed (streamed) and
+    parsed once; warm, hashed once and parsed never. What loading counted is in run_manifest.json."""
+    from test_train import train
+    for split in ("train", "test"):
+        lines = (REPO / "toy" / "data" / f"{split}.jsonl").read_text().splitlines()[:48]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    calls, reads, hashed = Counter(), Counter(), Counter()
+    read_bytes, file_digest = Path.read_bytes, hashlib.file_digest
+    for name in ("load_tokenized", "tokenizer_fingerprint", "read_rows"):
+        monkeypatch.setattr(pd, name, lambda *a, _f=getattr(pd, name), _n=name, **k: calls.update([_n]) or _f(*a, **k))
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.update([self.name]) or read_bytes(self))
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, *a: hashed.update([Path(f.name).name]) or file_digest(f, *a))
+    args = ["loss=dpo", f"datasets=[{tmp_path}/{{split}}.jsonl]", "n_examples=16", "sample_during_eval=false",
+            f"local_dirs=[{tmp_path / 'cache'}]"]
+    for run, parsed in (("cold", 1), ("warm", 0)):
+        calls.clear(), reads.clear(), hashed.clear()
+        train(tmp_path / run, *args)
+        assert calls == Counter(load_tokenized=2, tokenizer_fingerprint=1, read_rows=2 * parsed), calls
+        assert [(n[f"{split}.jsonl"]) for n in (hashed, reads) for split in ("train", "test")] == [1, 1, parsed, parsed]
+    manifest = json.loads((tmp_path / "warm" / "run_manifest.json").read_text())
+    counts = manifest["data_counts"]
+    assert [s["kept"] for s in counts["train"]] == [48] and counts["test"][0]["no_signal"] == {}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -624,7 +782,7 @@ def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2
     dataset = datasets.Dataset.from_list(rows)
     monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
     load = lambda: pd.load_tokenized(["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20,
-                                     cache_dir=str(tmp_path), silent=True)
+                                     cache_dir=str(tmp_path))
     examples, (stats,) = load()
     assert stats.truncation_mode == "keep_end" and stats.origin == "hub:" + dataset._fingerprint
     long_prompt = next(e for e in examples if e.prompt == history)
@@ -634,7 +792,7 @@ def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2
 
 def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
     with pytest.raises(pd.DataError) as info:
-        pd.load_tokenized(["hh"], gpt2_tok, "train", cache_dir=str(tmp_path), silent=True)
+        pd.load_tokenized(["hh"], gpt2_tok, "train", cache_dir=str(tmp_path))
     message = str(info.value)
     assert "Anthropic/hh-rlhf" in message and "not available offline" in message
     assert "datasets=[path/to/file.jsonl]" in message and "pre-populate the cache" in message
@@ -650,14 +808,15 @@ def test_toy_maps_to_files_next_to_the_module():
 
 
 def test_split_placeholder_in_a_path(tmp_path):
+    write_jsonl(tmp_path / "test.jsonl", numbered_rows(1))
     assert pd.resolve_source(str(tmp_path / "{split}.jsonl"), "test")[1] == tmp_path / "test.jsonl"
 
 
-def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok, capsys):
+def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok):
     path = str(REPO / "examples" / "pairs.jsonl")
     pd.validate_sources([path])
     examples, (stats,) = pd.load_tokenized([path], gpt2_tok, "train")
-    out = capsys.readouterr().out
+    out = pd.dataset_summary([stats])  # what the trainer prints on rank 0
     assert len(examples) == stats.kept == 6 and stats.prompts == 5  # one prompt has two pairs
     for name in ("pairs_kept=6", "prompts=5", "dropped: none", "prompts_truncated=", "prompt_tokens_mean=",
                  "prompt_tokens_max=", "response_tokens_mean=", "response_tokens_max="):
@@ -727,19 +886,18 @@ def test_every_bad_file_has_an_expected_message():
 @pytest.mark.parametrize("name", sorted(BAD_CASES))
 def test_bad_input_raises_data_error_naming_file_line_and_field(name, gpt2_tok):
     path = str(BAD_DATA / name)
-    with pytest.raises(pd.DataError) as checked:
-        pd.validate_sources([path])  # config time: no tokenizer
-    with pytest.raises(pd.DataError) as loaded:
-        pd.load_tokenized([path], gpt2_tok, "train", silent=True)  # the same check on the loading path
-    for info in (checked, loaded):
-        assert isinstance(info.value, ValueError) and path in str(info.value)
-        for fragment in BAD_CASES[name]:
-            assert fragment in str(info.value)
+    with pytest.raises(pd.DataError) as info:  # rows are checked as they load (train.py: before any model loads)
+        pd.load_tokenized([path], gpt2_tok, "train")
+    assert isinstance(info.value, ValueError) and path in str(info.value)
+    for fragment in BAD_CASES[name]:
+        assert fragment in str(info.value)
 
 
 def test_missing_path_and_unknown_names(tmp_path):
     with pytest.raises(pd.DataError, match=r"no such file"):
         pd.validate_sources([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(pd.DataError, match=r"expected a .jsonl or .json file of .*, got a '.csv' file"):
+        pd.validate_sources([str(BAD_DATA / "wrong_extension.csv")])  # config time: names and paths
     with pytest.raises(pd.DataError, match=r"unknown dataset 'hhh'.*did you mean 'hh'\?"):
         pd.validate_sources(["hhh"])
     with pytest.raises(pd.DataError, match=r"did you mean 'ultrafeedback'\?"):
@@ -760,14 +918,13 @@ def unpaired_rows(n: int) -> list[dict]:
 
 def test_unpaired_local_file_gives_labelled_completions_and_counts(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "kto.jsonl", unpaired_rows(6))
-    pd.validate_sources([path], unpaired=True)
     examples, stats = load_one(path, gpt2_tok, unpaired=True)
     assert [(e.chosen, e.rejected, e.desirable) for e in examples] == [(f" answer {i}.", None, i % 3 != 0) for i in range(6)]
     assert examples[0].chosen_ids.tolist() == gpt2_tok(" answer 0.")["input_ids"] + [gpt2_tok.eos_token_id]
     assert (stats.unit, stats.desirable, stats.undesirable) == ("completions", 4, 2)
     assert "desirable=4 undesirable=2" in pd.dataset_summary([stats])
     with pytest.raises(pd.DataError, match="only an unpaired loss reads them"):
-        pd.validate_sources([path])  # a pair loss refuses labelled completions before any model loads
+        load_one(path, gpt2_tok)  # a pair loss refuses labelled completions (train.py: before any model loads)
 
 
 def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, chat_tok):
@@ -788,8 +945,7 @@ def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, ch
 def test_pairs_to_unpaired_gives_a_desirable_and_an_undesirable_completion_per_pair(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "pairs.jsonl", numbered_rows(3))
     with pytest.raises(pd.DataError, match="set pairs_to_unpaired=true"):
-        pd.validate_sources([path], unpaired=True)
-    pd.validate_sources([path], unpaired=True, pairs_to_unpaired=True)
+        load_one(path, gpt2_tok, unpaired=True)
     examples, stats = load_one(path, gpt2_tok, unpaired=True, pairs_to_unpaired=True)
     assert [(e.chosen, e.desirable) for e in examples] == [
         (r, d) for i in range(3) for r, d in ((f" good answer {i}.", True), (f" bad {i}", False))]
@@ -808,12 +964,11 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
     write_jsonl(copy / "test.jsonl", rows[:2])
     monkeypatch.setitem(pd.SOURCES, "kto_mix", dataclasses.replace(
         pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)))
-    examples, (stats,) = pd.load_tokenized(["kto_mix"], chat_tok, "train", silent=True, unpaired=True)
+    examples, (stats,) = pd.load_tokenized(["kto_mix"], chat_tok, "train", unpaired=True)
     assert [(e.chosen, e.desirable) for e in examples] == [("hi", True), ("HI", False), ("hello", True)]
     assert stats.origin.startswith("hub:") and (stats.desirable, stats.undesirable) == (2, 1)
     with pytest.raises(pd.DataError, match="holds pairs"):
-        pd.validate_sources(["toy"], unpaired=True)
-    pd.validate_sources(["kto_mix"], unpaired=True)  # a hub source known to be unpaired
+        pd.load_tokenized(["toy"], chat_tok, "train", unpaired=True)
 
 
 def test_se_holds_out_the_first_percent_of_its_shuffled_train_split_as_test(tmp_path):
@@ -834,8 +989,8 @@ def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok
     """collate(kl_rows=True): row k = prompt of completion k + completion k-1 (chosen then rejected for pairs), so
     no KL row pairs a completion with its own prompt when the batch has >= 2 prompts."""
     data, _ = pd.convert_rows(numbered_rows(3))
-    examples, _ = pd.tokenize_normalized(data, gpt2_tok, source="t", split="train", max_length=64,
-                                         max_prompt_length=32, truncation_mode="keep_start", sft_mode=False)
+    opts = pd.LoadOptions(max_length=64, max_prompt_length=32, truncation_mode="keep_start")
+    examples = list(pd.tokenize_normalized(data, gpt2_tok, opts, pd.SourceStats("t", "train")))
     batch = pd.collate(examples, gpt2_tok.pad_token_id, kl_rows=True)
     completions = [(e.prompt_ids, e.chosen_ids) for e in examples] + [(e.prompt_ids, e.rejected_ids) for e in examples]
     assert batch["kl_input_ids"].shape[0] == 6

@@ -101,7 +101,6 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
 def test_data_fingerprint_is_the_cache_key_of_what_tokenization_depends_on(tmp_path):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
-    a = data.data_fingerprints(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32)
-    assert a == data.data_fingerprints(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32)
-    assert a != data.data_fingerprints(["toy"], tokenizer, "train", max_length=65, max_prompt_length=32)
-    assert a != data.data_fingerprints(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, sft_mode=True)
+    keys = lambda **kw: data.load_tokenized(["toy"], tokenizer, "train", max_prompt_length=32, **kw)[0].keys
+    a = keys(max_length=64)
+    assert a == keys(max_length=64) and a != keys(max_length=65) and a != keys(max_length=64, sft_mode=True)

@@ -1,0 +1,233 @@
+"""Every run checks itself: before the first optimizer step, on a few of its own pairs, with its own model, options,
+precision and device, the run compares each number it is about to optimise with the plain path that defines it:
+
+  head       tiled_lm_head: the tiled head's log-probs and entropies = log_softmax of the model's own forward().logits
+  layout     padding_free, prefix_sharing, Ulysses: the run's rows = plain padded rows (counts, per-token log-probs)
+  reference  at step 0, a reference whose weights are the policy's (compared, not assumed) gives the policy's log-probs,
+             so the first loss is the loss's own value at zero margin (ln 2 for DPO; computed by the loss)
+  cache      precompute_ref_log_probs: the cached table's values = a live reference forward
+
+One line per check; run_dir/self_check.json (its own file: it survives a failed run) and the W&B summary hold it all.
+A failure raises SelfCheckError (train.py: exit code 4) naming the check, the difference, the tolerance and the key
+that avoids it. `self_check=false` turns it off. Cost: a few forwards of at most PROBE_PAIRS pairs, no backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+
+import torch
+
+import losses
+import ulysses
+from logps import SequenceLogps, concatenated_inputs, forward_logps
+from sharding import unwrap
+from utils import all_gather_object, atomic_write_text, dtype_of, rank0_print
+
+REPORT = "self_check.json"  # in run_dir, beside run_manifest.json
+PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to cost a fraction of a step
+# The head check holds the probe's full logits, what the tiled head exists to avoid: its rows are cut to this many
+# bytes of fp32 logits (1 GiB: about 260 tokens of 4 pairs at Llama-3's vocabulary of 128256).
+HEAD_LOGITS_BYTES = 2**30
+# Nats per scored token, by compute dtype. Measured on six of tests/architectures.py's models and the toy model, heads
+# scaled to a trained model's logits (std 8), packed and shared-prefix vs padded rows: fp32 differs by at most 2e-5
+# (1e-3: 50x that), bf16 by up to 7e-2 (its 8-bit mantissa rounds a logit of 16 in steps of 0.06; 0.2: 3x that);
+# fp16's 3 more bits make its steps 8x finer. Faults sit far above: a 1.1x logit scale or attention leaking between
+# packed sequences moves those models by 1.7 to 11 nats per token in bf16. The matrix's own runs: <= 1e-6 (fp32),
+# 4e-5 (bf16).
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1, torch.float16: 3e-2}
+
+
+class SelfCheckError(RuntimeError):
+    """A self-check failed: the run stopped before its first optimizer step (train.py's exit code 4)."""
+
+
+def run(t) -> None:
+    """The checks that apply to trainer `t`'s run, on every rank (every rank runs the same forwards: collectives
+    under FSDP), before its first optimizer step and while its reference model exists; raises SelfCheckError."""
+    c = t.config
+    batch = next(iter(t.train_batches()), None) if c.self_check else None
+    if batch is None:  # off, or a resume with no step left
+        return
+    start = time.time()
+    probe = probe_pairs(t, batch)
+    inputs = {k: v.to(t.device) for k, v in concatenated_inputs(probe).items()}
+    dtype = compute_dtype(c, True, c.fsdp.model_dtype)
+    with torch.no_grad(), t.sharding.params_on_device(t.policy):
+        # the run's own path (a differentiable entropy bonus makes the policy's untiled)
+        ours = policy_logps(t, inputs, **t.forward_options(bool(c.loss.entropy_coeff)))
+        checks = head(t, inputs, dtype) + layout(t, inputs, ours, dtype) + reference(t, probe, inputs, ours)
+    t.sharding.reshard(t.policy)
+    finish(t, checks, time.time() - start, probe["example_index"].tolist())
+
+
+def probe_pairs(t, batch: dict) -> dict:
+    """This rank's first pairs of its first step: at most PROBE_PAIRS and at most a micro-batch's (the probe's
+    forwards never hold more than the run's), each side cut to its longest sequence."""
+    c, n = t.config, len(batch["chosen_input_ids"])
+    per_micro = n if c.max_tokens_per_microbatch else n // c.gradient_accumulation_steps
+    probe = {k: v[: max(1, min(PROBE_PAIRS, per_micro))] for k, v in batch.items() if not k.startswith("kl_")}
+    for side in ("chosen", "rejected"):
+        width = int(probe[f"{side}_attention_mask"].sum(1).max()) if f"{side}_attention_mask" in probe else 0
+        for k in ("input_ids", "attention_mask", "labels") if width else ():
+            probe[f"{side}_{k}"] = probe[f"{side}_{k}"][:, :width]
+    return probe
+
+
+def policy_logps(t, inputs: dict, entropy: dict | None = None, **options) -> SequenceLogps:
+    """The policy's log-probs, entropies and per-token log-probs of `inputs` in the run's precision; without
+    `sequence_parallel`, whole rows through plain attention on every rank."""
+    plain = ulysses.paused() if options.get("sequence_parallel") is None else contextlib.nullcontext()
+    with t.autocast(), plain:
+        entropy = t.entropy_options if entropy is None else entropy
+        return forward_logps(t.policy, inputs, entropy=entropy, per_token=True, **options)
+
+
+def head(t, inputs: dict, dtype: torch.dtype) -> list[dict]:
+    if not t.config.tiled_lm_head:
+        return []
+    config = unwrap(t.policy).config
+    vocab = (getattr(config, "text_config", None) or config).vocab_size
+    cut = {k: v[:, : max(1, HEAD_LOGITS_BYTES // (len(v) * vocab * 4))] for k, v in inputs.items()}
+    tiled, own = policy_logps(t, cut, tiled=True), policy_logps(t, cut, tiled=False, entropy={"chunking": True})
+    what = "the tiled LM head vs log_softmax of the model's own forward().logits"
+    return [compare(t, "head", what, tiled, own, dtype, "tiled_lm_head=false")]
+
+
+def layout(t, inputs: dict, ours: SequenceLogps, dtype: torch.dtype) -> list[dict]:
+    c = t.config
+    keys = {"padding_free=false": c.padding_free, "prefix_sharing=false": c.prefix_sharing,
+            "fsdp.ulysses_sequence_parallel_size=1": t.sp_size > 1}
+    fix = " and ".join(k for k, on in keys.items() if on)
+    if not fix:
+        return []
+    padded = policy_logps(t, inputs, tiled=c.tiled_lm_head and not c.loss.entropy_coeff)
+    return [compare(t, "layout", "the run's rows vs plain padded rows", ours, padded, dtype, fix)]
+
+
+def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
+    c, ref = t.config, t.reference
+    if ref.model is None or c.loss.reference_free:
+        return []
+    dtype = compute_dtype(c, ref.mixed, c.model.reference_dtype or c.fsdp.model_dtype)
+    live, checks = ref.forward(inputs), []
+    if c.precompute_ref_log_probs:  # every rank asks for the same rows: the table's forwards are collectives
+        wanted = sorted({i for part in all_gather_object(probe["example_index"].tolist()) for i in part})
+        ref.tables = {"train": ref.table("train", wanted)}  # read as the loss reads it (Reference.logps), then unset:
+        cached, ref.tables = ref.logps(probe, inputs, "train").sums.to(live.sums), {}  # precompute fills the tables
+        what = "precomputed reference log-probs vs a live reference forward"
+        fix = "precompute_ref_log_probs=false (or delete the cached table)"
+        checks.append(compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix))
+    if not starts_as_policy(t):  # nothing to compare at step 0
+        return checks + [dict(check="reference", passed=True, skipped=NOT_THE_POLICY)]
+    check = compare(t, "reference", "the reference vs the policy at step 0", live, ours, dtype, None)
+    step0, closed = (zero_margin_loss(t, probe, ours, sums) for sums in (live.sums, ours.sums))
+    return checks + [dict(check, step0_loss=step0, zero_margin_loss=closed)]
+
+
+NOT_THE_POLICY = "the reference's weights are not the policy's (another archive or dtype, or a resumed run)"
+
+
+def starts_as_policy(t) -> bool:
+    """Whether the reference holds the policy's weights (this rank's shards, element by element: both models are
+    sharded alike) and computes in the same precision; one answer for all ranks."""
+    from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
+    ref, c = t.reference, t.config
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 - FSDP2's DTensor shard
+    if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)
+        same = all(not local(p).any() for name, p in t.policy.named_parameters() if "lora_B" in name)
+    else:
+        policy = {clean_name(k): local(p) for k, p in t.policy.named_parameters()}
+        refs = {clean_name(k): local(p) for k, p in ref.model.named_parameters()}
+        same = policy.keys() == refs.keys() and all(
+            p.dtype == refs[k].dtype and p.shape == refs[k].shape and torch.equal(p, refs[k].to(p.device))
+            for k, p in policy.items())
+    return t.sharding.all_true(same and ref.mixed == (c.fsdp.mixed_precision is not None))
+
+
+def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> float:
+    """The run's loss on the probe (mean over all ranks) with `ref` as the reference's sums; the policy's own sums
+    give its value at zero margin. Modifiers weighing tokens or pairs by the policy alone are left out: equal on both
+    sides."""
+    c, n, sums, counts = t.config, len(probe["chosen_input_ids"]), ours.sums, ours.counts
+    kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], reference_chosen_sum=ref[:n])
+    if "rejected_input_ids" in probe:
+        kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:], reference_rejected_sum=ref[n:])
+    if t.unpaired:  # KTO: the KL reference point is 0 where reference = policy
+        desirable = probe["desirable"].to(sums.device) if "desirable" in probe else None
+        kwargs.update(kl=sums.new_zeros(1), desirable=desirable)
+    hparams = dict(c.loss.to_dict(), wpo=False, ld_alpha=1.0)
+    loss = losses.compute_loss(c.loss_names, c.loss.weights, hparams, **kwargs).losses.mean()
+    return t.sharding.gather(loss.float().reshape(1)).mean().item()
+
+
+def compute_dtype(c, mixed: bool, weights: str) -> torch.dtype:
+    """The dtype a model computes in: fsdp.mixed_precision's param_dtype where it applies, else its weights'."""
+    mp = c.fsdp.mixed_precision
+    return dtype_of(mp.get("param_dtype", c.fsdp.dtype)) if mixed and mp is not None else dtype_of(weights)
+
+
+def difference(a: SequenceLogps, b: SequenceLogps) -> float:
+    """The largest mean |a - b| per scored token of a sequence: its log-probs (each token's where both have them,
+    else the sums') and its mean entropy; inf where the scored-token counts differ."""
+    if not torch.equal(a.counts.cpu(), b.counts.cpu()):
+        return math.inf
+    both = a.tokens is not None and b.tokens is not None
+    parts = [(gap(a.tokens, b.tokens).sum(1) if both else gap(a.sums, b.sums)) / a.counts.clamp(min=1)]
+    if a.entropy is not None and b.entropy is not None:
+        parts.append(gap(a.entropy, b.entropy))
+    return max(p.max().item() for p in parts)
+
+
+def gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """|x - y| where both are finite, else 0: a non-finite value is never silent, the non-finite guard
+    (max_nonfinite_steps) skips its step and stops the run."""
+    return torch.where(x.isfinite() & y.isfinite(), (x - y).abs(), 0.0)
+
+
+def compare(t, name: str, what: str, ours: SequenceLogps, plain: SequenceLogps, dtype: torch.dtype, fix) -> dict:
+    """One check's record: the largest difference over all ranks (each rank probed its own pairs), its tolerance."""
+    worst = t.sharding.gather(torch.tensor([difference(ours, plain)], device=t.device)).max().item()
+    tol = TOLERANCE[dtype]
+    return dict(check=name, what=what, difference=worst, tolerance=tol, dtype=str(dtype)[6:], passed=worst <= tol,
+                fix=fix)
+
+
+def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
+    """Print one line per check, write run_dir/self_check.json and the W&B summary (rank 0), raise on a failure."""
+    for c in checks:
+        if "skipped" in c:
+            rank0_print(f"self-check {c['check']}: skipped: {c['skipped']}")
+            continue
+        loss = "step0_loss" in c and f"; step-0 loss {c['step0_loss']:.6f}, at zero margin {c['zero_margin_loss']:.6f}"
+        rank0_print(f"self-check {c['check']}: {c['what']}: largest difference {c['difference']:.2e} nats per token "
+                    f"(tolerance {c['tolerance']:g}, {c['dtype']}){loss or ''}: {'ok' if c['passed'] else 'FAILED'}")
+    failed = [c for c in checks if not c["passed"]]
+    rank0_print(f"self-check: {len(checks) - len(failed)} of {len(checks)} passed on {len(probe)} examples per rank "
+                f"in {seconds:.2f} s (self_check=false turns it off)")
+    message = "; ".join(map(failure_line, failed)) + f". Nothing was trained; the report: {t.run_dir / REPORT}"
+    if t.rank == 0:
+        strict = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731 - JSON: no inf
+        as_json = [{k: strict(v) for k, v in c.items()} for c in checks]
+        record = dict(passed=not failed, seconds=round(seconds, 3), example_index=probe, checks=as_json,
+                      failure=message if failed else None)
+        atomic_write_text(t.run_dir / REPORT, json.dumps(record, indent=1) + "\n")
+        if t.log.wandb_run is not None:
+            summary = {f"self_check/{c['check']}": c["difference"] for c in checks if "difference" in c}
+            summary.update({"self_check/passed": not failed, "self_check/seconds": seconds})
+            t.log.wandb_run.summary.update(summary)
+    if failed:
+        raise SelfCheckError(message)
+
+
+def failure_line(c: dict) -> str:
+    fix = f"set {c['fix']}" if c["fix"] else "no key avoids it (the reference's path differs from the policy's: a bug)"
+    return (f"self-check failed: {c['check']} ({c['what']}): largest difference {c['difference']:.3g} nats per token, "
+            f"tolerance {c['tolerance']:g} for {c['dtype']}; {fix} (self_check=false trains anyway)")
+
+
+def failure(run_dir) -> str:
+    """The failure recorded in run_dir's report (the launcher of several processes reads it: they exit with code 4)."""
+    return json.loads((run_dir / REPORT).read_text())["failure"]
