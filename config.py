@@ -2,6 +2,7 @@
 config/<group>/<choice>.yaml (`model=pythia28 loss=dpo`; config/config.yaml picks the defaults); `key=value` overrides in
 YAML (`--key=value` too, as W&B sweeps pass it). The frozen `Config` reads like a dict, as the original DictConfig did; all
 problems are raised at once, as one ConfigError. losses.py (and torch) loads on first need, so `--help` answers at once."""
+
 from __future__ import annotations
 
 import collections.abc
@@ -40,6 +41,7 @@ def param(default: Any, doc: str, allowed: Any = None) -> Any:
 class BaseConfig(collections.abc.Mapping):
     """A dataclass that reads like a dict (verl's BaseConfig): `cfg.key`, `cfg["key"]`, `cfg.get(key)`, iteration. Each
     field is set once, by __init__, but for `_mutable_fields` (a subclass adds `Parent._mutable_fields | {...}`)."""
+
     _mutable_fields: ClassVar[frozenset] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -62,18 +64,28 @@ class BaseConfig(collections.abc.Mapping):
         return dataclasses.asdict(self)
 
 
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}  # spelling -> torch name
+DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}  # spelling -> torch name
 DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 
 
 @dataclasses.dataclass
 class EngineConfig(BaseConfig):
     """Fields every training engine shares (verl's EngineConfig)."""
+
     param_offload: bool = param(False, "keep parameters on CPU, moved to the device only for forward/backward")
     optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
     seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (both set and different is an error)")
     full_determinism: bool = param(False, "torch.use_deterministic_algorithms: slower, for debugging")
-    dtype: str = param("bfloat16", "dtype of mixed-precision compute: param_dtype where fsdp.mixed_precision has none", DTYPE)
+    dtype: str = param(
+        "bfloat16", "dtype of mixed-precision compute: param_dtype where fsdp.mixed_precision has none", DTYPE
+    )
     forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
 
 
@@ -81,17 +93,40 @@ class EngineConfig(BaseConfig):
 class FSDPEngineConfig(EngineConfig):
     """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. model.block_name, model.policy_dtype and
     model.fsdp_policy_mp (the original code's names) are aliases of wrap_policy, model_dtype and mixed_precision."""
-    _mutable_fields: ClassVar[frozenset] = EngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}  # as verl's
-    wrap_policy: dict = param({}, "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block")
+
+    _mutable_fields: ClassVar[frozenset] = EngineConfig._mutable_fields | {
+        "ulysses_sequence_parallel_size"
+    }  # as verl's
+    wrap_policy: dict = param(
+        {},
+        "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block",
+    )
     offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU)")
-    reshard_after_forward: bool = param(True, "free gathered params after forward (FULL_SHARD); false: after backward (SHARD_GRAD_OP)")
-    fsdp_size: int = param(-1, "ranks per shard group; -1 = all; 1 < fsdp_size < world = hybrid (replicate x shard)", (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"))
+    reshard_after_forward: bool = param(
+        True, "free gathered params after forward (FULL_SHARD); false: after backward (SHARD_GRAD_OP)"
+    )
+    fsdp_size: int = param(
+        -1,
+        "ranks per shard group; -1 = all; 1 < fsdp_size < world = hybrid (replicate x shard)",
+        (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"),
+    )
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
     model_dtype: str = param("fp32", "dtype of the master weights (alias: model.policy_dtype)", DTYPE)
-    use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters visible (for per-parameter optimizer groups)")
-    mixed_precision: Optional[dict] = param(None, "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)")
-    ulysses_sequence_parallel_size: int = param(1, "Ulysses sequence parallelism: ranks that split every sequence (FSDPTrainer; divides world size and attention heads); 1 = off", (lambda v: v >= 1, "a positive integer (1 = off)"))
-    entropy_from_logits_with_chunking: bool = param(False, "compute the logged policy entropy in row chunks (less memory)")
+    use_orig_params: bool = param(
+        False, "FSDP1: keep the original nn.Parameters visible (for per-parameter optimizer groups)"
+    )
+    mixed_precision: Optional[dict] = param(
+        None,
+        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)",
+    )
+    ulysses_sequence_parallel_size: int = param(
+        1,
+        "Ulysses sequence parallelism: ranks that split every sequence (FSDPTrainer; divides world size and attention heads); 1 = off",
+        (lambda v: v >= 1, "a positive integer (1 = off)"),
+    )
+    entropy_from_logits_with_chunking: bool = param(
+        False, "compute the logged policy entropy in row chunks (less memory)"
+    )
     use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA")
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
@@ -109,93 +144,195 @@ class ModelConfig(BaseConfig):
     name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
     archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
-    block_name: Optional[str] = param(None, "transformer block class FSDP wraps (alias of fsdp.wrap_policy); null = from _no_split_modules")
+    block_name: Optional[str] = param(
+        None, "transformer block class FSDP wraps (alias of fsdp.wrap_policy); null = from _no_split_modules"
+    )
     policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)", DTYPE)
-    fsdp_policy_mp: Optional[str] = param(None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision)", DTYPE)
-    reference_dtype: Optional[str] = param(None, "dtype of the reference; null = the policy's: fp16 overflows bf16-native models", DTYPE)
-    reference_mixed_precision: Optional[bool] = param(None, "compute the reference under fsdp.mixed_precision; null = as the policy does; false = in reference_dtype")
-    chat_template: Optional[str] = param(None, "chat template for chat-form data (replaces the tokenizer's): chatml, or a Jinja file; null = the tokenizer's")
+    fsdp_policy_mp: Optional[str] = param(
+        None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision)", DTYPE
+    )
+    reference_dtype: Optional[str] = param(
+        None, "dtype of the reference; null = the policy's: fp16 overflows bf16-native models", DTYPE
+    )
+    reference_mixed_precision: Optional[bool] = param(
+        None, "compute the reference under fsdp.mixed_precision; null = as the policy does; false = in reference_dtype"
+    )
+    chat_template: Optional[str] = param(
+        None,
+        "chat template for chat-form data (replaces the tokenizer's): chatml, or a Jinja file; null = the tokenizer's",
+    )
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
 @dataclasses.dataclass
 class LossConfig(BaseConfig):
     """The loss and its hyperparameters: a loss function reads `loss.<key>` by naming it as a keyword-only parameter."""
-    name: Union[str, list] = param("sft", "loss name, or a list of names whose losses are summed with `weights`", (lambda v: isinstance(v, str) or v and all(isinstance(n, str) for n in v), "a loss name or a list of names"))
-    weights: Optional[list] = param(None, "one weight per loss name; null = all 1.0", (lambda v: all(type(w) in (int, float) for w in v), "numbers"))
-    reference_free: bool = param(False, "use a uniform reference (all reference log-probs 0); no reference model is built")
-    average_log_prob: Optional[bool] = param(None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default")
-    entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = only logged)")
+
+    name: Union[str, list] = param(
+        "sft",
+        "loss name, or a list of names whose losses are summed with `weights`",
+        (lambda v: isinstance(v, str) or v and all(isinstance(n, str) for n in v), "a loss name or a list of names"),
+    )
+    weights: Optional[list] = param(
+        None, "one weight per loss name; null = all 1.0", (lambda v: all(type(w) in (int, float) for w in v), "numbers")
+    )
+    reference_free: bool = param(
+        False, "use a uniform reference (all reference log-probs 0); no reference model is built"
+    )
+    average_log_prob: Optional[bool] = param(
+        None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default"
+    )
+    entropy_coeff: float = param(
+        0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = only logged)"
+    )
     # null (off): the released MoE configs (Mixtral, Qwen3-MoE, OLMoE, gpt-oss) have output_router_logits false, so
     # transformers and TRL (which follows it) add nothing either; DPO's few, small steps against a reference that routes
     # as the base model does not need a pretraining-sized push toward uniform load
     router_aux_loss: Optional[Union[float, str]] = param(
-        None, "mixture of experts: coefficient of the router's load-balancing loss (Switch, per sequence over its real "
+        None,
+        "mixture of experts: coefficient of the router's load-balancing loss (Switch, per sequence over its real "
         "tokens, logged as router_aux_loss); null = off (logged only), model = the model config's router_aux_loss_coef",
-        (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"))
+        (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"),
+    )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
-    label_smoothing: float = param(0.0, "assumed fraction of flipped labels: dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon", "[0, 0.5)")
+    label_smoothing: float = param(
+        0.0,
+        "assumed fraction of flipped labels: dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon",
+        "[0, 0.5)",
+    )
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
-    f_divergence: str = param("reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
-    f_alpha: float = param(0.5, "alpha of f-DPO's alpha_divergence: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha", "(0, 1]")
+    f_divergence: str = param(
+        "reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+    )
+    f_alpha: float = param(
+        0.5,
+        "alpha of f-DPO's alpha_divergence: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha",
+        "(0, 1]",
+    )
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", POSITIVE)
-    desirable_weight: float = param(1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE)
+    desirable_weight: float = param(
+        1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE
+    )
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
     # Modifiers of every paired loss (losses.compute_loss)
-    wpo: bool = param(False, "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, aligned to its own sampling, clamped at 1 and detached")
-    ld_alpha: float = param(1.0, "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference alike; 1 = off, 0.2-0.8 typical", "[0, 1]")
-    dynamic_beta: float = param(0.0, "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running mean)); 0 = off, 0.2-1 typical", NON_NEGATIVE)
-    dynamic_beta_filter: float = param(0.0, "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the running mean; 0 = none, 0.2 in the paper", "[0, 1)")
-    dpop_lambda: float = param(0.0, "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; 0 = off, 50 in the paper", NON_NEGATIVE)
+    wpo: bool = param(
+        False,
+        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, aligned to its own sampling, clamped at 1 and detached",
+    )
+    ld_alpha: float = param(
+        1.0,
+        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference alike; 1 = off, 0.2-0.8 typical",
+        "[0, 1]",
+    )
+    dynamic_beta: float = param(
+        0.0,
+        "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running mean)); 0 = off, 0.2-1 typical",
+        NON_NEGATIVE,
+    )
+    dynamic_beta_filter: float = param(
+        0.0,
+        "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the running mean; 0 = none, 0.2 in the paper",
+        "[0, 1)",
+    )
+    dpop_lambda: float = param(
+        0.0,
+        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; 0 = off, 50 in the paper",
+        NON_NEGATIVE,
+    )
 
 
 @dataclasses.dataclass
 class RefUpdateConfig(BaseConfig):
     """TR-DPO (arXiv:2404.09656): every `tau` optimizer steps, ref <- alpha * policy + (1 - alpha) * ref."""
-    tau: Optional[int] = param(None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)", POSITIVE)
-    alpha: float = param(0.6, "weight of the policy in the update: 0.6 = TR-DPO's soft update, 1.0 = the hard update", "(0, 1]")
+
+    tau: Optional[int] = param(
+        None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)", POSITIVE
+    )
+    alpha: float = param(
+        0.6, "weight of the policy in the update: 0.6 = TR-DPO's soft update, 1.0 = the hard update", "(0, 1]"
+    )
 
 
 @dataclasses.dataclass
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
-    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning (no adapters)", (lambda v: v >= 1, "a positive rank, or null (no adapters)"))
+
+    r: Optional[int] = param(
+        None,
+        "LoRA rank; null = full fine-tuning (no adapters)",
+        (lambda v: v >= 1, "a positive rank, or null (no adapters)"),
+    )
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
-    target_modules: Union[str, list] = param("all-linear", "names (q_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)", (bool, "module names or 'all-linear'"))
+    target_modules: Union[str, list] = param(
+        "all-linear",
+        "names (q_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)",
+        (bool, "module names or 'all-linear'"),
+    )
 
 
 # online.scorer: rule, reward_model=<dir> or python=<module>:<function>
-SCORER = (lambda v: v == "rule" or v.startswith("reward_model=") and len(v) > 13
-          or v.startswith("python=") and v.count(":") == 1 and all(v[7:].split(":")),
-          "rule, reward_model=<directory> or python=<module>:<function>")
+SCORER = (
+    lambda v: (
+        v == "rule"
+        or v.startswith("reward_model=")
+        and len(v) > 13
+        or v.startswith("python=")
+        and v.count(":") == 1
+        and all(v[7:].split(":"))
+    ),
+    "rule, reward_model=<directory> or python=<module>:<function>",
+)
 
 
 @dataclasses.dataclass
 class OnlineConfig(BaseConfig):
     """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
-    rounds: Optional[int] = param(None, "rounds of generate, score, pair and train; null = offline DPO on the datasets' "
-                                  "pairs", POSITIVE)
-    prompts_per_round: int = param(64, "prompts of a round, the next ones in order (cycling); at most one pair each, so "
-                                   "at most prompts_per_round // batch_size steps", POSITIVE)
-    samples_per_prompt: int = param(4, "completions sampled per prompt; the best and the worst make its pair",
-                                    (lambda v: v >= 2, "at least 2"))
-    scorer: str = param("rule", "rule (the data's checkable rule: toy), reward_model=<dir> (a sequence-classification "
-                        "model) or python=<module>:<function> (score(prompts, completions) -> list of floats)", SCORER)
-    prompts: Optional[str] = param(None, "a .jsonl of {prompt: ...} rows (strings or chat messages); null = the prompt "
-                                   "fields of the datasets' .jsonl train files")
-    min_score_gap: float = param(0.0, "a pair is kept when its best score exceeds its worst by more than this (ties "
-                                 "never)", NON_NEGATIVE)
-    unfinished_penalty: float = param(1.0, "subtracted from the score of a completion with no EOS within "
-                                      "online.max_new_tokens", NON_NEGATIVE)
-    max_new_tokens: int = param(64, "tokens sampled per completion; with max_prompt_length at most max_length, so "
-                                "pairs train untruncated", POSITIVE)
+
+    rounds: Optional[int] = param(
+        None, "rounds of generate, score, pair and train; null = offline DPO on the datasets' pairs", POSITIVE
+    )
+    prompts_per_round: int = param(
+        64,
+        "prompts of a round, the next ones in order (cycling); at most one pair each, so "
+        "at most prompts_per_round // batch_size steps",
+        POSITIVE,
+    )
+    samples_per_prompt: int = param(
+        4, "completions sampled per prompt; the best and the worst make its pair", (lambda v: v >= 2, "at least 2")
+    )
+    scorer: str = param(
+        "rule",
+        "rule (the data's checkable rule: toy), reward_model=<dir> (a sequence-classification "
+        "model) or python=<module>:<function> (score(prompts, completions) -> list of floats)",
+        SCORER,
+    )
+    prompts: Optional[str] = param(
+        None,
+        "a .jsonl of {prompt: ...} rows (strings or chat messages); null = the prompt "
+        "fields of the datasets' .jsonl train files",
+    )
+    min_score_gap: float = param(
+        0.0, "a pair is kept when its best score exceeds its worst by more than this (ties never)", NON_NEGATIVE
+    )
+    unfinished_penalty: float = param(
+        1.0, "subtracted from the score of a completion with no EOS within online.max_new_tokens", NON_NEGATIVE
+    )
+    max_new_tokens: int = param(
+        64,
+        "tokens sampled per completion; with max_prompt_length at most max_length, so pairs train untruncated",
+        POSITIVE,
+    )
     temperature: float = param(1.0, "sampling temperature of the rounds", POSITIVE)
     top_p: float = param(1.0, "nucleus sampling threshold of the rounds", "(0, 1]")
-    prompts_per_generate: int = param(8, "prompts per generate call, each call its own seeded stream (the same samples "
-                                      "at any world size); more: faster, more memory", POSITIVE)
+    prompts_per_generate: int = param(
+        8,
+        "prompts per generate call, each call its own seeded stream (the same samples "
+        "at any world size); more: faster, more memory",
+        POSITIVE,
+    )
 
 
 @dataclasses.dataclass
@@ -205,57 +342,131 @@ class Config(BaseConfig):
     batch_size: int = param(4, "pairs per optimizer step, over all ranks and accumulation steps", POSITIVE)
     eval_batch_size: int = param(16, "pairs per evaluation step, over all ranks", POSITIVE)
     debug: bool = param(False, "debug mode: no W&B and no checkpoints")
-    fsdp_port: Optional[int] = param(None, "port of the rendezvous for the single-node FSDP launcher; null = a free port")
-    datasets: list = param(["toy"], "dataset names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths", (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)"))
+    fsdp_port: Optional[int] = param(
+        None, "port of the rendezvous for the single-node FSDP launcher; null = a free port"
+    )
+    datasets: list = param(
+        ["toy"],
+        "dataset names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths",
+        (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)"),
+    )
     wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
-    local_dirs: list = param([".cache"], "directories for caches and runs; the first that exists or can be made is used", (bool, "at least one directory"))
+    local_dirs: list = param(
+        [".cache"],
+        "directories for caches and runs; the first that exists or can be made is used",
+        (bool, "at least one directory"),
+    )
     sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
     n_eval_model_samples: int = param(16, "prompts sampled at each evaluation", NON_NEGATIVE)
     do_first_eval: bool = param(True, "evaluate before the first training step")
-    lr: float = param(5e-7, "peak learning rate (the DPO paper's 1e-6 at batch 64; the original config's 5e-7)", POSITIVE)
+    lr: float = param(
+        5e-7, "peak learning rate (the DPO paper's 1e-6 at batch 64; the original config's 5e-7)", POSITIVE
+    )
     gradient_accumulation_steps: int = param(1, "micro-batches per optimizer step", POSITIVE)
-    max_grad_norm: float = param(10.0, "clip the gradient norm to this (the pre-clip norm is logged as grad_norm)", POSITIVE)
+    max_grad_norm: float = param(
+        10.0, "clip the gradient norm to this (the pre-clip norm is logged as grad_norm)", POSITIVE
+    )
     max_length: int = param(512, "max tokens of prompt + response", POSITIVE)
     max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)", POSITIVE)
-    truncation_mode: Optional[str] = param(None, "how prompts are truncated; null = each source's default (hh: keep_end)", ("keep_start", "keep_end"))
-    drop_identical_pairs: bool = param(True, "drop pairs whose chosen equals their rejected, as text or once truncated "
-                                             "(no preference to learn); false keeps them. Counted either way")
+    truncation_mode: Optional[str] = param(
+        None, "how prompts are truncated; null = each source's default (hh: keep_end)", ("keep_start", "keep_end")
+    )
+    drop_identical_pairs: bool = param(
+        True,
+        "drop pairs whose chosen equals their rejected, as text or once truncated "
+        "(no preference to learn); false keeps them. Counted either way",
+    )
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
-    n_examples: Optional[int] = param(None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)", POSITIVE)
+    n_examples: Optional[int] = param(
+        None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)", POSITIVE
+    )
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
-    trainer: str = param("BasicTrainer", "BasicTrainer (one process) or FSDPTrainer (sharded, one process per device)", ("BasicTrainer", "FSDPTrainer"))
+    trainer: str = param(
+        "BasicTrainer",
+        "BasicTrainer (one process) or FSDPTrainer (sharded, one process per device)",
+        ("BasicTrainer", "FSDPTrainer"),
+    )
     optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD", ("RMSprop", "AdamW", "SGD"))
     weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD", NON_NEGATIVE)
-    scheduler: str = param("constant", "after warmup: constant (the original), linear or cosine decay to 0", ("constant", "linear", "cosine"))
+    scheduler: str = param(
+        "constant",
+        "after warmup: constant (the original), linear or cosine decay to 0",
+        ("constant", "linear", "cosine"),
+    )
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
-    eval_every: int = param(20_000, "evaluate (and checkpoint) every this many training pairs; a multiple of batch_size", POSITIVE)
-    log_every_steps: int = param(1, "write training metrics (metrics.jsonl, W&B) every this many steps: the same config logs the same steps", POSITIVE)
-    minimum_log_interval_secs: float = param(30.0, "without a terminal, print a progress line at most this often (the original's key, which timed W&B records: those follow log_every_steps)", NON_NEGATIVE)
+    eval_every: int = param(
+        20_000, "evaluate (and checkpoint) every this many training pairs; a multiple of batch_size", POSITIVE
+    )
+    log_every_steps: int = param(
+        1,
+        "write training metrics (metrics.jsonl, W&B) every this many steps: the same config logs the same steps",
+        POSITIVE,
+    )
+    minimum_log_interval_secs: float = param(
+        30.0,
+        "without a terminal, print a progress line at most this often (the original's key, which timed W&B records: those follow log_every_steps)",
+        NON_NEGATIVE,
+    )
     max_new_tokens: int = param(64, "tokens generated per sample during evaluation", POSITIVE)
     temperature: float = param(1.0, "sampling temperature during evaluation", POSITIVE)
     top_p: float = param(1.0, "nucleus sampling threshold during evaluation", "(0, 1]")
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
-    padding_free: bool = param(False, "pack the chosen and rejected sequences of a micro-batch into rows without padding")
-    prefix_sharing: bool = param(False, "each pair as one sequence prompt + chosen + rejected: the prompt computed once, the rejected never attending to the chosen (the same log-probs)")
-    pairs_to_unpaired: bool = param(False, "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs")
-    tiled_lm_head: bool = param(True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)")
-    precompute_ref_log_probs: bool = param(False, "run the reference once over the data before training, cache its log-probs, free it")
-    self_check: bool = param(True, "before the first optimizer step, check on a few of the run's pairs that the tiled"
-                             " head, packed or shared rows and the reference give the plain path's log-probs"
-                             " (self_check.py); a failure stops the run with exit code 4")
-    max_tokens_per_microbatch: Optional[int] = param(None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE)
-    balance_batch: bool = param(True, "deal each step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive shares, as the original")
-    no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients after a step's last micro-batch, not after each (less communication; each rank holds unsharded gradients, fp32 under FSDP2, meanwhile)")
+    padding_free: bool = param(
+        False, "pack the chosen and rejected sequences of a micro-batch into rows without padding"
+    )
+    prefix_sharing: bool = param(
+        False,
+        "each pair as one sequence prompt + chosen + rejected: the prompt computed once, the rejected never attending to the chosen (the same log-probs)",
+    )
+    pairs_to_unpaired: bool = param(
+        False,
+        "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs",
+    )
+    tiled_lm_head: bool = param(
+        True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)"
+    )
+    precompute_ref_log_probs: bool = param(
+        False, "run the reference once over the data before training, cache its log-probs, free it"
+    )
+    self_check: bool = param(
+        True,
+        "before the first optimizer step, check on a few of the run's pairs that the tiled"
+        " head, packed or shared rows and the reference give the plain path's log-probs"
+        " (self_check.py); a failure stops the run with exit code 4",
+    )
+    max_tokens_per_microbatch: Optional[int] = param(
+        None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE
+    )
+    balance_batch: bool = param(
+        True,
+        "deal each step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive shares, as the original",
+    )
+    no_sync_accumulation: bool = param(
+        False,
+        "FSDP: reduce-scatter gradients after a step's last micro-batch, not after each (less communication; each rank holds unsharded gradients, fp32 under FSDP2, meanwhile)",
+    )
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
-    peak_tflops: Optional[float] = param(None, "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged mfu (6N FLOPs per token); null = from a table of known GPUs, else no mfu", POSITIVE)
-    max_nonfinite_steps: int = param(3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run", NON_NEGATIVE)
-    collective_timeout_secs: int = param(600, "a distributed collective waiting longer than this raises (a dead rank ends the job)", POSITIVE)
-    n_workers: Optional[int] = param(None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU", POSITIVE)
+    peak_tflops: Optional[float] = param(
+        None,
+        "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged mfu (6N FLOPs per token); null = from a table of known GPUs, else no mfu",
+        POSITIVE,
+    )
+    max_nonfinite_steps: int = param(
+        3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run", NON_NEGATIVE
+    )
+    collective_timeout_secs: int = param(
+        600, "a distributed collective waiting longer than this raises (a dead rank ends the job)", POSITIVE
+    )
+    n_workers: Optional[int] = param(
+        None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU", POSITIVE
+    )
     model: ModelConfig = param(ModelConfig(), "the policy model")
     loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
-    ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training")
+    ref_update: RefUpdateConfig = param(
+        RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training"
+    )
     lora: LoraSettings = param(LoraSettings(), "LoRA adapters (peft) instead of full fine-tuning")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
     online: OnlineConfig = param(OnlineConfig(), "semi-online DPO: pairs sampled from the policy and scored, in rounds")
@@ -272,9 +483,12 @@ class Config(BaseConfig):
 
 class ConfigError(ValueError):
     """All problems of one configuration, each a line naming the key, the bad value and what was expected."""
+
     def __init__(self, problems: list[str]):
         self.problems, n = list(problems), len(problems)
-        super().__init__(f"{n} configuration problem{'s' if n > 1 else ''}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        super().__init__(
+            f"{n} configuration problem{'s' if n > 1 else ''}:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        )
 
 
 # --- The schema: dotted keys with their types, defaults, docs and allowed values, read off the dataclasses ---
@@ -290,7 +504,10 @@ def _leaves(cls=Config, prefix: str = ""):
 
 def schema() -> dict[str, tuple]:
     """{dotted key: (type hint, default, doc)} for every leaf field, e.g. 'loss.beta'."""
-    return {key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"]) for key, f, t in _leaves()}
+    return {
+        key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"])
+        for key, f, t in _leaves()
+    }
 
 
 def _members(t) -> tuple:
@@ -321,31 +538,54 @@ def _expectation(key: str, allowed: Any, t) -> tuple:
     if isinstance(allowed, tuple):
         return (lambda v: v in allowed), f"one of {', '.join(map(str, allowed))}{null}"
     (low, high), low_in, high_in = (float(x) for x in allowed[1:-1].split(",")), allowed[0] == "[", allowed[-1] == "]"
-    words = (f"{'>=' if low_in else '>'} {low:g}" if high == float("inf") else
-             f"{low:g} {'<=' if low_in else '<'} {key.rpartition('.')[2]} {'<=' if high_in else '<'} {high:g}")
+    words = (
+        f"{'>=' if low_in else '>'} {low:g}"
+        if high == float("inf")
+        else f"{low:g} {'<=' if low_in else '<'} {key.rpartition('.')[2]} {'<=' if high_in else '<'} {high:g}"
+    )
     return (lambda v: (v >= low if low_in else v > low) and (v <= high if high_in else v < high)), words + null
 
 
-RULES = {key: _expectation(key, f.metadata["allowed"], t)  # {key: (test, what is expected)}
-         for key, f, t in _leaves() if f.metadata["allowed"] is not None}
+RULES = {
+    key: _expectation(key, f.metadata["allowed"], t)  # {key: (test, what is expected)}
+    for key, f, t in _leaves()
+    if f.metadata["allowed"] is not None
+}
 CHOICES = {key: a for key, f, _ in _leaves() if isinstance(a := f.metadata["allowed"], tuple) and not callable(a[0])}
 # The sub-keys of dict-valued fields with their rules; the command line may set them one by one (fsdp.wrap_policy.x=1).
-SUBKEYS = {"fsdp.mixed_precision": dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), DTYPE),
-           "fsdp.wrap_policy": {
-               "transformer_layer_cls_to_wrap": (lambda v: v is None or isinstance(v, (str, list)), "block class names or null"),
-               "min_num_params": (lambda v: v is None or type(v) is int and v >= 0, "a non-negative integer")}}
+SUBKEYS = {
+    "fsdp.mixed_precision": dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), DTYPE),
+    "fsdp.wrap_policy": {
+        "transformer_layer_cls_to_wrap": (
+            lambda v: v is None or isinstance(v, (str, list)),
+            "block class names or null",
+        ),
+        "min_num_params": (lambda v: v is None or type(v) is int and v >= 0, "a non-negative integer"),
+    },
+}
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()
 # FSDP2 always keeps the original parameters (as DTensors); CPUOffloadPolicy is FSDP2's (FSDP1: param_offload).
 STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 # Names other trainers (TRL, Hugging Face's Trainer, the DPO paper) give keys of this config.
-OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "n_epochs", "epochs": "n_epochs", "beta": "loss.beta", "warmup": "warmup_steps",
-               "label_smoothing": "loss.label_smoothing", "loss_type": "loss.name", "max_prompt_len": "max_prompt_length", "seq_len": "max_length",
-               "per_device_train_batch_size": "batch_size", "model_name_or_path": "model.name_or_path", "gradient_checkpointing": "activation_checkpointing"}
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "n_epochs",
+    "epochs": "n_epochs",
+    "beta": "loss.beta",
+    "warmup": "warmup_steps",
+    "label_smoothing": "loss.label_smoothing",
+    "loss_type": "loss.name",
+    "max_prompt_len": "max_prompt_length",
+    "seq_len": "max_length",
+    "per_device_train_batch_size": "batch_size",
+    "model_name_or_path": "model.name_or_path",
+    "gradient_checkpointing": "activation_checkpointing",
+}
 
 
 def _suggest(word: str, candidates) -> str:
-    """" (did you mean X?)": another trainer's name for the key, else the closest candidate ignoring case."""
+    """ " (did you mean X?)": another trainer's name for the key, else the closest candidate ignoring case."""
     lower = {c.lower(): c for c in candidates}
     if OTHER_NAMES.get(word) in lower.values():
         return f" (did you mean {OTHER_NAMES[word]}?)"
@@ -360,19 +600,33 @@ def loss_registry() -> dict[str, dict]:
     try:
         import losses
     except Exception as e:  # noqa: BLE001 - the researcher's own edit: say where, without a traceback
-        frames = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("losses.py")]
+        frames = [
+            f"{f.filename}:{f.lineno}"
+            for f in traceback.extract_tb(e.__traceback__)
+            if f.filename.endswith("losses.py")
+        ]
         where = f"{e.filename}:{e.lineno}" if isinstance(e, SyntaxError) else (frames or ["losses.py"])[-1]
         raise ConfigError([f"{where}: importing losses.py failed ({type(e).__name__}: {e})"]) from None
     out, problems = {}, []
     for name, spec in losses.LOSSES.items():
         if not isinstance(spec, losses.LossSpec) or not callable(spec.fn):
-            problems.append(f"losses.py: LOSSES[{name!r}] = {spec!r}: expected LossSpec(<loss function>, needs_reference=..., ...)")
+            problems.append(
+                f"losses.py: LOSSES[{name!r}] = {spec!r}: expected LossSpec(<loss function>, needs_reference=..., ...)"
+            )
             continue
-        reads = [p.name for p in inspect.signature(spec.fn).parameters.values() if p.kind is p.KEYWORD_ONLY and p.name not in losses.SUPPLIED]
+        reads = [
+            p.name
+            for p in inspect.signature(spec.fn).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name not in losses.SUPPLIED
+        ]
         code = getattr(spec.fn, "__code__", None)
         where = f"{code.co_filename}:{code.co_firstlineno}" if code else "losses.py"
-        problems += [f"{where}: loss {name!r} ({getattr(spec.fn, '__name__', spec.fn)}) reads loss.{key}, which is not a config key: add the "
-                     f"field `{key}` to LossConfig in config.py (its default, doc and range)" for key in reads if key not in LossConfig()]
+        problems += [
+            f"{where}: loss {name!r} ({getattr(spec.fn, '__name__', spec.fn)}) reads loss.{key}, which is not a config key: add the "
+            f"field `{key}` to LossConfig in config.py (its default, doc and range)"
+            for key in reads
+            if key not in LossConfig()
+        ]
         out[name] = {"reads": reads, **{k: v for k, v in vars(spec).items() if k != "fn"}}
     if problems:
         raise ConfigError(problems)
@@ -386,24 +640,45 @@ def _flag(name: Any, flag: str) -> bool:
 def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
     """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
-    readers = {f"loss.{k}": sorted(n for n, spec in loss_registry().items() if k in spec["reads"]) for k in LossConfig()}
-    why = {k: f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(r)}"
-           for k, r in readers.items() if r and not set(r) & set(names)}
+    readers = {
+        f"loss.{k}": sorted(n for n, spec in loss_registry().items() if k in spec["reads"]) for k in LossConfig()
+    }
+    why = {
+        k: f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(r)}"
+        for k, r in readers.items()
+        if r and not set(r) & set(names)
+    }
     if cfg.loss.f_divergence != "alpha_divergence":
-        why.setdefault("loss.f_alpha", f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})")
+        why.setdefault(
+            "loss.f_alpha", f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})"
+        )
     if cfg.lora.r is None:
-        why |= {f"lora.{k}": "read only with lora.r set (null: full fine-tuning, no adapters)" for k in ("alpha", "dropout", "target_modules")}
+        why |= {
+            f"lora.{k}": "read only with lora.r set (null: full fine-tuning, no adapters)"
+            for k in ("alpha", "dropout", "target_modules")
+        }
     if cfg.ref_update.tau is None:
         why["ref_update.alpha"] = "read only with ref_update.tau set (null: the reference never changes)"
     if cfg.online.rounds is None:
-        why |= {f"online.{k}": "read only with online.rounds set (null: offline DPO on the datasets' pairs)"
-                for k in OnlineConfig() if k != "rounds"}
+        why |= {
+            f"online.{k}": "read only with online.rounds set (null: offline DPO on the datasets' pairs)"
+            for k in OnlineConfig()
+            if k != "rounds"
+        }
     if cfg.trainer == "BasicTrainer":
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:
-        why |= {f"fsdp.{k}": f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})" for k, s in STRATEGY_ONLY.items() if s != cfg.fsdp.strategy}
+        why |= {
+            f"fsdp.{k}": f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
+            for k, s in STRATEGY_ONLY.items()
+            if s != cfg.fsdp.strategy
+        }
     flat, defaults = flatten(cfg.to_dict()), {k: d for k, (_, d, _) in schema().items()}
-    return [f"{key}={flat[key]!r}: {reason}" for key, reason in why.items() if key in explicit and flat[key] != defaults[key]]
+    return [
+        f"{key}={flat[key]!r}: {reason}"
+        for key, reason in why.items()
+        if key in explicit and flat[key] != defaults[key]
+    ]
 
 
 # --- Loading: YAML files + command line -> {dotted key: value} -> Config ---
@@ -446,7 +721,9 @@ def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
     """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
     keys, out = schema() if keys is None else keys, {}
     for k, v in tree.items():
-        out.update(flatten(v, prefix + k + ".", keys) if isinstance(v, dict) and prefix + k not in keys else {prefix + k: v})
+        out.update(
+            flatten(v, prefix + k + ".", keys) if isinstance(v, dict) and prefix + k not in keys else {prefix + k: v}
+        )
     return out
 
 
@@ -460,14 +737,19 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     """Defaults, group files, overrides -> ({dotted key: value}, {key: layer that set it: 1 group file, 2 command line}, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
     keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
-    choices = {**{k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()}, **choices}
+    choices = {
+        **{k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()},
+        **choices,
+    }
     layers = [("config/config.yaml", 0, flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
     for group, name in ((g, choices[g]) for g in GROUPS if choices.get(g) is not None):
         if name in (known := _group_choices(group)):
             flat = flatten(_read_yaml(CONFIG_DIR / group / f"{name}.yaml"), f"{group}.", keys)
             layers.append((f"config/{group}/{name}.yaml", 1, flat))
         else:
-            problems.append(f"{group}={name}: no such choice; expected one of {', '.join(known)}" + _suggest(str(name), known))
+            problems.append(
+                f"{group}={name}: no such choice; expected one of {', '.join(known)}" + _suggest(str(name), known)
+            )
     layers += [("command line", 2, {key: typed(keys, key, value, raw)}) for key, value, raw in overrides]
     values, explicit = {k: d for k, (_, d, _) in keys.items()}, {}
     for origin, layer, flat in layers:
@@ -516,12 +798,20 @@ def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
     dtypes = ("model.policy_dtype", "fsdp.model_dtype", "model.fsdp_policy_mp", "fsdp.dtype")
     found = _broken({k: values[k] for k in dtypes}, RULES)
     if isinstance(mp, str):
-        found.append(f"fsdp.mixed_precision={mp!r}: expected one dtype ({', '.join(DTYPES)}), a dict "
-                     f"{{{', '.join(SUBKEYS['fsdp.mixed_precision'])}}} of dtypes, or null")
+        found.append(
+            f"fsdp.mixed_precision={mp!r}: expected one dtype ({', '.join(DTYPES)}), a dict "
+            f"{{{', '.join(SUBKEYS['fsdp.mixed_precision'])}}} of dtypes, or null"
+        )
     for key, rules in SUBKEYS.items():
         given = values[key] if isinstance(values[key], dict) else {}
-        found += [f"{key}.{k}: unknown key; expected one of {', '.join(rules)}" + _suggest(k, rules) for k in given if k not in rules]
-        found += [f"{key}.{k}={v!r}: expected {rules[k][1]}" for k, v in given.items() if k in rules and not rules[k][0](v)]
+        found += [
+            f"{key}.{k}: unknown key; expected one of {', '.join(rules)}" + _suggest(k, rules)
+            for k in given
+            if k not in rules
+        ]
+        found += [
+            f"{key}.{k}={v!r}: expected {rules[k][1]}" for k, v in given.items() if k in rules and not rules[k][0](v)
+        ]
     wp = values["fsdp.wrap_policy"]
     if found or not isinstance(wp, dict) or not (mp is None or isinstance(mp, dict)):
         return found  # types are reported by _build; aliases need valid values
@@ -529,10 +819,16 @@ def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
         values["fsdp.wrap_policy"] = wp = {**wp, blocks: [wp[blocks]]}
     mp_dtype = lambda s: None if s is None else DTYPES.get(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
     for alias, source, to_source, from_source in (  # from_source(a source value) = the alias value it stands for
-            ("model.policy_dtype", "fsdp.model_dtype", lambda a: a, DTYPES.get),
-            ("model.fsdp_policy_mp", "fsdp.mixed_precision", lambda a: a and {"param_dtype": a}, mp_dtype),
-            ("model.block_name", "fsdp.wrap_policy", lambda a: {**wp, blocks: [a]} if a else wp, lambda s: s[blocks][0] if len(s.get(blocks) or []) == 1 else None),
-            ("fsdp.seed", "seed", lambda a: values["seed"] if a is None else a, lambda s: s)):  # null: the seed
+        ("model.policy_dtype", "fsdp.model_dtype", lambda a: a, DTYPES.get),
+        ("model.fsdp_policy_mp", "fsdp.mixed_precision", lambda a: a and {"param_dtype": a}, mp_dtype),
+        (
+            "model.block_name",
+            "fsdp.wrap_policy",
+            lambda a: {**wp, blocks: [a]} if a else wp,
+            lambda s: s[blocks][0] if len(s.get(blocks) or []) == 1 else None,
+        ),
+        ("fsdp.seed", "seed", lambda a: values["seed"] if a is None else a, lambda s: s),
+    ):  # null: the seed
         a, s, layer_a, layer_s = values[alias], values[source], explicit.get(alias, 0), explicit.get(source, 0)
         if layer_a == layer_s > 0 and from_source(to_source(a)) != from_source(s):
             found.append(f"{alias}={a!r} and {source}={s!r} set the same knob to different values; set only {source}")
@@ -545,8 +841,11 @@ def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
 def _broken(flat: dict, rules: dict) -> list[str]:
     """Each non-null value of `flat` that its rule refuses, with what was expected (null is the type's business)."""
-    return [f"{k}={v!r}: expected {rules[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
-            for k, v in flat.items() if k in rules and v is not None and not rules[k][0](v)]
+    return [
+        f"{k}={v!r}: expected {rules[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
+        for k, v in flat.items()
+        if k in rules and v is not None and not rules[k][0](v)
+    ]
 
 
 def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
@@ -560,103 +859,255 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
 def _option_rules(c: Config, names: list, kto: Optional[str], sp: int, compares: bool) -> list[tuple[bool, str]]:
     """validate's rules for prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO): (broken, message)."""
     return [
-        (c.prefix_sharing and (kto or set(names) == {"sft"}), f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-         "prompt, not a pair sharing it; set prefix_sharing=false"),
-        (c.prefix_sharing and sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
-        *((on and (kto or set(names) == {"sft"}), f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
-           "one completion per prompt") for key, on in (("wpo", c.loss.wpo), ("ld_alpha", c.loss.ld_alpha != 1),
-                                                        ("dpop_lambda", c.loss.dpop_lambda > 0), ("dynamic_beta", c.loss.dynamic_beta > 0))),
-        (c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
-         f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})"),
-        (c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta, f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only "
-         "with loss.dynamic_beta > 0 (beta-DPO)"),
-        (c.loss.dynamic_beta_filter > 0 and c.batch_size > 0 and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
-         f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
-         f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out"),
-        (c.loss.ld_alpha != 1 and not compares, f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
-         f"with a reference, and loss.name={c.loss.name!r} has none"),
-        (c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares), f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
-         f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference"),
-        (c.loss.ld_alpha != 1 and c.precompute_ref_log_probs, f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
-         "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off"),
+        (
+            c.prefix_sharing and (kto or set(names) == {"sft"}),
+            f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+            "prompt, not a pair sharing it; set prefix_sharing=false",
+        ),
+        (
+            c.prefix_sharing and sp > 1,
+            f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet",
+        ),
+        *(
+            (
+                on and (kto or set(names) == {"sft"}),
+                f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
+                "one completion per prompt",
+            )
+            for key, on in (
+                ("wpo", c.loss.wpo),
+                ("ld_alpha", c.loss.ld_alpha != 1),
+                ("dpop_lambda", c.loss.dpop_lambda > 0),
+                ("dynamic_beta", c.loss.dynamic_beta > 0),
+            )
+        ),
+        (
+            c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
+            f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})",
+        ),
+        (
+            c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta,
+            f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)",
+        ),
+        (
+            c.loss.dynamic_beta_filter > 0
+            and c.batch_size > 0
+            and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
+            f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
+            f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out",
+        ),
+        (
+            c.loss.ld_alpha != 1 and not compares,
+            f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
+            f"with a reference, and loss.name={c.loss.name!r} has none",
+        ),
+        (
+            c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares),
+            f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
+            f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference",
+        ),
+        (
+            c.loss.ld_alpha != 1 and c.precompute_ref_log_probs,
+            f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+            "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off",
+        ),
     ]
 
 
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
     (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
-    bs, accum, budget, mp = c.batch_size, c.gradient_accumulation_steps, c.max_tokens_per_microbatch, c.fsdp.mixed_precision
+    bs, accum, budget, mp = (
+        c.batch_size,
+        c.gradient_accumulation_steps,
+        c.max_tokens_per_microbatch,
+        c.fsdp.mixed_precision,
+    )
     names, lora, tau, sp = c.loss_names, c.lora.r, c.ref_update.tau, c.fsdp.ulysses_sequence_parallel_size
-    fp16 = {"fsdp.model_dtype": c.fsdp.model_dtype, "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype)}
-    batch_level, kto = [n for n in names if _flag(n, "batch_statistics")], next((n for n in names if _flag(n, "unpaired")), None)
+    fp16 = {
+        "fsdp.model_dtype": c.fsdp.model_dtype,
+        "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype),
+    }
+    batch_level, kto = (
+        [n for n in names if _flag(n, "batch_statistics")],
+        next((n for n in names if _flag(n, "unpaired")), None),
+    )
     batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
     compares = any(_flag(n, "needs_reference") for n in names)  # a selected loss compares the policy with a reference
-    split = [f"gradient_accumulation_steps={accum}"] * (accum > 1) + [f"max_tokens_per_microbatch={budget}"] * (budget is not None) + [f"{ranks} {ws}"] * (ws > 1)
-    return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in [  # (broken, what the user reads)
-        (c.max_prompt_length >= c.max_length,
-         f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)"),
-        (c.n_epochs is None and c.n_examples is None, "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on"),
-        (c.n_epochs is not None and c.n_examples is not None, f"n_epochs={c.n_epochs}, n_examples={c.n_examples}: expected exactly "
-         f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)"),
-        (c.eval_every > 0 and bs > 0 and c.eval_every % bs,
-         f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)"),
-        (bs > 0 and accum > 0 and bs % (accum * ws),
-         f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}"),
-        (c.eval_batch_size > 0 and c.eval_batch_size % ws, f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}"),
-        (budget is not None and accum != 1, f"max_tokens_per_microbatch={budget} and gradient_accumulation_steps={accum}: the token "
-         "budget decides the micro-batches; leave accumulation at 1"),
-        (c.model.reference_mixed_precision and mp is None, "model.reference_mixed_precision=true: there is no mixed precision to "
-         "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)"),
-        *((DTYPES.get(v) == "float16" and not c.fsdp.forward_only, f"{k}={v}: fp16 training needs a gradient scaler, which is not "
-           "supported yet; use bf16 (the same memory, fp32's range)") for k, v in fp16.items()),
-        (c.no_sync_accumulation and c.trainer != "FSDPTrainer",
-         f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})"),
-        (c.fused_optimizer and c.optimizer != "AdamW", f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})"),
-        (c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size, f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}"),
-        (sp > 1 and c.trainer != "FSDPTrainer", f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
-         f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)"),
-        (sp > 1 and c.trainer == "FSDPTrainer" and world % sp,
-         f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"),
-        *((True, f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + (f"; {n} is a preset of several losses: loss={n}"
-           if (CONFIG_DIR / "loss" / f"{n}.yaml").exists() else _suggest(n, known))) for n in names if isinstance(n, str) and n not in known),
-        (c.loss.weights is not None and len(c.loss.weights) != len(names),
-         f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(names)})"),
-        (batch_level and split, f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
-         f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change the loss by splitting "
-         "the step; run them with one micro-batch per step on one process"),
-        (kto and len(names) > 1, f"loss.name={c.loss.name!r}: {kto} scores labelled completions, not pairs; it cannot be summed with other losses"),
-        (not kto and c.pairs_to_unpaired, f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"),
-        *((kto and c[key] // ws < 2, f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
-           f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})") for key in ("batch_size", "eval_batch_size")),
-        *_option_rules(c, names, kto, sp, compares),
-        (kto and c.precompute_ref_log_probs, f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
-         "the reference on mismatched prompt/completion pairs of each batch)"),
-        (lora is not None and c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params, "lora.r with "
-         "fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one parameter, so it needs "
-         "fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)"),
-        (lora is not None and tau is not None, f"lora.r={lora} and ref_update.tau={tau}: the LoRA reference is the base model with the "
-         "adapters off, which TR-DPO cannot move; use one of them"),
-        (tau is not None and (c.loss.reference_free or not compares), f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs "
-         "no reference model" + " (loss.reference_free=true)" * c.loss.reference_free + ", so there is nothing to update"),
-        (tau is not None and c.precompute_ref_log_probs, f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference "
-         "log-probs are of the initial reference, but TR-DPO changes the reference during training; set one of them off"),
-        *_online_rules(c, names, kto),
-    ] if broken]
+    split = (
+        [f"gradient_accumulation_steps={accum}"] * (accum > 1)
+        + [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
+        + [f"{ranks} {ws}"] * (ws > 1)
+    )
+    return _broken(flatten(c.to_dict()), RULES) + [
+        message
+        for broken, message in [  # (broken, what the user reads)
+            (
+                c.max_prompt_length >= c.max_length,
+                f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)",
+            ),
+            (
+                c.n_epochs is None and c.n_examples is None,
+                "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on",
+            ),
+            (
+                c.n_epochs is not None and c.n_examples is not None,
+                f"n_epochs={c.n_epochs}, n_examples={c.n_examples}: expected exactly "
+                f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)",
+            ),
+            (
+                c.eval_every > 0 and bs > 0 and c.eval_every % bs,
+                f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)",
+            ),
+            (
+                bs > 0 and accum > 0 and bs % (accum * ws),
+                f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}",
+            ),
+            (
+                c.eval_batch_size > 0 and c.eval_batch_size % ws,
+                f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}",
+            ),
+            (
+                budget is not None and accum != 1,
+                f"max_tokens_per_microbatch={budget} and gradient_accumulation_steps={accum}: the token "
+                "budget decides the micro-batches; leave accumulation at 1",
+            ),
+            (
+                c.model.reference_mixed_precision and mp is None,
+                "model.reference_mixed_precision=true: there is no mixed precision to "
+                "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
+            ),
+            *(
+                (
+                    DTYPES.get(v) == "float16" and not c.fsdp.forward_only,
+                    f"{k}={v}: fp16 training needs a gradient scaler, which is not "
+                    "supported yet; use bf16 (the same memory, fp32's range)",
+                )
+                for k, v in fp16.items()
+            ),
+            (
+                c.no_sync_accumulation and c.trainer != "FSDPTrainer",
+                f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})",
+            ),
+            (
+                c.fused_optimizer and c.optimizer != "AdamW",
+                f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})",
+            ),
+            (
+                c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size,
+                f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}",
+            ),
+            (
+                sp > 1 and c.trainer != "FSDPTrainer",
+                f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
+                f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)",
+            ),
+            (
+                sp > 1 and c.trainer == "FSDPTrainer" and world % sp,
+                f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}",
+            ),
+            *(
+                (
+                    True,
+                    f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}"
+                    + (
+                        f"; {n} is a preset of several losses: loss={n}"
+                        if (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
+                        else _suggest(n, known)
+                    ),
+                )
+                for n in names
+                if isinstance(n, str) and n not in known
+            ),
+            (
+                c.loss.weights is not None and len(c.loss.weights) != len(names),
+                f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(names)})",
+            ),
+            (
+                batch_level and split,
+                f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
+                f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change the loss by splitting "
+                "the step; run them with one micro-batch per step on one process",
+            ),
+            (
+                kto and len(names) > 1,
+                f"loss.name={c.loss.name!r}: {kto} scores labelled completions, not pairs; it cannot be summed with other losses",
+            ),
+            (
+                not kto and c.pairs_to_unpaired,
+                f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}",
+            ),
+            *(
+                (
+                    kto and c[key] // ws < 2,
+                    f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
+                    f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})",
+                )
+                for key in ("batch_size", "eval_batch_size")
+            ),
+            *_option_rules(c, names, kto, sp, compares),
+            (
+                kto and c.precompute_ref_log_probs,
+                f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
+                "the reference on mismatched prompt/completion pairs of each batch)",
+            ),
+            (
+                lora is not None
+                and c.trainer == "FSDPTrainer"
+                and c.fsdp.strategy == "fsdp"
+                and not c.fsdp.use_orig_params,
+                "lora.r with "
+                "fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one parameter, so it needs "
+                "fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)",
+            ),
+            (
+                lora is not None and tau is not None,
+                f"lora.r={lora} and ref_update.tau={tau}: the LoRA reference is the base model with the "
+                "adapters off, which TR-DPO cannot move; use one of them",
+            ),
+            (
+                tau is not None and (c.loss.reference_free or not compares),
+                f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs "
+                "no reference model"
+                + " (loss.reference_free=true)" * c.loss.reference_free
+                + ", so there is nothing to update",
+            ),
+            (
+                tau is not None and c.precompute_ref_log_probs,
+                f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference "
+                "log-probs are of the initial reference, but TR-DPO changes the reference during training; set one of them off",
+            ),
+            *_online_rules(c, names, kto),
+        ]
+        if broken
+    ]
 
 
 def _online_rules(c: Config, names: list, kto: Optional[str]) -> list[tuple[bool, str]]:
     """validate's rules for semi-online DPO (online.rounds): (broken, message)."""
     o, on = c.online, c.online.rounds is not None
     return [
-        (on and (kto or set(names) == {"sft"}), f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
-         f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)"),
-        (on and c.precompute_ref_log_probs, f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
-         "pairs do not exist before training; set precompute_ref_log_probs=false"),
-        (on and o.prompts_per_round < c.batch_size, f"online.prompts_per_round={o.prompts_per_round}: fewer than "
-         f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step"),
-        (on and o.max_new_tokens + c.max_prompt_length > c.max_length, f"online.max_new_tokens={o.max_new_tokens} + "
-         f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in training "
-         "(and lose their EOS); lower one or raise max_length"),
+        (
+            on and (kto or set(names) == {"sft"}),
+            f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
+            f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)",
+        ),
+        (
+            on and c.precompute_ref_log_probs,
+            f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
+            "pairs do not exist before training; set precompute_ref_log_probs=false",
+        ),
+        (
+            on and o.prompts_per_round < c.batch_size,
+            f"online.prompts_per_round={o.prompts_per_round}: fewer than "
+            f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step",
+        ),
+        (
+            on and o.max_new_tokens + c.max_prompt_length > c.max_length,
+            f"online.max_new_tokens={o.max_new_tokens} + "
+            f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in training "
+            "(and lose their EOS); lower one or raise max_length",
+        ),
     ]
 
 
@@ -670,7 +1121,9 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if "eval_every" not in explicit and (bs := cfg.batch_size) > 0:
         # the default adapts: the original's `example_counter % eval_every` never fired if batch_size did not divide it
         cfg = dataclasses.replace(cfg, eval_every=max(bs, cfg.eval_every // bs * bs))
-    if problems := validate(cfg, world_size or int(os.environ.get("WORLD_SIZE") or 0) or None) + _ignored_problems(cfg, explicit):
+    if problems := validate(cfg, world_size or int(os.environ.get("WORLD_SIZE") or 0) or None) + _ignored_problems(
+        cfg, explicit
+    ):
         raise ConfigError(problems)
     if cfg.exp_name is None:
         cfg = dataclasses.replace(cfg, exp_name=f"{'+'.join(cfg.loss_names)}_{Path(cfg.model.name_or_path).name}")
@@ -683,18 +1136,28 @@ def to_yaml(cfg: Config) -> str:
 
 def help_text() -> str:
     """Every key with its type, default, doc and allowed values; then train.py's flags and exit codes."""
-    return "\n".join([
-        "usage: python -u train.py [group=choice ...] [key=value ...] [--cfg | --estimate [gpu=NAME]]",
-        "       python -u train.py --replay <run dir> [--cfg]", "", "groups:",
-        *(f"  {g}=  one of: {', '.join(_group_choices(g))}" for g in GROUPS), "",
-        "keys (key: type = default  # doc [allowed values]); values are YAML (datasets=[hh,shp] n_epochs=null);",
-        "--key=value means key=value:",
-        *(f"  {key}: {_type_name(t)} = {default!r}  # {doc}" + (f" [{RULES[key][1]}]" if key in RULES else "")
-          for key, (t, default, doc) in schema().items()), "",
-        "flags: --cfg                  run every check that needs no weights, print the resolved config as YAML, exit",
-        "       --estimate [gpu=NAME]  memory per rank and FLOPs per step from config.json alone (gpu=: time, fit)",
-        "       --replay <run dir>     run a recorded run again into a new directory, compare every logged metric", "",
-        "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than max_nonfinite_steps",
-        "  non-finite steps in a row (checkpoint written); 4 a self-check failed before the first optimizer",
-        "  step (nothing trained; run_dir/self_check.json); 130 / 143 SIGINT / SIGTERM: stopped after a step,",
-        "  checkpoint written, resume command printed"])
+    return "\n".join(
+        [
+            "usage: python -u train.py [group=choice ...] [key=value ...] [--cfg | --estimate [gpu=NAME]]",
+            "       python -u train.py --replay <run dir> [--cfg]",
+            "",
+            "groups:",
+            *(f"  {g}=  one of: {', '.join(_group_choices(g))}" for g in GROUPS),
+            "",
+            "keys (key: type = default  # doc [allowed values]); values are YAML (datasets=[hh,shp] n_epochs=null);",
+            "--key=value means key=value:",
+            *(
+                f"  {key}: {_type_name(t)} = {default!r}  # {doc}" + (f" [{RULES[key][1]}]" if key in RULES else "")
+                for key, (t, default, doc) in schema().items()
+            ),
+            "",
+            "flags: --cfg                  run every check that needs no weights, print the resolved config as YAML, exit",
+            "       --estimate [gpu=NAME]  memory per rank and FLOPs per step from config.json alone (gpu=: time, fit)",
+            "       --replay <run dir>     run a recorded run again into a new directory, compare every logged metric",
+            "",
+            "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than max_nonfinite_steps",
+            "  non-finite steps in a row (checkpoint written); 4 a self-check failed before the first optimizer",
+            "  step (nothing trained; run_dir/self_check.json); 130 / 143 SIGINT / SIGTERM: stopped after a step,",
+            "  checkpoint written, resume command printed",
+        ]
+    )

@@ -20,6 +20,7 @@ LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and 
 Packed or shared rows attend through FlexAttention block masks on GPUs; elsewhere (CPU, GPT-2) sdpa keeps a float
 copy of their dense mask in every layer. Keys it does not model (NOT_MODELLED) are printed with what it counts instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,12 +35,18 @@ from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
 from preference_datasets import SAMPLE_GROUP
 from self_check import HEAD_LOGITS_BYTES, PROBE_PAIRS
 
-GiB = 2 ** 30
+GiB = 2**30
 # name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
-DEVICES = {"H200": (989.0, 67.0, 141), "H100": (989.0, 67.0, 80), "A100": (312.0, 19.5, 80),
-           "A100-40GB": (312.0, 19.5, 40), "L40S": (362.0, 91.6, 48), "A10": (125.0, 31.2, 24)}
+DEVICES = {
+    "H200": (989.0, 67.0, 141),
+    "H100": (989.0, 67.0, 80),
+    "A100": (312.0, 19.5, 80),
+    "A100-40GB": (312.0, 19.5, 40),
+    "L40S": (362.0, 91.6, 48),
+    "A10": (125.0, 31.2, 24),
+}
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
-USABLE = 0.9       # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
+USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
 STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per parameter (SGD without momentum)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch name, as config.DTYPES maps each spelling
 # Mixtures of experts with Llama's attention: a router (E x h) and E experts (gate, up, down of moe_intermediate_size,
@@ -58,8 +65,11 @@ NOT_MODELLED = {
     "fsdp.entropy_checkpointing": "the entropy's work counted as kept for backward, not recomputed",
     "online.rounds": "training on pairs as given: the rounds' sampling and a reward model scorer are not counted",
 }
-Geometry = namedtuple("Geometry", "hidden layers vocab tied block_params embed_params head_params saved widest linears "
-                                   "kv_width params active", defaults=(None,))  # active: a token's (MoE), else None
+Geometry = namedtuple(
+    "Geometry",
+    "hidden layers vocab tied block_params embed_params head_params saved widest linears kv_width params active",
+    defaults=(None,),
+)  # active: a token's (MoE), else None
 # Elements autograd keeps per token in one block (tests/test_estimate.py measures them), by the dtype they are kept in:
 # compute (the compute dtype), fp32 (always), stream and norm_grad (the weights' dtype under autocast, else compute;
 # norm_grad only for the norms' weight gradients, none under LoRA), copies (under autocast: each linear's own cast of
@@ -79,8 +89,10 @@ def geometry(config: dict) -> Geometry:
     h, vocab = get("hidden_size", "n_embd", "d_model"), get("vocab_size")
     layers, heads = get("num_hidden_layers", "n_layer"), get("num_attention_heads", "n_head")
     if family not in FAMILIES or None in (h, layers, heads, vocab):
-        raise EstimateError(f"config.json model_type={family!r}: the estimator knows {FAMILIES} (hidden_size, "
-                            "num_hidden_layers, num_attention_heads, vocab_size); add the family to estimate.geometry")
+        raise EstimateError(
+            f"config.json model_type={family!r}: the estimator knows {FAMILIES} (hidden_size, "
+            "num_hidden_layers, num_attention_heads, vocab_size); add the family to estimate.geometry"
+        )
     kv, d = get("num_key_value_heads", default=heads), get("head_dim", default=h // heads)
     act = get("activation_function", "hidden_act", default="gelu_new" if family == "gpt2" else None)
     mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
@@ -90,9 +102,18 @@ def geometry(config: dict) -> Geometry:
         qkv_bias, o_bias = config.get("attention_bias", family == "qwen2"), config.get("attention_bias", False)
         mlp_bias = 2 * i + h if config.get("mlp_bias") else 0  # gate, up, down
         qk_norms = {"qwen3": 2 * d, "qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(family, 0)  # OLMoE: full width
-        block = (h * heads * d + 2 * h * kv * d + heads * d * h + experts * 3 * h * i + 2 * h + mlp_bias
-                 + ((heads + 2 * kv) * d if qkv_bias else 0) + (h if o_bias else 0) + qk_norms
-                 + (experts * h if family in MOE else 0))  # the router
+        block = (
+            h * heads * d
+            + 2 * h * kv * d
+            + heads * d * h
+            + experts * 3 * h * i
+            + 2 * h
+            + mlp_bias
+            + ((heads + 2 * kv) * d if qkv_bias else 0)
+            + (h if o_bias else 0)
+            + qk_norms
+            + (experts * h if family in MOE else 0)
+        )  # the router
         tied, positions, norm = config.get("tie_word_embeddings", False), 0, h
         # compute: the norms' outputs 2h (the linears' input), q and the attention output a*d, k and v kv*d, MLP 4i
         # (gate, up, act(gate), act*up); fp32: each RMSNorm's upcast input and rsqrt, the kernel's logsumexp per head;
@@ -100,13 +121,24 @@ def geometry(config: dict) -> Geometry:
         # Qwen3 normalizes q and k per head (kept: the upcast input, rsqrt, the normalized).
         # a mixture of experts: each token's k experts keep the MLP's 4i each, its router E probabilities (fp32)
         qk = (heads + kv) * d if family in ("qwen3", "qwen3_moe") else 0
-        saved = Saved(2 * h + 2 * heads * d + 2 * kv * d + 4 * k * i + qk,
-                      2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0), 0, 2 * h, 3 * h,
-                      2 * (heads - kv) * d)
+        saved = Saved(
+            2 * h + 2 * heads * d + 2 * kv * d + 4 * k * i + qk,
+            2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0),
+            0,
+            2 * h,
+            3 * h,
+            2 * (heads - kv) * d,
+        )
         widest = 3 * k * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, norm's
-        linears = (("self_attn.q_proj", h, heads * d), ("self_attn.k_proj", h, kv * d), ("self_attn.v_proj", h, kv * d),
-                   ("self_attn.o_proj", heads * d, h), ("mlp.gate_proj", h, i), ("mlp.up_proj", h, i),
-                   ("mlp.down_proj", i, h))
+        linears = (
+            ("self_attn.q_proj", h, heads * d),
+            ("self_attn.k_proj", h, kv * d),
+            ("self_attn.v_proj", h, kv * d),
+            ("self_attn.o_proj", heads * d, h),
+            ("mlp.gate_proj", h, i),
+            ("mlp.up_proj", h, i),
+            ("mlp.down_proj", i, h),
+        )
     else:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
@@ -118,15 +150,31 @@ def geometry(config: dict) -> Geometry:
         neox, parallel = family == "gpt_neox", family == "gpt_neox" and config.get("use_parallel_residual", True)
         saved = Saved(6 * h + 3 * h * neox + mlp_saved * i, heads + 4, h if parallel else 2 * h, 0, 0, 0)
         widest = (4 if mlp_saved == 5 else 2) * i + 2 * h  # the MLP's input, its activation's temporaries
-        names = (("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h") if neox
-                 else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+        names = (
+            ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+            if neox
+            else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+        )
         linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
     if family in MOE:  # the attention's; peft's all-linear also adapts the fused experts and router: not counted
         linears = linears[:4]
     params = embed + layers * block + head
-    return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d, params=params,
-                    active=params - layers * (experts - k) * 3 * h * i if family in MOE else None)
+    return Geometry(
+        h,
+        layers,
+        vocab,
+        tied,
+        block,
+        embed,
+        head,
+        saved,
+        widest,
+        linears,
+        kv * d,
+        params=params,
+        active=params - layers * (experts - k) * 3 * h * i if family in MOE else None,
+    )
 
 
 def lora_linears(cfg, g: Geometry) -> list:
@@ -134,13 +182,17 @@ def lora_linears(cfg, g: Geometry) -> list:
     dotted suffix of it; 'all-linear' is every linear of the blocks (peft leaves out the LM head)."""
     targets = cfg.lora.target_modules
     if isinstance(targets, str) and targets.lower() != "all-linear":
-        raise EstimateError(f"lora.target_modules={targets!r}: --estimate reads 'all-linear' or a list of module "
-                            "names, not a regular expression")
+        raise EstimateError(
+            f"lora.target_modules={targets!r}: --estimate reads 'all-linear' or a list of module "
+            "names, not a regular expression"
+        )
     names = None if isinstance(targets, str) else targets
     hit = lambda path, name: path == name or path.endswith("." + name)
     if unknown := [n for n in names or () if not any(hit(path, n) for path, _, _ in g.linears)]:
-        raise EstimateError(f"lora.target_modules: {unknown} name no linear layer of a block; --estimate counts "
-                            f"adapters on {', '.join(sorted({p for p, _, _ in g.linears}))} (or 'all-linear')")
+        raise EstimateError(
+            f"lora.target_modules: {unknown} name no linear layer of a block; --estimate counts "
+            f"adapters on {', '.join(sorted({p for p, _, _ in g.linears}))} (or 'all-linear')"
+        )
     return [(i, o) for path, i, o in g.linears if names is None or any(hit(path, n) for n in names)]
 
 
@@ -163,8 +215,13 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     # keeps its own cast of its input, and of its weight until its backward
     autocast = mp and cfg.trainer != "FSDPTrainer" and w != c
     stream = w if autocast else c
-    per_token = (s.compute * c + s.fp32 * 4 + (s.stream + s.norm_grad * (not lora)) * stream + s.copies * c * autocast
-                 + s.repeat_kv * c * dense)
+    per_token = (
+        s.compute * c
+        + s.fp32 * 4
+        + (s.stream + s.norm_grad * (not lora)) * stream
+        + s.copies * c * autocast
+        + s.repeat_kv * c * dense
+    )
     adapters = lora_linears(cfg, g) if lora else []
     cast, drop = not mp and c != 4, cfg.lora.dropout > 0  # peft keeps the adapters in fp32: inputs cast to them
     a = 4 if cast else c
@@ -177,11 +234,14 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     act += 2 * g.hidden * tokens * c  # final norm
     if dense:  # the bool (R, 1, T, T) mask (prefix sharing: rows of a pair, <= 2 max_length), and sdpa's float bias of
         # it kept by every layer (checkpointing: the recomputed one's): padding-free's whole rows
-        mask = tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length ** 2
+        mask = tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length**2
         act += mask * (1 + c * (1 if ckpt else g.layers))
     if autocast:  # the weights' cast copies: every block's (checkpointing: the recomputed one's) and the LM head's
-        act += ((g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params)
-                * (1 if ckpt else g.layers) + g.vocab * g.hidden) * c
+        act += (
+            (g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params)
+            * (1 if ckpt else g.layers)
+            + g.vocab * g.hidden
+        ) * c
     chunk_rows, head_backward = min(tokens, DEFAULT_CHUNK_SIZE), 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
@@ -218,26 +278,36 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     dense = (cfg.padding_free or cfg.prefix_sharing) and not (device in FLEX_DEVICES and config["model_type"] in FLEX)
     several = cfg.gradient_accumulation_steps > 1 or bool(budget)  # micro-batches per step (a budget can split)
     P, root = g.params, g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
-    out = {"parameters": P, "adapters": adapters, "parameters per rank": (P + adapters) / shard,
-           "micro-batch tokens": tokens, "compute bytes": c, "dense mask": dense,
-           "weights": (P * w + adapters * 4) / shard,
-           "reference weights": P * ref_w / shard if ref_online and not lora else 0,
-           "optimizer state": STATES[cfg.optimizer] * trained * tw / shard, "gradients": trained * tw / shard,
-           **_activations(cfg, g, tokens, rows, c, w, dense)}
+    out = {
+        "parameters": P,
+        "adapters": adapters,
+        "parameters per rank": (P + adapters) / shard,
+        "micro-batch tokens": tokens,
+        "compute bytes": c,
+        "dense mask": dense,
+        "weights": (P * w + adapters * 4) / shard,
+        "reference weights": P * ref_w / shard if ref_online and not lora else 0,
+        "optimizer state": STATES[cfg.optimizer] * trained * tw / shard,
+        "gradients": trained * tw / shard,
+        **_activations(cfg, g, tokens, rows, c, w, dense),
+    }
     gathered = ref_root = root_reduce = forward_units = 0
     if fsdp:  # one block gathered (two with forward_prefetch), its unsharded gradient in backward, and the root unit
         units = 1 + cfg.fsdp.forward_prefetch
-        gathered = ((units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
-                    if cfg.fsdp.reshard_after_forward  # false: every unit kept until its backward
-                    else P * c + block_trained * c)
+        gathered = (
+            (units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
+            if cfg.fsdp.reshard_after_forward  # false: every unit kept until its backward
+            else P * c + block_trained * c
+        )
         ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
         forward_units = units * g.block_params + root  # gathered by a forward alone (reference, evaluation)
         root_reduce = root * (c + r) if cfg.fsdp.strategy == "fsdp2" and not lora else 0  # unsharded grads + buffer
     out.update({"FSDP gathered": gathered, "reference root": ref_root, "root reduce-scatter": root_reduce})
     # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
     # with no_sync_accumulation the whole model's unsharded gradients (FSDP2: in reduce_dtype, FSDP1: param_dtype)
-    unsynced = (trained * (r if cfg.fsdp.strategy == "fsdp2" else c)
-                if fsdp and cfg.no_sync_accumulation and several else 0)
+    unsynced = (
+        trained * (r if cfg.fsdp.strategy == "fsdp2" else c) if fsdp and cfg.no_sync_accumulation and several else 0
+    )
     out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
@@ -254,9 +324,13 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     def forward(b: int) -> int:  # computing in b bytes per element
         logits = _activations(cfg, g, eval_tokens, eval_pairs * pairs, b, w, dense)["logits"]
         return (g.widest + 2 * g.hidden) * eval_tokens * b + logits + forward_units * b
+
     kv_cache = 2 * g.layers * g.kv_width * c * SAMPLE_GROUP * (cfg.max_prompt_length + cfg.max_new_tokens)
-    out["phases"] = {"backward": static + backward, "optimizer step": static + optimizer,
-                     "evaluation": static + max(forward(c), kv_cache * cfg.sample_during_eval)}
+    out["phases"] = {
+        "backward": static + backward,
+        "optimizer step": static + optimizer,
+        "evaluation": static + max(forward(c), kv_cache * cfg.sample_during_eval),
+    }
     precomputed = P * ref_w / shard if needs_reference and cfg.precompute_ref_log_probs and not lora else 0
     if needs_reference and cfg.precompute_ref_log_probs:  # before training: policy and reference, no optimizer state
         out["phases"]["reference pass"] = out["weights"] + precomputed + forward(ref_c)
@@ -277,8 +351,9 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     n_tokens = cfg.batch_size * pairs * cfg.max_length
     out["model FLOPs per step"] = (6 + 2 * ref_online) * (n + adapters) * n_tokens
     backward_flops = 2 * n + 4 * adapters if lora else 4 * n
-    out["executed FLOPs per step"] = ((2 + 2 * cfg.activation_checkpointing) * (n + adapters) + backward_flops
-                                      + 2 * ref_online * n) * n_tokens
+    out["executed FLOPs per step"] = (
+        (2 + 2 * cfg.activation_checkpointing) * (n + adapters) + backward_flops + 2 * ref_online * n
+    ) * n_tokens
     return out
 
 
@@ -296,12 +371,15 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).exists():
         from huggingface_hub import hf_hub_download
+
         try:
             path = Path(hf_hub_download(model_dir, "config.json"))
         except Exception as e:  # noqa: BLE001 - offline, unknown repository, gated: all say the same to the user
-            raise EstimateError(f"model.name_or_path={model_dir}: --estimate reads only its config.json, neither "
-                                f"cached nor downloadable here ({type(e).__name__}); fetch it alone with `hf download "
-                                f"{model_dir} config.json`, or set model.name_or_path to a local directory") from None
+            raise EstimateError(
+                f"model.name_or_path={model_dir}: --estimate reads only its config.json, neither "
+                f"cached nor downloadable here ({type(e).__name__}); fetch it alone with `hf download "
+                f"{model_dir} config.json`, or set model.name_or_path to a local directory"
+            ) from None
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -312,30 +390,52 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     e = estimate(cfg, config, world, device)
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
-    unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2 ** 20)
-    lines = [f"estimate for {cfg.trainer} x {world} rank(s), {config.get('model_type')} with {e['parameters'] / 1e6:.2f}M "
-             f"parameters{lora} ({e['parameters per rank'] / 1e6:.2f}M per rank); "
-             f"micro-batch {e['micro-batch tokens']} tokens "
-             f"(every sequence at max_length={cfg.max_length}); no weights read{hint}", "memory per rank:"]
-    rows = {name: e[name] for name in ("weights", "reference weights", "gradients", "accumulated gradients",
-                                        "optimizer state", "activations", "logits", "FSDP gathered")}
+    unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2**20)
+    lines = [
+        f"estimate for {cfg.trainer} x {world} rank(s), {config.get('model_type')} with {e['parameters'] / 1e6:.2f}M "
+        f"parameters{lora} ({e['parameters per rank'] / 1e6:.2f}M per rank); "
+        f"micro-batch {e['micro-batch tokens']} tokens "
+        f"(every sequence at max_length={cfg.max_length}); no weights read{hint}",
+        "memory per rank:",
+    ]
+    rows = {
+        name: e[name]
+        for name in (
+            "weights",
+            "reference weights",
+            "gradients",
+            "accumulated gradients",
+            "optimizer state",
+            "activations",
+            "logits",
+            "FSDP gathered",
+        )
+    }
     rows.update({f"phase {name}": b for name, b in e["phases"].items()}, **{f"peak ({e['peak phase']})": e["peak"]})
     lines += [f"  {name:<22} {b / size:10.1f} {unit}" for name, b in rows.items()]
     if cfg.padding_free or cfg.prefix_sharing:
-        dense = (f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for "
-                 f"{config.get('model_type')} on {device})")
+        dense = (
+            f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for "
+            f"{config.get('model_type')} on {device})"
+        )
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
     lines += [f"assumes: {note} ({key}={value} is not modelled)" for key, note, value in _not_modelled(cfg)]
-    lines.append(f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
-                 f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)")
+    lines.append(
+        f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
+        f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)"
+    )
     if e["mixture of experts"]:
-        lines.append(f"mixture of experts: FLOPs count N = {e['FLOPs parameters'] / 1e6:.2f}M, the parameters a token "
-                     f"runs through (its top-k experts; as throughput/mfu), memory all {e['parameters'] / 1e6:.2f}M")
+        lines.append(
+            f"mixture of experts: FLOPs count N = {e['FLOPs parameters'] / 1e6:.2f}M, the parameters a token "
+            f"runs through (its top-k experts; as throughput/mfu), memory all {e['parameters'] / 1e6:.2f}M"
+        )
     if gpu is not None:
         bf16, fp32, mem = DEVICES[gpu]
         dtype, peak = ("bf16", bf16) if e["compute bytes"] == 2 else ("fp32", fp32)
         seconds = e["executed FLOPs per step"] / world / (peak * 1e12 * ASSUMED_MFU)
         fits = "fits" if e["peak"] <= USABLE * mem * GiB else "DOES NOT FIT"
-        lines.append(f"on {gpu} ({peak:.0f} TFLOP/s {dtype} peak, {mem} GiB): time per step {seconds:.3f} s at MFU "
-                     f"{ASSUMED_MFU}; peak {e['peak'] / GiB:.2f} GiB of {USABLE * mem:.0f} GiB usable: {fits}")
+        lines.append(
+            f"on {gpu} ({peak:.0f} TFLOP/s {dtype} peak, {mem} GiB): time per step {seconds:.3f} s at MFU "
+            f"{ASSUMED_MFU}; peak {e['peak'] / GiB:.2f} GiB of {USABLE * mem:.0f} GiB usable: {fits}"
+        )
     return "\n".join(lines)

@@ -12,6 +12,7 @@ Output t predicts token t+1 everywhere: position t's target is labels[t+1]. None
 tiled head, sequence parallelism) changes what the log-probs are, only how they are computed; tests/test_logps.py
 and tests/test_trainers.py compare each with the plain path.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -48,8 +49,14 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 
 # ---------- 1. Log-probs of labels ----------
-def _tile_logits(hidden: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], logit_scale: float,
-                 softcap: Optional[float], dtype: torch.dtype) -> Tensor:
+def _tile_logits(
+    hidden: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    logit_scale: float,
+    softcap: Optional[float],
+    dtype: torch.dtype,
+) -> Tensor:
     """One tile's logits (n, V) in `dtype`, a fresh tensor: `hidden` itself (weight None) or the LM head on it, the
     matmul in the inputs' dtype (bf16 on tensor cores, as the model's own head), scale and softcap after the upcast."""
     if weight is None:
@@ -126,7 +133,9 @@ class _LabelLogProbs(torch.autograd.Function):
                     grad_bias.index_add_(0, targets, label_coef[:, 0])
                 rest = rest.to(hidden.dtype)  # the two matmuls in the inputs' dtype, as the plain path's backward
                 if need_hidden:
-                    grad_hidden[rows] = (rest @ weight).to(lse.dtype).add_(weight[targets].to(lse.dtype).mul_(label_coef))
+                    grad_hidden[rows] = (
+                        (rest @ weight).to(lse.dtype).add_(weight[targets].to(lse.dtype).mul_(label_coef))
+                    )
                 if need_weight:
                     if grad_weight.dtype == rest.dtype:
                         grad_weight.addmm_(rest.T, tile)  # in place: no (V, H) temporary
@@ -134,18 +143,30 @@ class _LabelLogProbs(torch.autograd.Function):
                         grad_weight += rest.T @ tile
                     grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
                 del logits, rest, slope
-        return (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None,
-                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None, None, None)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if need_weight else None,
+            grad_bias.to(bias.dtype) if need_bias else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
     """log p(targets[b, t] | logits[b, t]), Shape (batch, seq) from logits (batch, seq, vocab) and targets (batch,
     seq) already aligned (the caller shifts); fp32 (fp64 for fp64 logits), 0 where targets is IGNORE_INDEX."""
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} and targets "
-                         f"{tuple(targets.shape)}")
-    logps = _LabelLogProbs.apply(logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size,
-                                 1.0, None, False)[0]
+        raise ValueError(
+            f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} and targets "
+            f"{tuple(targets.shape)}"
+        )
+    logps = _LabelLogProbs.apply(
+        logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size, 1.0, None, False
+    )[0]
     return logps.view(targets.shape)
 
 
@@ -154,9 +175,18 @@ def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
     return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
 
 
-def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
-                       chunk_size: Optional[int] = None, with_entropy: bool = False, with_sum_sq: bool = False,
-                       logit_scale: float = 1.0, softcap: Optional[float] = None):
+def linear_token_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    chunk_size: Optional[int] = None,
+    with_entropy: bool = False,
+    with_sum_sq: bool = False,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+):
     """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)))[label] per row, chunk_size rows at a time (None:
     head_tile_rows): never more than a tile of logits; the matmul in the inputs' dtype, the rest in fp32.
 
@@ -165,19 +195,29 @@ def linear_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opt
     logit_scale, softcap: what some heads do after the matmul (Cohere, Granite, Gemma). Returns logps (N,) in fp32,
     differentiable w.r.t. hidden, weight and bias; with `with_entropy` or `with_sum_sq`, (logps, entropy (N,),
     log_sum_sq (N,)), each statistic detached and empty where not asked for."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1] \
-            or (bias is not None and bias.shape != weight.shape[:1]):
-        raise ValueError(f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
-                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}")
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or labels.shape != hidden.shape[:1]
+        or (bias is not None and bias.shape != weight.shape[:1])
+    ):
+        raise ValueError(
+            f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
+            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}, bias "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
     if len({hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())) > 1:
-        raise TypeError(f"hidden, weight and bias must share a dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
-                        + (f", bias {bias.dtype}" if bias is not None else ""))
+        raise TypeError(
+            f"hidden, weight and bias must share a dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
+            + (f", bias {bias.dtype}" if bias is not None else "")
+        )
     chunk_size = head_tile_rows(weight.shape[0], weight.dtype) if chunk_size is None else chunk_size
     if chunk_size < 1 or (softcap is not None and softcap <= 0):
         raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
-    out = _LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy,
-                               with_sum_sq)
+    out = _LabelLogProbs.apply(
+        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy, with_sum_sq
+    )
     return out if with_entropy or with_sum_sq else out[0]
 
 
@@ -188,10 +228,26 @@ HEAD_POSTPROCESSING = {
     "hyperclovax": ("*", "logits_scaling"),  # the same key as Granite's, which divides
     "falcon_h1": ("*", "lm_head_multiplier"),
     # MiniCPM3 divides the hidden states: the same for its bias-free head
-    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-                     "minicpm3"), ("/", "logits_scaling")),
-    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-                     "gemma4_unified_text", "vaultgemma", "nanochat", "beam"), ("tanh", "final_logit_softcapping")),
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "minicpm3"),
+        ("/", "logits_scaling"),
+    ),
+    **dict.fromkeys(
+        (
+            "gemma2",
+            "gemma3_text",
+            "gemma3n",
+            "gemma3n_text",
+            "gemma4",
+            "gemma4_text",
+            "gemma4_unified",
+            "gemma4_unified_text",
+            "vaultgemma",
+            "nanochat",
+            "beam",
+        ),
+        ("tanh", "final_logit_softcapping"),
+    ),
     "recurrent_gemma": ("tanh", "logits_soft_cap"),
 }
 # A config carrying one of these keys for a type not listed with it has a head the tiled path does not know (MPT's
@@ -205,14 +261,19 @@ def tiled_head(config) -> tuple[float, Optional[float]]:
     type's entry does not apply. train.py can call it on config.json alone, before any model loads."""
     kind, text = config.model_type, getattr(config, "text_config", None) or config  # multimodal: the text model's
     op, key = HEAD_POSTPROCESSING.get(kind, (None, None))
-    found = [f"{k}={v}" for k, o in HEAD_KEYS.items() if k != key and (v := getattr(text, k, None)) is not None
-             and (o == "tanh" or v != 1)]
+    found = [
+        f"{k}={v}"
+        for k, o in HEAD_KEYS.items()
+        if k != key and (v := getattr(text, k, None)) is not None and (o == "tanh" or v != 1)
+    ]
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         found.append("its own code (auto_map)")
     if found:
-        raise ValueError(f"tiled_lm_head=true: the LM head of model type {kind!r} has {', '.join(found)}, which the "
-                         "tiled head does not reproduce (its log-probs would differ from the model's); set "
-                         "tiled_lm_head=false")
+        raise ValueError(
+            f"tiled_lm_head=true: the LM head of model type {kind!r} has {', '.join(found)}, which the "
+            "tiled head does not reproduce (its log-probs would differ from the model's); set "
+            "tiled_lm_head=false"
+        )
     value = getattr(text, key, None) if key else None
     if op == "tanh" or value is None:
         return 1.0, value
@@ -250,8 +311,12 @@ class _CompileOnFirstCall:
                 self.impl = torch.compile(self.fn, dynamic=True)  # dynamic: the last chunk is shorter
                 return self.impl(x)
             except Exception as err:  # noqa: BLE001 - any compile failure means "not available here"
-                warnings.warn(f"torch.compile is unavailable here ({type(err).__name__}: {err}); computing "
-                              f"{self.fn.__name__} eagerly instead", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"torch.compile is unavailable here ({type(err).__name__}: {err}); computing "
+                    f"{self.fn.__name__} eagerly instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 self.impl = self.fn
         return self.impl(x)
 
@@ -259,8 +324,14 @@ class _CompileOnFirstCall:
 _COMPILED_ENTROPY_CHUNK = _CompileOnFirstCall(_entropy_chunk)
 
 
-def entropy_from_logits(logits: Tensor, *, chunking: bool = False, checkpointing: bool = False, use_compile: bool = False,
-                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+def entropy_from_logits(
+    logits: Tensor,
+    *,
+    chunking: bool = False,
+    checkpointing: bool = False,
+    use_compile: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
     """Entropy of softmax(logits) at every position, (..., V) -> (...,) in fp32. `chunking`: chunk_size rows at a
     time (one chunk's fp32 softmax at once); `checkpointing`: backward recomputes each chunk instead of keeping it
     (matters only when the entropy is differentiated); `use_compile`: the per-chunk function through torch.compile."""
@@ -269,8 +340,10 @@ def entropy_from_logits(logits: Tensor, *, chunking: bool = False, checkpointing
     if flat.shape[0] == 0:
         return flat.new_zeros(logits.shape[:-1], dtype=_compute_dtype(logits.dtype))
     recompute = checkpointing and torch.is_grad_enabled() and logits.requires_grad
-    pieces = [checkpoint(fn, flat[rows], use_reentrant=False) if recompute else fn(flat[rows])
-              for rows in _chunks(flat.shape[0], chunk_size if chunking else flat.shape[0])]
+    pieces = [
+        checkpoint(fn, flat[rows], use_reentrant=False) if recompute else fn(flat[rows])
+        for rows in _chunks(flat.shape[0], chunk_size if chunking else flat.shape[0])
+    ]
     return torch.cat(pieces).view(logits.shape[:-1])
 
 
@@ -288,8 +361,10 @@ def concatenated_inputs(batch: dict) -> dict[str, Tensor]:
     if "rejected_input_ids" not in batch:
         return {k: batch[f"chosen_{k}"] for k in PADS}
     t = max(batch["chosen_input_ids"].size(1), batch["rejected_input_ids"].size(1))
-    return {k: torch.cat([pad_to_length(batch[f"chosen_{k}"], t, p), pad_to_length(batch[f"rejected_{k}"], t, p)])
-            for k, p in PADS.items()}
+    return {
+        k: torch.cat([pad_to_length(batch[f"chosen_{k}"], t, p), pad_to_length(batch[f"rejected_{k}"], t, p)])
+        for k, p in PADS.items()
+    }
 
 
 def padded_inputs(inputs: dict[str, Tensor], multiple: int = 1) -> tuple[dict, Tensor, Tensor]:
@@ -317,8 +392,9 @@ def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: int = 1, shared_prefix: bool = False,
-                  flex_config=None) -> tuple[dict, Tensor, Tensor, Optional[tuple]]:
+def packed_inputs(
+    inputs: dict[str, Tensor], capacity: Optional[int], multiple: int = 1, shared_prefix: bool = False, flex_config=None
+) -> tuple[dict, Tensor, Tensor, Optional[tuple]]:
     """The sequences in rows with explicit positions and a (R, 1, T, T) mask, only row ends padded (to the widest
     row, a multiple of `multiple`): `capacity` packs rows of at most that many tokens (packed_rows), positions
     restarting for each sequence and attention confined to it; None: one per row. Returns what padded_inputs
@@ -340,8 +416,10 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
             raise ValueError(f"shared_prefix needs chosen rows, then the rejected rows of the same pairs; got {n} rows")
         n //= 2
         differ = (ids[:n] != ids[n:]) | (labels[:n] != IGNORE_INDEX) | (labels[n:] != IGNORE_INDEX)
-        prompts = [min(p, lengths[i], lengths[n + i]) for i, p in
-                   enumerate(torch.where(differ.any(1), differ.int().argmax(1), t).tolist())]
+        prompts = [
+            min(p, lengths[i], lengths[n + i])
+            for i, p in enumerate(torch.where(differ.any(1), differ.int().argmax(1), t).tolist())
+        ]
         units = [[(i, 0, lengths[i]), (n + i, p, lengths[n + i])] for i, p in enumerate(prompts)]
     sizes = [sum(e - s for _, s, e in unit) for unit in units]
     rows = packed_rows(sizes, capacity) if capacity else [[u] for u in range(len(units))]
@@ -353,15 +431,19 @@ def packed_inputs(inputs: dict[str, Tensor], capacity: Optional[int], multiple: 
         for u in row:
             first = at
             for k, (i, s, e) in enumerate(units[u]):
-                source[r, at:at + e - s], unit[r, at:at + e - s] = torch.arange(i * t + s, i * t + e), u
+                source[r, at : at + e - s], unit[r, at : at + e - s] = torch.arange(i * t + s, i * t + e), u
                 if shared_prefix:  # 0 prompt, 1 chosen, 2 rejected
-                    branch[r, at + (prompts[u] if k == 0 else 0):at + e - s] = 1 + k
-                if k == 1 and 0 < s < e:  # (predicting position, the rejected's first token, its label, sequence, column)
+                    branch[r, at + (prompts[u] if k == 0 else 0) : at + e - s] = 1 + k
+                if (
+                    k == 1 and 0 < s < e
+                ):  # (predicting position, the rejected's first token, its label, sequence, column)
                     extra.append((r * width + first + s - 1, r * width + at, i * t + s, i, s))
                 at += e - s
     source, unit, branch = source.to(device), unit.to(device), branch.to(device)
     pad = source < 0
-    ids, row_labels = (x.flatten()[source.clamp(min=0)].masked_fill_(pad, fill) for x, fill in ((ids, 0), (labels, IGNORE_INDEX)))
+    ids, row_labels = (
+        x.flatten()[source.clamp(min=0)].masked_fill_(pad, fill) for x, fill in ((ids, 0), (labels, IGNORE_INDEX))
+    )
     if extra:
         predictor, first_token, label, sequence, column = (torch.tensor(c, device=device) for c in zip(*extra))
         row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
@@ -388,6 +470,7 @@ FLEX_DEVICES = ("cuda",)
 def _block_mask_builder(device_type: str):
     """create_block_mask, compiled on GPUs (eager, it materializes the (R, 1, T, T) mask it compresses)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
     return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
 
 
@@ -411,6 +494,7 @@ def block_masks(unit: Tensor, branch: Tensor, positions: Tensor, config):
 
     def sliding(b, h, q, k):
         return full(b, h, q, k) & (positions[b, q] - positions[b, k] < window)
+
     masks = {"full_attention": build(full, rows, None, t, t, device=unit.device)}
     if window:
         masks["sliding_attention"] = build(sliding, rows, None, t, t, device=unit.device)
@@ -426,6 +510,7 @@ def use_flex_attention() -> None:
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations import flex_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     @functools.wraps(sdpa)  # keeps ulysses.install's mark: it wraps the registry entry once
@@ -434,6 +519,7 @@ def use_flex_attention() -> None:
         if isinstance(attention_mask, BlockMask) and not getattr(sdpa, "ulysses", False):
             return flex_attention.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return sdpa(module, query, key, value, attention_mask, **kwargs)
+
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
 
 
@@ -456,8 +542,12 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
         masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
     if getattr(config, "_attn_implementation", None) == "eager":
         low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
-        masks = {k: m if getattr(m, "causal_only", False) else
-                 torch.full(m.shape, low, dtype=torch.bfloat16, device=m.device).masked_fill_(m, 0.0) for k, m in masks.items()}
+        masks = {
+            k: m
+            if getattr(m, "causal_only", False)
+            else torch.full(m.shape, low, dtype=torch.bfloat16, device=m.device).masked_fill_(m, 0.0)
+            for k, m in masks.items()
+        }
     masks.setdefault("sliding_attention", masks["full_attention"])  # no band (none, or longer than the rows): causal
     return masks if layer_types is not None else masks["sliding_attention"]
 
@@ -465,21 +555,34 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
 # ---------- 4. Sequence log-probs ----------
 class SequenceLogps(NamedTuple):
     """forward_logps' result, one row per sequence of its inputs."""
+
     sums: Tensor  # (N,) summed log-probs of the labelled tokens
     counts: Tensor  # (N,) how many
     entropy: Optional[Tensor] = None  # (N,) their mean entropy, with `entropy`
-    tokens: Optional[Tensor] = None  # (N, T) each labelled token's log-prob at its input column, 0 elsewhere, with `per_token`
+    tokens: Optional[Tensor] = (
+        None  # (N, T) each labelled token's log-prob at its input column, 0 elsewhere, with `per_token`
+    )
     log_sum_sq: Optional[Tensor] = None  # (N,) summed log sum_v p_v^2 (log_sum_sq) over them, detached, with `sum_sq`
     # (N, 2, E) over each sequence's real tokens and routed layers: top-k picks and router probabilities per expert,
     # with `routing` on a mixture of experts (losses.load_balancing_loss)
     routing: Optional[Tensor] = None
 
 
-def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacity: Optional[int] = None,
-                  tiled: bool = False, prefix_sharing: bool = False, entropy: Optional[dict] = None,
-                  entropy_grad: bool = False, sequence_parallel: Optional[ulysses.SequenceParallel] = None,
-                  per_token: bool = False, sum_sq: bool = False, routing: bool = False,
-                  routing_grad: bool = False) -> SequenceLogps:
+def forward_logps(
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    *,
+    packed_capacity: Optional[int] = None,
+    tiled: bool = False,
+    prefix_sharing: bool = False,
+    entropy: Optional[dict] = None,
+    entropy_grad: bool = False,
+    sequence_parallel: Optional[ulysses.SequenceParallel] = None,
+    per_token: bool = False,
+    sum_sq: bool = False,
+    routing: bool = False,
+    routing_grad: bool = False,
+) -> SequenceLogps:
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
     tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,);
     with `per_token` each token's log-prob (N, T), differentiable; with `sum_sq` WPO's per-token statistic summed.
@@ -494,11 +597,21 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], *, packed_capacit
     final norm and LM head: the tiled path may call the backbone and read the head's weight directly) and its
     post-forward (which hooks the backward on the returned sums)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
     if prefix_sharing and sequence_parallel:
         raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
-    options = dict(packed_capacity=packed_capacity, tiled=tiled, prefix_sharing=prefix_sharing, entropy=entropy,
-                   entropy_grad=entropy_grad, sequence_parallel=sequence_parallel, per_token=per_token, sum_sq=sum_sq,
-                   routing=routing, routing_grad=routing_grad)
+    options = dict(
+        packed_capacity=packed_capacity,
+        tiled=tiled,
+        prefix_sharing=prefix_sharing,
+        entropy=entropy,
+        entropy_grad=entropy_grad,
+        sequence_parallel=sequence_parallel,
+        per_token=per_token,
+        sum_sq=sum_sq,
+        routing=routing,
+        routing_grad=routing_grad,
+    )
     if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
         return _score(model, model, inputs, **options)
     inner = model.module if isinstance(model, FullyShardedDataParallel) else model
@@ -519,8 +632,10 @@ def routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     if recorder is None:
         return []
     if recorder.target_class is None:  # a class named by its suffix: not among the models tested here
-        raise ValueError(f"{type(lm).__name__} records router logits of class {recorder.class_name!r}, which "
-                         "logps.routers does not find; set loss.router_aux_loss=off")
+        raise ValueError(
+            f"{type(lm).__name__} records router logits of class {recorder.class_name!r}, which "
+            "logps.routers does not find; set loss.router_aux_loss=off"
+        )
     return [(m, recorder.index) for m in lm.modules() if isinstance(m, recorder.target_class)]
 
 
@@ -528,8 +643,13 @@ def routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 def _router_logits(model: Optional[nn.Module]):
     """A list that each router of `model` (None: none) appends its logits (tokens, E) to during the forward inside.
     The hooks go before backward: a checkpointed block's recomputation appends nothing."""
-    found, hooks = [], [m.register_forward_hook(lambda _m, _a, out, i=i: found.append(out[i]))
-                        for m, i in (routers(model) if model is not None else [])]
+    found, hooks = (
+        [],
+        [
+            m.register_forward_hook(lambda _m, _a, out, i=i: found.append(out[i]))
+            for m, i in (routers(model) if model is not None else [])
+        ],
+    )
     try:
         yield found
     finally:
@@ -555,8 +675,18 @@ def _routing(logits: list[Tensor], owner: Tensor, column: Tensor, n: int, shared
     return out
 
 
-def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: Optional[tuple], *, tiled, entropy,
-                 entropy_grad, sum_sq) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
+def _label_logps(
+    model: nn.Module,
+    call,
+    kwargs: dict,
+    targets: Tensor,
+    extra: Optional[tuple],
+    *,
+    tiled,
+    entropy,
+    entropy_grad,
+    sum_sq,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
     """The model on its row inputs: the log-prob of each target (the scored positions in row order, then `extra`'s),
     with their entropies and log sum p^2 where asked, and the (R, T) mask of scored positions."""
     # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
@@ -566,12 +696,18 @@ def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: O
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
         backbone, head = lm.base_model, lm.get_output_embeddings()
         others = [name for name, child in lm.named_children() if child is not backbone and child is not head]
-        why = (f"computes its logits with {', '.join(others)} too, not its output embeddings alone" if others else
-               "has a LoRA adapter on its LM head, whose .weight is the base layer's" if hasattr(head, "base_layer")
-               else None)
+        why = (
+            f"computes its logits with {', '.join(others)} too, not its output embeddings alone"
+            if others
+            else "has a LoRA adapter on its LM head, whose .weight is the base layer's"
+            if hasattr(head, "base_layer")
+            else None
+        )
         if why:
-            raise ValueError(f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
-                             "reproduce; set tiled_lm_head=false")
+            raise ValueError(
+                f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
+                "reproduce; set tiled_lm_head=false"
+            )
         scale, softcap = tiled_head(lm.config)
         hidden = backbone(**kwargs, use_cache=False).last_hidden_state
         weight, bias = head.weight, head.bias
@@ -585,8 +721,16 @@ def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: O
         if extra is not None:  # the rejected's first tokens, from the prompts' last positions
             extra = tuple(x.to(hidden.device) for x in extra)
             rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
-        out = linear_token_logps(rows, weight, targets, bias, with_entropy=entropy is not None, with_sum_sq=sum_sq,
-                                 logit_scale=scale, softcap=softcap)
+        out = linear_token_logps(
+            rows,
+            weight,
+            targets,
+            bias,
+            with_entropy=entropy is not None,
+            with_sum_sq=sum_sq,
+            logit_scale=scale,
+            softcap=softcap,
+        )
         logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
         return logps, token_entropy if entropy is not None else None, token_sq if sum_sq else None, scored
     logits = call(**kwargs, use_cache=False).logits
@@ -602,14 +746,32 @@ def _label_logps(model: nn.Module, call, kwargs: dict, targets: Tensor, extra: O
             if extra is not None:
                 token_entropy = torch.cat([token_entropy, entropy_from_logits(flat[extra[0]], **entropy)])
     if sum_sq:  # a chunk of scored rows at a time: one fp32 (rows, V) copy at most
-        at = scored.flatten().nonzero()[:, 0] if extra is None else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
+        at = (
+            scored.flatten().nonzero()[:, 0]
+            if extra is None
+            else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
+        )
         with torch.no_grad():
             token_sq = torch.cat([log_sum_sq(flat[at[rows]]) for rows in _chunks(len(at), DEFAULT_CHUNK_SIZE)])
     return logps, token_entropy, token_sq, scored
 
 
-def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity, tiled, prefix_sharing, entropy,
-           entropy_grad, sequence_parallel, per_token, sum_sq, routing, routing_grad) -> SequenceLogps:
+def _score(
+    model: nn.Module,
+    call,
+    inputs: dict[str, Tensor],
+    *,
+    packed_capacity,
+    tiled,
+    prefix_sharing,
+    entropy,
+    entropy_grad,
+    sequence_parallel,
+    per_token,
+    sum_sq,
+    routing,
+    routing_grad,
+) -> SequenceLogps:
     """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
     forward inside the root unit's forward)."""
     (n, width), sp = inputs["input_ids"].shape, sequence_parallel
@@ -621,26 +783,39 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     # refused from the config alone: every rank at its first forward (a row's width would stop some ranks, not all)
     if sp and on_gpu and sdpa and not flex and (packed_capacity or (window := sliding_window(model.config, math.inf))):
         option = "padding_free=true" if packed_capacity else f"a sliding window ({window})"
-        raise ValueError(f"fsdp.ulysses_sequence_parallel_size={sp.size} with {option}: {type(model).__name__} does not"
-                         " attend through FlexAttention, and sdpa on CUDA would keep a dense (T, T) mask in every "
-                         "layer; " + ("set padding_free=false" if packed_capacity else "not supported yet"))
+        raise ValueError(
+            f"fsdp.ulysses_sequence_parallel_size={sp.size} with {option}: {type(model).__name__} does not"
+            " attend through FlexAttention, and sdpa on CUDA would keep a dense (T, T) mask in every "
+            "layer; " + ("set padding_free=false" if packed_capacity else "not supported yet")
+        )
     packed = packed_capacity or prefix_sharing or (band and flex)
-    kwargs, labels, owner, extra = (packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
-                                    if packed else (*padded_inputs(inputs, multiple), None))
+    kwargs, labels, owner, extra = (
+        packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
+        if packed
+        else (*padded_inputs(inputs, multiple), None)
+    )
     # each token's column in its input row: its position, where rows hold several sequences
-    column = kwargs["position_ids"] if "position_ids" in kwargs else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
+    column = (
+        kwargs["position_ids"]
+        if "position_ids" in kwargs
+        else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
+    )
     # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
     token_of = (owner, column)  # unshifted: a router sees token t at position t
-    targets, owner, column = (F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0)))
+    targets, owner, column = (
+        F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0))
+    )
     if sp:
         kwargs = kwargs if packed else ulysses.whole_row_inputs(kwargs)
         kwargs, targets, owner, column, *token_of = ulysses.local_slice(kwargs, sp, targets, owner, column, *token_of)
     if isinstance(kwargs.get("attention_mask"), Tensor) and kwargs["attention_mask"].dim() == 4:
-        kwargs["attention_mask"] = packed_attention_mask(kwargs["attention_mask"], model.config,
-                                                         kwargs["position_ids"] if prefix_sharing else None)
+        kwargs["attention_mask"] = packed_attention_mask(
+            kwargs["attention_mask"], model.config, kwargs["position_ids"] if prefix_sharing else None
+        )
     with _router_logits(model if routing else None) as routed:
-        logps, token_entropy, token_sq, scored = _label_logps(model, call, kwargs, targets, extra, tiled=tiled,
-                                                              entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq)
+        logps, token_entropy, token_sq, scored = _label_logps(
+            model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq
+        )
     owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
     if extra is not None:
         owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])
@@ -648,6 +823,7 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
     def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
         sums = values.new_zeros(n).index_add(0, owner, values)
         return ulysses.sum_over_group(sums, sp) if sp else sums  # differentiable: each rank scored a slice
+
     sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
     # each rank scattered its slice's tokens: the group's sum holds every token once
     tokens = logps.new_zeros(n, width).index_put((owner, column), logps) if per_token else None
@@ -657,5 +833,11 @@ def _score(model: nn.Module, call, inputs: dict[str, Tensor], *, packed_capacity
         with torch.set_grad_enabled(routing_grad and torch.is_grad_enabled()):
             stats = _routing(routed, *token_of, n, prefix_sharing, model.config.num_experts_per_tok)
             stats = ulysses.sum_over_group(stats, sp) if sp else stats  # each rank routed a slice of the tokens
-    return SequenceLogps(sums, counts, None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
-                         tokens, None if token_sq is None else per_sequence(token_sq), stats)
+    return SequenceLogps(
+        sums,
+        counts,
+        None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
+        tokens,
+        None if token_sq is None else per_sequence(token_sq),
+        stats,
+    )

@@ -26,6 +26,7 @@ Departures from the papers and from the original DPO code, numbered:
   9. `kto`'s KL reference point is estimated by the trainer over the mismatched rows of the whole step, not per
      micro-batch as HALOs does, so the loss does not depend on the split; clamped at 0 and detached, as in the paper.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,9 @@ def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -
 LossReturn = tuple[Tensor, Tensor | None, Tensor | None]
 
 
-def sft_loss(policy_chosen_logps, policy_rejected_logps=None, reference_chosen_logps=None,
-             reference_rejected_logps=None) -> LossReturn:
+def sft_loss(
+    policy_chosen_logps, policy_rejected_logps=None, reference_chosen_logps=None, reference_rejected_logps=None
+) -> LossReturn:
     """Supervised fine-tuning: the SFT stage of Ouyang et al. 2022 (arXiv:2203.02155), the generation term of RPO/MPO.
     Loss = -log pi(y_w | x), Shape (batch,); per-token mean by default (departure 1). No rewards (None, None).
     Intuition: imitate the preferred response, ignore the rejected one. No hyperparameters."""
@@ -79,13 +81,22 @@ F_DIVERGENCES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
     # TRL 1.x writes (u^(c-1) - 1) / (c - 1), c = f_alpha_divergence_coef (c = 1: reverse KL), so f_alpha = 1 - c;
     # TRL's first f-DPO code used our a directly (tests/test_losses.py checks both). Stable form as forward_kl.
     "alpha_divergence": lambda log_u, beta, f_alpha: (
-        beta / f_alpha - _exp_capped(math.log(beta / f_alpha) - f_alpha * log_u)),
+        beta / f_alpha - _exp_capped(math.log(beta / f_alpha) - f_alpha * log_u)
+    ),
 }
 
 
-def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-             beta: float, label_smoothing: float = 0.0, f_divergence: str = "reverse_kl",
-             f_alpha: float = 0.5) -> LossReturn:
+def dpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    f_divergence: str = "reverse_kl",
+    f_alpha: float = 0.5,
+) -> LossReturn:
     """Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), Eq. 7, with the original code's label
     smoothing (cDPO) and f-DPO's divergences g = f' (F_DIVERGENCES; reverse_kl, g(a) = a, is plain DPO).
     z = beta (g(a) - g(b)); loss = -(1 - eps) log sigma(z) - eps log sigma(-z), eps = label_smoothing in [0, 0.5),
@@ -101,19 +112,39 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     return losses, chosen.detach(), rejected.detach()
 
 
-def cdpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-              beta: float, label_smoothing: float) -> LossReturn:
+def cdpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    label_smoothing: float,
+) -> LossReturn:
     """Conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences & relationship to IPO",
     https://ericmitchell.ai/cdpo.pdf; no arXiv id). loss = -(1 - eps) log sigma(beta h) - eps log sigma(-beta h),
     eps = label_smoothing, Shape (batch,); the same function as `loss=dpo loss.label_smoothing=eps`.
     Intuition: DPO against labels flipped with probability eps, so the optimum margin is finite,
     beta h* = log((1 - eps) / eps). Typical beta 0.1-0.5, eps 0.05-0.3 (an assumed label-noise rate, < 0.5)."""
-    return dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps,
-                    beta=beta, label_smoothing=label_smoothing)
+    return dpo_loss(
+        policy_chosen_logps,
+        policy_rejected_logps,
+        reference_chosen_logps,
+        reference_rejected_logps,
+        beta=beta,
+        label_smoothing=label_smoothing,
+    )
 
 
-def robust_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                beta: float, label_smoothing: float) -> LossReturn:
+def robust_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    label_smoothing: float,
+) -> LossReturn:
     """Robust DPO (Chowdhury, Kini & Natarajan 2024, "Provably Robust DPO", arXiv:2403.00409), the de-biased loss.
     loss = [(1 - eps) l(beta h) - eps l(-beta h)] / (1 - 2 eps), l(z) = -log sigma(z), eps = label_smoothing in
     [0, 0.5), Shape (batch,). Intuition: an unbiased estimate of the clean-label DPO loss when each label is flipped
@@ -124,8 +155,9 @@ def robust_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_log
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-             beta: float) -> LossReturn:
+def ipo_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Identity Preference Optimization (Azar et al. 2023, arXiv:2310.12036), Eq. 17 with tau = beta.
     loss = (h - 1 / (2 beta))^2, Shape (batch,); per-token mean log-probs by default, as the IPO authors recommend for
     LLMs (`average_log_prob: false` gives the summed form the equation writes).
@@ -136,8 +168,9 @@ def ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def hinge_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-               beta: float) -> LossReturn:
+def hinge_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Hinge loss: SLiC's calibration loss (Zhao et al. 2023, arXiv:2305.10425) in the reference-normalized
     "hinge-norm" form of RSO (Liu et al. 2023, arXiv:2309.06657). loss = max(0, 1 - beta h), Shape (batch,).
     Intuition: a margin classifier; pairs already separated by 1/beta contribute no gradient.
@@ -147,8 +180,15 @@ def hinge_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logp
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def simpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps=None,
-               reference_rejected_logps=None, *, beta: float, gamma: float) -> LossReturn:
+def simpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps=None,
+    reference_rejected_logps=None,
+    *,
+    beta: float,
+    gamma: float,
+) -> LossReturn:
     """Simple Preference Optimization (Meng, Xia & Chen 2024, arXiv:2405.14734), Eq. 6; no reference model.
     loss = -log sigma(beta (logp_w / |y_w| - logp_l / |y_l|) - gamma), Shape (batch,), on per-token mean log-probs.
     Intuition: the reward is the length-normalized likelihood the model generates with, and the chosen one must win
@@ -164,8 +204,15 @@ def _log_odds(logps: Tensor) -> Tensor:
     return logps - torch.log(-torch.expm1(logps))
 
 
-def orpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps=None,
-              reference_rejected_logps=None, *, orpo_lambda: float, chosen_nll: Tensor) -> LossReturn:
+def orpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps=None,
+    reference_rejected_logps=None,
+    *,
+    orpo_lambda: float,
+    chosen_nll: Tensor,
+) -> LossReturn:
     """Odds Ratio Preference Optimization (Hong, Lee & Thorne 2024, arXiv:2403.07691), Eqs. 6-7; no reference model.
     loss = chosen_nll - lambda log sigma(log odds(y_w) - log odds(y_l)), odds = p / (1 - p), p = exp(per-token mean
     log-prob), Shape (batch,). Intuition: SFT on the chosen response plus a push of its odds above the rejected one's,
@@ -175,19 +222,35 @@ def orpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps
     return chosen_nll + orpo_lambda * odds_ratio_loss, chosen.detach(), rejected.detach()  # Eq. 6
 
 
-def rpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-             beta: float, rpo_alpha: float, chosen_nll: Tensor) -> LossReturn:
+def rpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    rpo_alpha: float,
+    chosen_nll: Tensor,
+) -> LossReturn:
     """DPO plus the chosen NLL: Iterative Reasoning Preference Optimization (Pang et al. 2024, arXiv:2404.19733),
     also "RPO" in Liu et al. 2024 (arXiv:2405.16436). loss = dpo_loss + alpha * chosen_nll, Shape (batch,).
     Intuition: DPO alone can lower the chosen likelihood too; the NLL term keeps it up. Typical beta 0.1, alpha 1.0.
     The same as `names=[dpo, sft], weights=[1, alpha]`."""
     losses, chosen_rewards, rejected_rewards = dpo_loss(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta=beta)
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta=beta
+    )
     return losses + rpo_alpha * chosen_nll, chosen_rewards, rejected_rewards
 
 
-def exo_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float, label_smoothing: float) -> LossReturn:
+def exo_pair_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    label_smoothing: float,
+) -> LossReturn:
     """Efficient Exact Optimization, pairwise (Ji et al. 2024, arXiv:2402.00856), Eq. 16 with K = 2: the KL from
     p_theta = (sigma(z), sigma(-z)), z = beta h, to p_label = (1 - eps, eps), eps = label_smoothing in (0, 1):
     loss = sigma(z) (log sigma(z) - log(1 - eps)) + sigma(-z) (log sigma(-z) - log eps), Shape (batch,).
@@ -197,13 +260,15 @@ def exo_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
         raise ValueError(f"exo_pair needs 0 < label_smoothing < 1 (EXO uses 1e-3), got {label_smoothing}")
     a, b = policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
     z = beta * (a - b)
-    losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-label_smoothing))
-              + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(label_smoothing)))  # Eq. 16 of the EXO paper
+    losses = torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-label_smoothing)) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - math.log(label_smoothing)
+    )  # Eq. 16 of the EXO paper
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def nca_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float) -> LossReturn:
+def nca_pair_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Noise Contrastive Alignment, pairwise (Chen et al. 2024, arXiv:2402.05369), the NCA loss with K = 2.
     loss = -log sigma(r_w) - 1/2 log sigma(-r_w) - 1/2 log sigma(-r_l), r = beta * log-ratio, Shape (batch,).
     Intuition: classify each response's absolute reward, not only their difference, so unlike DPO the chosen
@@ -214,8 +279,9 @@ def nca_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
-def bco_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float) -> LossReturn:
+def bco_pair_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Binary Classifier Optimization on pairs (Jung et al. 2024, arXiv:2404.04656), with reward shift delta.
     loss = -log sigma(r_w - delta) - log sigma(-(r_l - delta)), r = beta * log-ratio, Shape (batch,), delta = the
     detached mean of the batch's 2 * batch rewards (departures 2, 8). Intuition: a binary classifier labelling chosen
@@ -227,8 +293,9 @@ def bco_pair_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
-def sppo_hard_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                   beta: float) -> LossReturn:
+def sppo_hard_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Self-Play Preference Optimization, hard labels (Wu et al. 2024, arXiv:2405.00675), Algorithm 1's square loss
     with P(y_w wins) = 1, eta = 1/beta. loss = (a - 1/(2 beta))^2 + (b + 1/(2 beta))^2, Shape (batch,).
     Intuition: regress each log-ratio to its own target, not only their difference as IPO does.
@@ -238,8 +305,9 @@ def sppo_hard_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def apo_zero_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float) -> LossReturn:
+def apo_zero_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Anchored Preference Optimization, APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266), Eq. 7.
     loss = (1 - sigma(beta a)) + sigma(beta b), Shape (batch,). Intuition: raise the chosen likelihood and lower the
     rejected one, for data whose chosen answers beat the model's own. Typical beta 0.1-0.2."""
@@ -248,8 +316,9 @@ def apo_zero_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def apo_down_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float) -> LossReturn:
+def apo_down_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Anchored Preference Optimization, APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266), Eq. 8.
     loss = sigma(beta a) + (1 - sigma(beta (a - b))), Shape (batch,). Intuition: lower both likelihoods, the
     rejected more, for data whose chosen answers are worse than the model's own. Typical beta 0.1-0.2."""
@@ -258,8 +327,15 @@ def apo_down_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def discopop_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-                  beta: float, discopop_tau: float) -> LossReturn:
+def discopop_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    *,
+    beta: float,
+    discopop_tau: float,
+) -> LossReturn:
     """DiscoPOP, the log-ratio modulated loss (Chris Lu et al. 2024, arXiv:2406.08414), Eq. 5.
     z = beta h, rho = sigma(z / tau); loss = (1 - rho) (-log sigma(z)) + rho exp(-z), Shape (batch,).
     Intuition: logistic (DPO) loss for negative margins, exponential for positive ones, blended by a sigmoid of the
@@ -272,8 +348,9 @@ def discopop_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def aot_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *,
-             beta: float) -> LossReturn:
+def aot_loss(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+) -> LossReturn:
     """Alignment via Optimal Transport, paired (Melnyk et al. 2024, arXiv:2406.05882). u = sort(policy_chosen -
     policy_rejected), v = sort(reference_chosen - reference_rejected) over the batch (departure 8);
     loss = -log sigma(beta (u - v)), Shape (batch,), indexed by quantile, not by example; at batch size 1 it is DPO.
@@ -286,8 +363,16 @@ def aot_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
-def kto_loss(policy_logps: Tensor, reference_logps: Tensor, desirable: Tensor, kl: Tensor, *, beta: float,
-             desirable_weight: float, undesirable_weight: float) -> tuple[Tensor, Tensor]:
+def kto_loss(
+    policy_logps: Tensor,
+    reference_logps: Tensor,
+    desirable: Tensor,
+    kl: Tensor,
+    *,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> tuple[Tensor, Tensor]:
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), Eq. 8, on UNPAIRED completions,
     each labelled desirable or not (`desirable`, bool): hence its own signature (registry `unpaired=True`).
     r = policy_logps - reference_logps, z0 = max(0, kl), detached; kl, Shape () or (1,), is the trainer's mean
@@ -357,8 +442,14 @@ def dpop_chosen_logps(policy_chosen_logps: Tensor, reference_chosen_logps: Tenso
     return policy_chosen_logps - lam * (reference_chosen_logps - policy_chosen_logps).clamp(min=0)
 
 
-def wpo_weights(chosen_sum: Tensor, rejected_sum: Tensor, chosen_sum_sq: Tensor, rejected_sum_sq: Tensor,
-                chosen_len: Tensor, rejected_len: Tensor) -> Tensor:
+def wpo_weights(
+    chosen_sum: Tensor,
+    rejected_sum: Tensor,
+    chosen_sum_sq: Tensor,
+    rejected_sum_sq: Tensor,
+    chosen_len: Tensor,
+    rejected_len: Tensor,
+) -> Tensor:
     """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 4 with its sampling alignment, as TRL's use_weighting): each
     pair's weight min(1, exp(mean_t [log p_t - log sum_v p_v^2] over the chosen + the same over the rejected)),
     detached: pairs the current policy would itself likely generate weigh more (off-policy data made closer to
@@ -369,8 +460,14 @@ def wpo_weights(chosen_sum: Tensor, rejected_sum: Tensor, chosen_sum_sq: Tensor,
     return torch.exp(chosen + rejected).clamp(max=1).detach()
 
 
-def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, float] | None, drop: float = 0.0,
-             generator: torch.Generator | None = None) -> tuple[float, Tensor, tuple[float, float]]:
+def beta_dpo(
+    margins: Tensor,
+    beta: float,
+    alpha: float,
+    running: tuple[float, float] | None,
+    drop: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[float, Tensor, tuple[float, float]]:
     """beta-DPO (Wu et al. 2024, arXiv:2407.08639, Eq. 7 and Algorithm 1): a batch-level beta from the pairs' reward
     discrepancies M_i = log pi/pi_ref (y_w) - log pi/pi_ref (y_l), Shape (batch,), detached. The running threshold
     M_0 and spread sigma move toward the batch's mean and standard deviation (momentum m = 0.9; `running`
@@ -389,7 +486,9 @@ def beta_dpo(margins: Tensor, beta: float, alpha: float, running: tuple[float, f
     keep = torch.ones_like(margins, dtype=torch.bool)
     if drop > 0:
         density = torch.exp(-0.5 * ((margins.double().cpu() - m0) / max(sigma, 1e-12)) ** 2) + 1e-300  # never all 0
-        kept = torch.multinomial(density, max(1, round(len(margins) * (1 - drop))), replacement=False, generator=generator)
+        kept = torch.multinomial(
+            density, max(1, round(len(margins) * (1 - drop))), replacement=False, generator=generator
+        )
         keep = torch.zeros_like(keep).index_fill_(0, kept.to(keep.device), True)
     return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
 
@@ -404,7 +503,7 @@ def load_balancing_loss(routing: Tensor) -> Tensor:
     sequence's picks and summed probabilities (logps.SequenceLogps.routing). Returns Shape (N,)."""
     picks, probs = routing.unbind(1)
     slots = probs.detach().sum(-1).round().clamp(min=1)  # (token, layer) pairs: each one's probabilities sum to 1
-    return probs.size(-1) * (picks * probs).sum(-1) / slots ** 2
+    return probs.size(-1) * (picks * probs).sum(-1) / slots**2
 
 
 # --- The dispatcher ---
@@ -442,8 +541,11 @@ SUPPLIED = ("chosen_nll",)
 @functools.cache
 def _hyperparameters(fn: Callable) -> tuple[tuple[str, bool], ...]:
     """(name, required) per keyword-only parameter of `fn`, inspected once."""
-    return tuple((p.name, p.default is inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    return tuple(
+        (p.name, p.default is inspect.Parameter.empty)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
 
 
 def _kwargs_for(name: str, fn: Callable, hparams, chosen_nll: Tensor | None) -> dict:
@@ -458,13 +560,25 @@ def _kwargs_for(name: str, fn: Callable, hparams, chosen_nll: Tensor | None) -> 
     return kwargs
 
 
-def compute_loss(names: str | list[str], weights: list[float] | None, hparams, policy_chosen_sum: Tensor,
-                 policy_chosen_len: Tensor, policy_rejected_sum: Tensor | None = None,
-                 policy_rejected_len: Tensor | None = None, reference_chosen_sum: Tensor | None = None,
-                 reference_rejected_sum: Tensor | None = None, desirable: Tensor | None = None,
-                 kl: Tensor | None = None, policy_tokens: Tensor | None = None, reference_tokens: Tensor | None = None,
-                 scored: Tensor | None = None, policy_sum_sq: Tensor | None = None, keep: Tensor | None = None,
-                 beta_batch: float | None = None) -> LossOutput:
+def compute_loss(
+    names: str | list[str],
+    weights: list[float] | None,
+    hparams,
+    policy_chosen_sum: Tensor,
+    policy_chosen_len: Tensor,
+    policy_rejected_sum: Tensor | None = None,
+    policy_rejected_len: Tensor | None = None,
+    reference_chosen_sum: Tensor | None = None,
+    reference_rejected_sum: Tensor | None = None,
+    desirable: Tensor | None = None,
+    kl: Tensor | None = None,
+    policy_tokens: Tensor | None = None,
+    reference_tokens: Tensor | None = None,
+    scored: Tensor | None = None,
+    policy_sum_sq: Tensor | None = None,
+    keep: Tensor | None = None,
+    beta_batch: float | None = None,
+) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
@@ -491,19 +605,34 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     if needs_reference(names, reference_free) and missing:
         raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
     if unpaired:
-        return _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
-                              policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl)
+        return _unpaired_loss(
+            names,
+            weights,
+            hparams,
+            policy_chosen_sum,
+            policy_chosen_len,
+            policy_rejected_sum,
+            policy_rejected_len,
+            reference_chosen_sum,
+            reference_rejected_sum,
+            desirable,
+            kl,
+        )
     chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
     plain = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
     lengths, n = [policy_chosen_len, policy_rejected_len] * 2, len(policy_chosen_sum)
     wpo = wpo_weights(*plain[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2]) if hparams.get("wpo") else None
     modified, ld_alpha = plain, hparams.get("ld_alpha", 1.0)
     if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
-        ld = [length_desensitized_logps(tokens, scored, ld_alpha) for tokens in (policy_tokens, reference_tokens)
-              if tokens is not None]  # reference_tokens is None when reference_free: its sums stay 0
+        ld = [
+            length_desensitized_logps(tokens, scored, ld_alpha)
+            for tokens in (policy_tokens, reference_tokens)
+            if tokens is not None
+        ]  # reference_tokens is None when reference_free: its sums stay 0
         modified = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else plain[2:])]
-    total, (chosen_rewards, rejected_rewards) = _paired_losses(names, specs, weights, hparams, plain, modified, lengths,
-                                                               chosen_nll, wpo, beta_batch)
+    total, (chosen_rewards, rejected_rewards) = _paired_losses(
+        names, specs, weights, hparams, plain, modified, lengths, chosen_nll, wpo, beta_batch
+    )
     if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
         total = total * keep * (len(keep) / keep.sum())
 
@@ -513,14 +642,29 @@ def compute_loss(names: str | list[str], weights: list[float] | None, hparams, p
     if wpo is not None:
         metrics["wpo/weights"] = wpo
     if chosen_rewards is not None:
-        metrics.update({"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
-                        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-                        "rewards/margins": chosen_rewards - rejected_rewards})
+        metrics.update(
+            {
+                "rewards/chosen": chosen_rewards,
+                "rewards/rejected": rejected_rewards,
+                "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+                "rewards/margins": chosen_rewards - rejected_rewards,
+            }
+        )
     return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
 
 
-def _paired_losses(names, specs, weights, hparams, plain: list, modified: list, lengths: list, chosen_nll: Tensor,
-                   wpo: Tensor | None, beta_batch: float | None) -> tuple[Tensor, tuple]:
+def _paired_losses(
+    names,
+    specs,
+    weights,
+    hparams,
+    plain: list,
+    modified: list,
+    lengths: list,
+    chosen_nll: Tensor,
+    wpo: Tensor | None,
+    beta_batch: float | None,
+) -> tuple[Tensor, tuple]:
     """The weighted sum of the paired losses and the first one's rewards. LD-DPO's sums and DPOP's penalty reach the
     losses that compare with a reference (sft and ORPO's odds keep the plain log-probs: rpo = [dpo, sft] still);
     beta-DPO's beta_batch replaces loss.beta. The logged rewards keep their meaning: no DPOP penalty, the configured
@@ -542,8 +686,19 @@ def _paired_losses(names, specs, weights, hparams, plain: list, modified: list, 
     return total, rewards
 
 
-def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len, policy_rejected_sum,
-                   policy_rejected_len, reference_chosen_sum, reference_rejected_sum, desirable, kl) -> LossOutput:
+def _unpaired_loss(
+    names,
+    weights,
+    hparams,
+    policy_chosen_sum,
+    policy_chosen_len,
+    policy_rejected_sum,
+    policy_rejected_len,
+    reference_chosen_sum,
+    reference_rejected_sum,
+    desirable,
+    kl,
+) -> LossOutput:
     """compute_loss for a loss on labelled completions (KTO), checks done.
 
     Unpaired batch: policy_chosen_* are the completions (n,), `desirable` (n,) bool their labels. Paired batch (eval
@@ -564,9 +719,13 @@ def _unpaired_loss(names, weights, hparams, policy_chosen_sum, policy_chosen_len
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
     average = average_log_prob(spec, hparams)
-    losses, rewards = spec.fn(sequence_logps(policy_sum, lengths, average),
-                              sequence_logps(reference_sum, lengths, average), desirable, kl,
-                              **_kwargs_for(name, spec.fn, hparams, None))
+    losses, rewards = spec.fn(
+        sequence_logps(policy_sum, lengths, average),
+        sequence_logps(reference_sum, lengths, average),
+        desirable,
+        kl,
+        **_kwargs_for(name, spec.fn, hparams, None),
+    )
     total, desirable = weights[0] * losses, desirable.bool()
     nan, logps = torch.full_like(rewards, float("nan")), policy_sum.detach()
     metrics = {

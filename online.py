@@ -251,7 +251,11 @@ def reward_model(path: str, c, device):
     remote = c.model.trust_remote_code  # the policy's setting: off unless asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, truncation_side="left", trust_remote_code=remote)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote).to(device).eval()
+    model = (
+        transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
+        .to(device)
+        .eval()
+    )
     model.config.pad_token_id = tokenizer.pad_token_id  # it scores the last token before the padding
     options = dict(return_tensors="pt", padding=True, truncation=True, max_length=c.max_length)
     chat = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)  # a chat prompt: its template

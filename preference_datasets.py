@@ -18,6 +18,7 @@ Departures from the original DPO code:
  10. Prompts that end by cueing the reply (hh, chat, local "...\\n\\nAssistant:" rows) are cut keep_end by default.
  11. Each epoch drops its incomplete last global batch; n_examples runs ceil(n_examples / batch_size) steps.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -61,6 +62,7 @@ class DataError(ValueError):
 @dataclass
 class PromptResponses:
     """One prompt, its distinct responses and their preferences: pairs (i, j), responses[i] over responses[j]."""
+
     prompt: str
     responses: list[str] = field(default_factory=list)
     pairs: list[tuple[int, int]] = field(default_factory=list)
@@ -85,7 +87,7 @@ def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     for n, row in enumerate(rows, 1):
         cut = row["chosen"].rfind(HH_MARKER, 0, len(os.path.commonprefix([row["chosen"], row["rejected"]])))
         prompt = row["chosen"][: cut + len(HH_MARKER)]
-        responses = row["chosen"][len(prompt):], row["rejected"][len(prompt):]
+        responses = row["chosen"][len(prompt) :], row["rejected"][len(prompt) :]
         if cut == -1 or any("\n\nHuman:" in r for r in responses):  # the histories differ
             dropped["hh_prompt_mismatch"] += 1
         else:
@@ -139,19 +141,23 @@ def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
 def render_chat(tokenizer: Any, history: list[dict], reply: dict) -> tuple[str, str]:
     """(history, reply) -> (prompt ending in the generation prompt, response) by the chat template, less its EOS."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"chat-form rows need a chat template; tokenizer {getattr(tokenizer, 'name_or_path', None)!r} "
-                        "has none (set model.chat_template=chatml or a Jinja template file, or write plain strings)")
+        raise DataError(
+            f"chat-form rows need a chat template; tokenizer {getattr(tokenizer, 'name_or_path', None)!r} "
+            "has none (set model.chat_template=chatml or a Jinja template file, or write plain strings)"
+        )
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(history + [reply], tokenize=False)
     if not full.startswith(prompt):
-        raise DataError("the chat template does not render the prompt as a prefix of prompt+reply, so the reply cannot "
-                        f"be separated (prompt ends {prompt[-80:]!r}, conversation {full[len(prompt) - 80:][:120]!r})")
-    response, eos = full[len(prompt):], tokenizer.eos_token
+        raise DataError(
+            "the chat template does not render the prompt as a prefix of prompt+reply, so the reply cannot "
+            f"be separated (prompt ends {prompt[-80:]!r}, conversation {full[len(prompt) - 80 :][:120]!r})"
+        )
+    response, eos = full[len(prompt) :], tokenizer.eos_token
     return prompt, response.rstrip()[: -len(eos)] if eos and response.rstrip().endswith(eos) else response
 
 
 def reply_messages(prompt: list[dict], messages: list[dict]) -> list[dict]:  # the reply, if the prompt comes first
-    return messages[len(prompt):] if messages[: len(prompt)] == prompt else messages
+    return messages[len(prompt) :] if messages[: len(prompt)] == prompt else messages
 
 
 def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
@@ -162,8 +168,12 @@ def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
             continue
         target, chat = "sft_target" if "sft_target" in row else "chosen", not isinstance(row["prompt"], str)
         names = ("completion",) if "completion" in row else ("chosen", "rejected", target)
-        rendered = [render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[n])[0]) if chat
-                    else (row["prompt"], row[n]) for n in names]
+        rendered = [
+            render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[n])[0])
+            if chat
+            else (row["prompt"], row[n])
+            for n in names
+        ]
         prompt, replies = rendered[0][0], [response for _, response in rendered]
         entry = data.setdefault(prompt, PromptResponses(prompt, chat=chat))
         if "completion" in row:  # a completion rated twice counts twice
@@ -189,18 +199,26 @@ def convert_ultrafeedback(rows: Iterable[dict], tokenizer: Any = None) -> Conver
 def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | None = None, held_out: float = 0):
     """datasets.load_dataset(hub_id, split), `splits` naming the hub's, with advice when it fails; held_out: 'test'."""
     import datasets  # only hub sources need it, and it is slow to import
+
     hub_split = "train" if held_out else (splits or {}).get(split, split)
     try:
         dataset = datasets.load_dataset(hub_id, split=hub_split, cache_dir=cache_dir)
     except Exception as e:  # the library raises ConnectionError, FileNotFoundError, ValueError, ... by case
-        offline = any(os.getenv(v, "").lower() in ("1", "true", "yes", "on")
-                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-        raise DataError(f"dataset {hub_id!r} (split {hub_split!r}) " + ("is not available offline (HF_HUB_OFFLINE or "
-                        "HF_DATASETS_OFFLINE is set), not in" if offline else "could not be loaded from the Hub into")
-                        + f" {cache_dir or 'the default cache'}. Pass datasets=[path/to/file.jsonl] (its rows, as"
-                        f" examples/pairs.jsonl), or pre-populate the cache: run datasets.load_dataset({hub_id!r},"
-                        f" split={hub_split!r}, cache_dir={cache_dir!r}) where there is network, and copy the cache."
-                        f"\n({type(e).__name__}: {e})") from e
+        offline = any(
+            os.getenv(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        )
+        raise DataError(
+            f"dataset {hub_id!r} (split {hub_split!r}) "
+            + (
+                "is not available offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set), not in"
+                if offline
+                else "could not be loaded from the Hub into"
+            )
+            + f" {cache_dir or 'the default cache'}. Pass datasets=[path/to/file.jsonl] (its rows, as"
+            f" examples/pairs.jsonl), or pre-populate the cache: run datasets.load_dataset({hub_id!r},"
+            f" split={hub_split!r}, cache_dir={cache_dir!r}) where there is network, and copy the cache."
+            f"\n({type(e).__name__}: {e})"
+        ) from e
     if held_out:  # only a train split (SE): as the original, shuffled with seed 42, its first `held_out` is 'test'
         dataset, n_test = dataset.shuffle(seed=42), int(len(dataset) * held_out)
         dataset = dataset.select(range(n_test) if split == "test" else range(n_test, len(dataset)))
@@ -211,6 +229,7 @@ def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | Non
 @dataclass(frozen=True)
 class Source:
     """Where rows come from, what they must hold and how they convert: a named source, or a local file's shape."""
+
     convert: Callable[[Iterable[dict], Any], Converted]
     truncation_mode: str | None = None  # keep_end when prompts cue the reply (departure 10); None: as the first one
     fetch: Callable[[str, str | None], Any] | None = None  # (split, cache_dir) -> the rows of a hub source
@@ -224,12 +243,22 @@ class Source:
 SOURCES: dict[str, Source] = {
     "hh": Source(convert_hh, "keep_end", fetch=partial(fetch_hub, "Anthropic/hh-rlhf")),
     "shp": Source(convert_shp, "keep_start", fetch=partial(fetch_hub, "stanfordnlp/SHP")),  # as the original
-    "se": Source(convert_se, "keep_start", fetch=partial(fetch_hub, "HuggingFaceH4/stack-exchange-preferences",
-                                                         held_out=0.01)),
-    "ultrafeedback": Source(convert_ultrafeedback, "keep_end", fetch=partial(
-        fetch_hub, "HuggingFaceH4/ultrafeedback_binarized", splits={"train": "train_prefs", "test": "test_prefs"})),
-    "toy": Source(convert_rows, "keep_start", path="toy/data/{split}.jsonl",  # the rule: toy/make_toy.py's follows_rule
-                  sample_rule=lambda text: bool(az := re.sub(r"[^A-Za-z]", "", text)) and az == az.lower()),
+    "se": Source(
+        convert_se, "keep_start", fetch=partial(fetch_hub, "HuggingFaceH4/stack-exchange-preferences", held_out=0.01)
+    ),
+    "ultrafeedback": Source(
+        convert_ultrafeedback,
+        "keep_end",
+        fetch=partial(
+            fetch_hub, "HuggingFaceH4/ultrafeedback_binarized", splits={"train": "train_prefs", "test": "test_prefs"}
+        ),
+    ),
+    "toy": Source(
+        convert_rows,
+        "keep_start",
+        path="toy/data/{split}.jsonl",  # the rule: toy/make_toy.py's follows_rule
+        sample_rule=lambda text: bool(az := re.sub(r"[^A-Za-z]", "", text)) and az == az.lower(),
+    ),
     "kto_mix": Source(convert_rows, "keep_end", fetch=partial(fetch_hub, "trl-lib/kto-mix-14k"), unpaired=True),
 }
 TEXT, NUMBER = (str, list), (int, float)  # TEXT: a string, or a list of {role, content} messages
@@ -237,14 +266,27 @@ TYPE_NAMES = {str: "a string", list: "a list of {role, content} messages", bool:
 MESSAGE_FIELDS = dict(role=(str,), content=(str,))
 SHP_FIELDS = dict(history=(str,), human_ref_A=(str,), human_ref_B=(str,), labels=(int,), score_A=NUMBER, score_B=NUMBER)
 SHAPES = {  # named in messages; a file's first row takes the first that matches ("pair", last, matches every row)
-    "unpaired": Source(convert_rows, unpaired=True, matches=lambda r: "completion" in r and "label" in r,
-                       fields=dict(prompt=TEXT, completion=TEXT, label=(bool,))),
+    "unpaired": Source(
+        convert_rows,
+        unpaired=True,
+        matches=lambda r: "completion" in r and "label" in r,
+        fields=dict(prompt=TEXT, completion=TEXT, label=(bool,)),
+    ),
     "SHP": Source(convert_shp, "keep_start", matches=lambda r: all(k in r for k in SHP_FIELDS), fields=SHP_FIELDS),
-    "Anthropic HH": Source(convert_hh, "keep_end", fields=dict(chosen=(str,), rejected=(str,)), matches=lambda r:
-                           "prompt" not in r and isinstance(r.get("chosen"), str) and HH_MARKER in r["chosen"]),
-    "UltraFeedback": Source(convert_ultrafeedback, "keep_end", fields=dict(chosen=(list,), rejected=(list,)),
-                            matches=lambda r: not isinstance(r.get("prompt"), list)
-                            and isinstance(r.get("chosen"), list) and len(r["chosen"]) >= 2),
+    "Anthropic HH": Source(
+        convert_hh,
+        "keep_end",
+        fields=dict(chosen=(str,), rejected=(str,)),
+        matches=lambda r: "prompt" not in r and isinstance(r.get("chosen"), str) and HH_MARKER in r["chosen"],
+    ),
+    "UltraFeedback": Source(
+        convert_ultrafeedback,
+        "keep_end",
+        fields=dict(chosen=(list,), rejected=(list,)),
+        matches=lambda r: (
+            not isinstance(r.get("prompt"), list) and isinstance(r.get("chosen"), list) and len(r["chosen"]) >= 2
+        ),
+    ),
     "pair": Source(convert_rows, fields=dict(prompt=TEXT, chosen=TEXT, rejected=TEXT)),
 }
 
@@ -261,8 +303,10 @@ def resolve_source(name: str, split: str) -> tuple[Source | None, Path | None]:
         why = f"no such file ({what})" if path.suffix in (".jsonl", ".json") else f"{what}, got a '{path.suffix}' file"
         raise DataError(f"{path}: {why}")
     guess = difflib.get_close_matches(name, list(SOURCES), 1, cutoff=0.5)
-    raise DataError(f"unknown dataset '{name}': expected one of {', '.join(SOURCES)} or a path to a .jsonl/.json "
-                    "file" + (f"; did you mean '{guess[0]}'?" if guess else ""))
+    raise DataError(
+        f"unknown dataset '{name}': expected one of {', '.join(SOURCES)} or a path to a .jsonl/.json "
+        "file" + (f"; did you mean '{guess[0]}'?" if guess else "")
+    )
 
 
 def sample_rule(names: list[str]) -> Callable[[str], bool] | None:
@@ -282,10 +326,14 @@ def _check_fields(obj: Any, where: str, fields: dict[str, tuple], kind: str) -> 
         raise DataError(f"{where}: expected a JSON object with fields {', '.join(fields)}, got {_describe(obj)}")
     for name, types in fields.items():
         if name not in obj:
-            typo = "".join(f"; '{k}' looks like a misspelling of '{name}'"
-                           for k in difflib.get_close_matches(name, [k for k in obj if k not in fields], 1))
-            raise DataError(f"{where}: missing field '{name}' (expected the {kind} fields {', '.join(fields)}; found "
-                            f"{', '.join(map(repr, obj)) or 'none'}){typo}")
+            typo = "".join(
+                f"; '{k}' looks like a misspelling of '{name}'"
+                for k in difflib.get_close_matches(name, [k for k in obj if k not in fields], 1)
+            )
+            raise DataError(
+                f"{where}: missing field '{name}' (expected the {kind} fields {', '.join(fields)}; found "
+                f"{', '.join(map(repr, obj)) or 'none'}){typo}"
+            )
         if not isinstance(obj[name], types) or isinstance(obj[name], bool) and bool not in types:
             expected = " or ".join(dict.fromkeys(TYPE_NAMES[int if t is float else t] for t in types))
             raise DataError(f"{where}: field '{name}': expected {expected}, got {_describe(obj[name])}")
@@ -305,50 +353,67 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
         raise DataError(f"{where}: field 'labels': expected 0 or 1 (1 = human_ref_A preferred), got {row['labels']}")
     if len({type(row[name]) for name in fields if fields[name] is TEXT}) > 1:
         shown = ", ".join(f"{name}={_describe(row[name], short=True)}" for name in fields if fields[name] is TEXT)
-        raise DataError(f"{where}: fields {'/'.join(n for n in fields if fields[n] is TEXT)} mix strings and message "
-                        f"lists ({shown}); expected all strings or all lists of {{role, content}} messages")
+        raise DataError(
+            f"{where}: fields {'/'.join(n for n in fields if fields[n] is TEXT)} mix strings and message "
+            f"lists ({shown}); expected all strings or all lists of {{role, content}} messages"
+        )
     lists = [name for name in fields if isinstance(row[name], list)]  # every text field, or UltraFeedback's two
     for name, (k, message) in ((name, m) for name in lists for m in enumerate(row[name])):
         _check_fields(message, at := f"{where}: field '{name}' message {k}", MESSAGE_FIELDS, "message")
         if (role := message["role"]) not in CHAT_ROLES:
             guess = ROLE_HINTS.get(role.lower()) or next(iter(difflib.get_close_matches(role, CHAT_ROLES, 1)), None)
-            raise DataError(f"{at}: unknown role '{role}' (expected one of {', '.join(CHAT_ROLES)})"
-                            + (f"; did you mean '{guess}'?" if guess else ""))
+            raise DataError(
+                f"{at}: unknown role '{role}' (expected one of {', '.join(CHAT_ROLES)})"
+                + (f"; did you mean '{guess}'?" if guess else "")
+            )
     if (prompt := row["prompt"] if lists[:1] == ["prompt"] else None) == []:
         raise DataError(f"{where}: field 'prompt': empty list; expected at least one {{role, content}} message")
     for name in lists[1:] if prompt else lists:
         reply = reply_messages(prompt, row[name]) if prompt else row[name]
         if prompt and len(reply) != 1:
-            raise DataError(f"{where}: field '{name}': expected one assistant message (after the prompt's, if "
-                            f"repeated), got {len(reply)} messages")
+            raise DataError(
+                f"{where}: field '{name}': expected one assistant message (after the prompt's, if "
+                f"repeated), got {len(reply)} messages"
+            )
         if not reply or reply[-1]["role"] != "assistant":
-            raise DataError(f"{where}: field '{name}': the last message must be the assistant's reply (role "
-                            "'assistant'), got " + (f"role '{reply[-1]['role']}'" if reply else "no messages"))
+            raise DataError(
+                f"{where}: field '{name}': the last message must be the assistant's reply (role "
+                "'assistant'), got " + (f"role '{reply[-1]['role']}'" if reply else "no messages")
+            )
 
 
 def read_rows(path: Path) -> list[dict]:
     """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file (resolve_source's), checked
     for its shape."""
+
     def parse(text: str, line: int, expected: str) -> Any:  # json.loads refusing duplicate fields; errors name the line
         def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
             for key in (key for key, n in Counter(k for k, _ in pairs).items() if n > 1):
                 raise DataError(f"{path}, line {line + 1}: duplicate field '{key}' in one object")
             return dict(pairs)
+
         try:
             return json.loads(text, object_pairs_hook=no_duplicates)
         except json.JSONDecodeError as e:
             at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at" has its own
-            raise DataError(f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); "
-                            f"expected {expected}") from e
+            raise DataError(
+                f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); expected {expected}"
+            ) from e
+
     path, what = Path(path), "{prompt, chosen, rejected} rows"
     try:
         text = (data := path.read_bytes()).decode("utf-8-sig")  # -sig: tolerate the byte-order mark editors write
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}, line {data[: e.start].count(10) + 1}: not valid UTF-8 (byte {data[e.start]:#04x} at "
-                        f"offset {e.start}); expected a UTF-8 text file") from e
+        raise DataError(
+            f"{path}, line {data[: e.start].count(10) + 1}: not valid UTF-8 (byte {data[e.start]:#04x} at "
+            f"offset {e.start}); expected a UTF-8 text file"
+        ) from e
     if path.suffix == ".jsonl":
-        located = [(parse(chunk, n - 1, "one JSON object per line"), f"{path}, line {n}")
-                   for n, chunk in enumerate(text.split("\n"), 1) if chunk.strip()]
+        located = [
+            (parse(chunk, n - 1, "one JSON object per line"), f"{path}, line {n}")
+            for n, chunk in enumerate(text.split("\n"), 1)
+            if chunk.strip()
+        ]
     elif not isinstance(rows := parse(text, 0, f"a JSON list of {what[:-5]} objects") if text.strip() else [], list):
         raise DataError(f"{path}: expected a JSON list of {what[:-5]} objects, got {_describe(rows, short=True)}")
     else:
@@ -359,16 +424,20 @@ def read_rows(path: Path) -> list[dict]:
     for row, where in located:
         if shape != "pair" and detect_shape(row) != shape:
             got = "fields " + ", ".join(map(repr, row)) if isinstance(row, dict) else _describe(row)
-            raise DataError(f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
-                            f"shape; this row does not (got {got})")
+            raise DataError(
+                f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
+                f"shape; this row does not (got {got})"
+            )
         check_row(row, where, shape)
     if SHAPES[shape].fields.get("prompt") is TEXT:  # strings are used verbatim, messages through the chat template
         # {is a chat row: 'line N' of the first such row} (reversed: the first row of a kind is written last)
         first = {isinstance(row["prompt"], list): where.rpartition(", ")[2] for row, where in reversed(located)}
         if len(first) == 2:  # a warning, not an error: every row is valid, and a mixed file may be meant
-            warnings.warn(f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
-                          f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
-                          "meant put each in a file of its own (datasets=[a,b])")
+            warnings.warn(
+                f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
+                f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
+                "meant put each in a file of its own (datasets=[a,b])"
+            )
     return [row for row, _ in located]
 
 
@@ -389,6 +458,7 @@ def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test
 @dataclass(frozen=True)
 class LoadOptions:
     """What the tokenized examples depend on besides the source and the tokenizer (all of it in the cache key)."""
+
     max_length: int = 512  # prompt + response tokens of one sequence
     max_prompt_length: int = 256  # a prompt is cut to this only when prompt + longest response exceed max_length
     sft_mode: bool = False  # one example per SFT target instead of per pair
@@ -400,6 +470,7 @@ class LoadOptions:
 
 class TokenizedExample(NamedTuple):
     """One pair (SFT: a target; unpaired: a completion in chosen_*, labelled `desirable`); texts untruncated."""
+
     prompt: str
     chosen: str
     rejected: str | None  # None in SFT and unpaired modes
@@ -410,13 +481,18 @@ class TokenizedExample(NamedTuple):
 
 
 # The Arrow columns of a tokenized split, one per TokenizedExample field (int32 ids: half int64's bytes)
-SCHEMA = pa.schema([(name, pa.list_(pa.int32()) if name.endswith("_ids") else pa.bool_() if name == "desirable"
-                     else pa.string()) for name in TokenizedExample._fields])
+SCHEMA = pa.schema(
+    [
+        (name, pa.list_(pa.int32()) if name.endswith("_ids") else pa.bool_() if name == "desirable" else pa.string())
+        for name in TokenizedExample._fields
+    ]
+)
 
 
 @dataclass
 class SourceStats:
     """What loading one source did; dataset_summary() prints every number."""
+
     source: str
     split: str
     unit: str = "pairs"  # 'pairs', 'sft_targets' or 'completions'
@@ -439,6 +515,7 @@ class SourceStats:
 class Split:
     """One split's tokenized examples as Arrow columns (memory-mapped from the cache: the ranks of a node share one
     copy), with a SourceStats and a cache key per source. Loaded once per rank and handed on; a batch reads its rows."""
+
     table: pa.Table
     stats: list[SourceStats]
     keys: dict[str, str]  # {source: cache key}: the run manifest's fingerprints
@@ -461,14 +538,24 @@ def tokenizer_adds_bos(tokenizer: Any) -> bool:
     return tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
 
 
-def truncate(prompt_ids: list[int], responses: list[list[int]], *, max_length: int, max_prompt_length: int,
-             mode: str, bos_id: int | None = None) -> tuple[list[int], list[list[int]]]:
+def truncate(
+    prompt_ids: list[int],
+    responses: list[list[int]],
+    *,
+    max_length: int,
+    max_prompt_length: int,
+    mode: str,
+    bos_id: int | None = None,
+) -> tuple[list[int], list[list[int]]]:
     """As the original: if prompt + the longest response exceed max_length, cut the prompt to max_prompt_length,
     keep_start or keep_end (a leading BOS kept); then cut every response to the room left (departure 7)."""
     if len(prompt_ids) + max(map(len, responses)) > max_length and len(prompt_ids) > max_prompt_length:
         head = prompt_ids[:1] if mode == "keep_end" and bos_id is not None and prompt_ids[:1] == [bos_id] else []
-        prompt_ids = (prompt_ids[:max_prompt_length] if mode == "keep_start"
-                      else head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)):])
+        prompt_ids = (
+            prompt_ids[:max_prompt_length]
+            if mode == "keep_start"
+            else head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
+        )
     return prompt_ids, [r[: max_length - len(prompt_ids)] for r in responses]
 
 
@@ -492,8 +579,9 @@ def _jobs(entries: list[PromptResponses], opts: LoadOptions, no_signal: dict) ->
                 yield entry, entry.responses[i], entry.responses[j], None, row
 
 
-def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats,
-                        file: Path | None = None) -> Split:
+def tokenize_normalized(
+    data: dict[str, PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats, file: Path | None = None
+) -> Split:
     """[BOS] + ids(prompt), ids(response) + [EOS], truncated, into Arrow columns written to `file` chunk by chunk (or
     kept in memory); `stats` (source, split, origin, the converter's drops) completed. Dropped, counted: empty_response;
     unless drop_identical_pairs=False, the pairs without signal (listed in no_signal with their first rows either way):
@@ -505,7 +593,7 @@ def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: 
     writer = pa.ipc.new_file(str(file), SCHEMA) if file else None
     ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
     for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs, ids = list(_jobs(entries[start:start + ENCODE_CHUNK], opts, no_signal)), {}
+        jobs, ids = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal)), {}
         for chat in (False, True):  # special-token text is parsed as such only in chat-template output (departure 5)
             if texts := [*dict.fromkeys(t for e, *two, _, _ in jobs if e.chat == chat for t in (e.prompt, *two) if t)]:
                 encoded = tokenizer(texts, split_special_tokens=not chat, **ids_only)
@@ -515,8 +603,9 @@ def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: 
             prompt_ids = ids.get((entry.prompt, entry.chat), [])
             prompt_ids = [bos] + prompt_ids if add_bos and prompt_ids[:1] != [bos] else prompt_ids  # once (departure 4)
             bodies = [ids.get((t, entry.chat), []) for t in (chosen, rejected) if t is not None]
-            cut, responses = truncate(prompt_ids, [b + [eos] for b in bodies], mode=opts.truncation_mode, bos_id=bos,
-                                      **limits)
+            cut, responses = truncate(
+                prompt_ids, [b + [eos] for b in bodies], mode=opts.truncation_mode, bos_id=bos, **limits
+            )
             if not all(bodies) or not all(responses):  # nothing to learn (config.py leaves room for >= 1 token)
                 drops["empty_response"] += 1
                 continue
@@ -534,8 +623,9 @@ def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: 
                 columns[name].append(value)
         batch = pa.record_batch(columns, schema=SCHEMA)
         writer.write_batch(batch) if writer else batches.append(batch)
-        lengths.append([[len(ids or ()) for ids in columns[side]] for side in ("prompt_ids", "chosen_ids",
-                                                                               "rejected_ids")])
+        lengths.append(
+            [[len(ids or ()) for ids in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")]
+        )
     if writer:
         writer.close()
     # memory-mapped: a page is read when used, and the processes that map the file share it
@@ -543,7 +633,7 @@ def tokenize_normalized(data: dict[str, PromptResponses], tokenizer: Any, opts: 
     drops.update({reason: len(rows) for reason, rows in no_signal.items()} if opts.drop_identical_pairs else {})
     prompt, chosen, rejected = lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
     paired, tokens = len(table) > 0 and table["rejected"].null_count == 0, {}
-    for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected[:len(rejected) * paired]])):
+    for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected[: len(rejected) * paired]])):
         tokens[f"{kind}_tokens_mean"] = round(float(x.mean()) if len(x) else 0.0, 1)
         tokens[f"{kind}_tokens_max"] = int(x.max(initial=0))
     if paired:  # length bias: chosen responses longer than rejected ones teach length along with the preference
@@ -561,8 +651,10 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Hash of what could change token ids: the serialized tokenizer, special tokens, chat template, BOS rule."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     state = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return _sha256([type(tokenizer).__name__, state, str(getattr(tokenizer, "chat_template", None)), tokenizer_adds_bos(
-        tokenizer)] + [str(getattr(tokenizer, k, None)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")])
+    return _sha256(
+        [type(tokenizer).__name__, state, str(getattr(tokenizer, "chat_template", None)), tokenizer_adds_bos(tokenizer)]
+        + [str(getattr(tokenizer, k, None)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")]
+    )
 
 
 def _sha256(value: Any) -> str:
@@ -586,21 +678,29 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
         shape = None if source else detect_shape(records[0])  # a local file's shape, picked by its first row
         src = source or SHAPES[shape]
         if src.unpaired != opts.unpaired and not (opts.unpaired and opts.pairs_to_unpaired):
-            raise DataError(f"{path or f'dataset {name!r}'}: " + (
-                "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), this "
-                "one needs pairs" if src.unpaired else "holds pairs, but loss kto needs {prompt, completion, label} "
-                "rows; set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"))
+            raise DataError(
+                f"{path or f'dataset {name!r}'}: "
+                + (
+                    "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), this "
+                    "one needs pairs"
+                    if src.unpaired
+                    else "holds pairs, but loss kto needs {prompt, completion, label} "
+                    "rows; set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
+                )
+            )
         prompt = records[0].get("prompt") if src.truncation_mode is None else None  # a local file's first prompt:
         cues = isinstance(prompt, list) or str(prompt).endswith(HH_MARKER)  # does it cue the reply? (departure 10)
         mode = opts.truncation_mode or src.truncation_mode or ("keep_end" if cues else "keep_start")
         data, dropped = src.convert(records, tokenizer)
         where = SourceStats(name, split, origin=origin + f" ({shape})" * bool(shape), dropped=dropped)
         return tokenize_normalized(data, tokenizer, replace(opts, truncation_mode=mode), where, file)
+
     return key, build
 
 
-def load_tokenized(names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None,
-                   tokenizer_fp: str = "", **options) -> tuple[Split, list[SourceStats]]:
+def load_tokenized(
+    names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None, tokenizer_fp: str = "", **options
+) -> tuple[Split, list[SourceStats]]:
     """Every source tokenized (cached in cache_dir), concatenated: (the split, one SourceStats per source: printed by
     dataset_summary)."""
     opts, parts, keys = LoadOptions(**options), [], {}
@@ -610,8 +710,12 @@ def load_tokenized(names: list[str], tokenizer: Any, split: str, *, cache_dir: s
     for name in names:
         keys[name], build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
         parts.append(_cached(Path(cache_dir), f"{name}-{split}", keys[name], build) if cache_dir else build(None))
-    loaded = Split(pa.concat_tables([part.table for part in parts]), [s for part in parts for s in part.stats], keys,
-                   np.concatenate([part.lengths for part in parts], axis=1))
+    loaded = Split(
+        pa.concat_tables([part.table for part in parts]),
+        [s for part in parts for s in part.stats],
+        keys,
+        np.concatenate([part.lengths for part in parts], axis=1),
+    )
     return loaded, loaded.stats
 
 
@@ -623,8 +727,11 @@ def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]
     entry.parent.mkdir(parents=True, exist_ok=True)
 
     def record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
-        return [[(st := (folder / f).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns] for f in ("examples.arrow",
-                                                                                                "lengths.npy")]
+        return [
+            [(st := (folder / f).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns]
+            for f in ("examples.arrow", "lengths.npy")
+        ]
+
     # several ranks may start at once: the first builds the entry while the others wait, then all map it
     with FileLock(str(entry) + ".lock"):
         try:
@@ -663,18 +770,24 @@ def dataset_summary(stats: list[SourceStats]) -> str:
     lines = []
     for s in stats:
         labels = f" desirable={s.desirable} undesirable={s.undesirable}" if s.unit == "completions" else ""
-        lines += [f"[data] {s.source}/{s.split} ({s.origin})",
-                  f"       {s.unit}_kept={s.kept} prompts={s.prompts}{labels} dropped: "
-                  + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none"),
-                  f"       prompts_truncated={s.prompts_truncated} responses_truncated={s.responses_truncated} "
-                  f"truncation_mode={s.truncation_mode}",
-                  "       " + " ".join(f"{k}={v}" for k, v in s.tokens.items()), f"       cache: {s.cache}"]
+        lines += [
+            f"[data] {s.source}/{s.split} ({s.origin})",
+            f"       {s.unit}_kept={s.kept} prompts={s.prompts}{labels} dropped: "
+            + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none"),
+            f"       prompts_truncated={s.prompts_truncated} responses_truncated={s.responses_truncated} "
+            f"truncation_mode={s.truncation_mode}",
+            "       " + " ".join(f"{k}={v}" for k, v in s.tokens.items()),
+            f"       cache: {s.cache}",
+        ]
         found = ", ".join(f"{k}={n} (first rows {rows})" for k, (n, rows) in s.no_signal.items())  # 1-based rows
         fate = "dropped" if set(s.no_signal) & set(s.dropped) else "kept (drop_identical_pairs=false)"
         lines += [f"       no signal (chosen == rejected): {f'{found}: {fate}' if found else 'none'}"] * bool(
-            s.unit == "pairs" or found)
-        lines += [f"       warning: reply_cues_cut={s.reply_cues_cut}: keep_start cut prompts' cue to reply ('\\n\\n"
-                  "Assistant:' or the generation prompt): set truncation_mode=keep_end"] * bool(s.reply_cues_cut)
+            s.unit == "pairs" or found
+        )
+        lines += [
+            f"       warning: reply_cues_cut={s.reply_cues_cut}: keep_start cut prompts' cue to reply ('\\n\\n"
+            "Assistant:' or the generation prompt): set truncation_mode=keep_end"
+        ] * bool(s.reply_cues_cut)
     return "\n".join(lines)
 
 
@@ -687,9 +800,19 @@ def num_steps(n_items: int, *, batch_size: int, n_epochs: int | None = None, n_e
     return min(bounds + ([-(-n_examples // batch_size)] if n_examples is not None else []))
 
 
-def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-                       n_epochs: int | None = None, n_examples: int | None = None, rank: int = 0, world_size: int = 1,
-                       start_example: int = 0, sizes: list[int] | None = None) -> Iterator[list[int]]:
+def iter_batch_indices(
+    n_items: int,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    n_epochs: int | None = None,
+    n_examples: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    start_example: int = 0,
+    sizes: list[int] | None = None,
+) -> Iterator[list[int]]:
     """This rank's item indices per global step: step s is batch s % S of epoch s // S (S = n_items // batch_size)
     in a permutation seeded by (seed, epoch); rank r takes its slice, or with `sizes` its balance_shares share."""
     total, first = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples), start_example
@@ -700,9 +823,13 @@ def iter_batch_indices(n_items: int, *, batch_size: int, shuffle: bool = True, s
             epoch, j = divmod(step, per_epoch)
             if j == 0 or step == first // batch_size:  # the order is a function of (seed, epoch): no state to resume
                 order = np.random.default_rng((seed, epoch)).permutation(n_items) if shuffle else np.arange(n_items)
-            items = order[j * batch_size:(j + 1) * batch_size].tolist()
-            yield (balance_shares(items, [sizes[i] for i in items], world_size)[rank] if sizes is not None
-                   else items[rank * k:(rank + 1) * k])
+            items = order[j * batch_size : (j + 1) * batch_size].tolist()
+            yield (
+                balance_shares(items, [sizes[i] for i in items], world_size)[rank]
+                if sizes is not None
+                else items[rank * k : (rank + 1) * k]
+            )
+
     return batches()
 
 
@@ -722,17 +849,25 @@ def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows:
     -100 off the response; `desirable` (B,) if unpaired; kl_rows: kl_*, KTO's MISMATCHED rows (as the paper, HALOs and
     TRL): completion k-1 (chosen, then rejected) after prompt k, cut to the longest real row."""
     pad_token_id = 0 if pad_token_id is None else pad_token_id  # a tokenizer without one: padding is masked anyway
+
     def pad(rows: list[np.ndarray], value: int, side: str = "right") -> torch.Tensor:
         return pad_sequence([torch.as_tensor(r, dtype=torch.long) for r in rows], True, value, padding_side=side)
 
     def rows(prompts: list[np.ndarray], responses: list[np.ndarray], prefix: str) -> dict:  # labels -100 on prompts
         sequences = [np.concatenate([p, r]) for p, r in zip(prompts, responses)]
         labels = [np.concatenate([np.full(len(p), -100), r]) for p, r in zip(prompts, responses)]
-        return {prefix + "input_ids": pad(sequences, pad_token_id), prefix + "labels": pad(labels, -100),
-                prefix + "attention_mask": pad([np.ones_like(s) for s in sequences], 0)}
+        return {
+            prefix + "input_ids": pad(sequences, pad_token_id),
+            prefix + "labels": pad(labels, -100),
+            prefix + "attention_mask": pad([np.ones_like(s) for s in sequences], 0),
+        }
+
     prompts = [e.prompt_ids for e in examples]
-    batch = {"prompt": [e.prompt for e in examples], "prompt_input_ids": pad(prompts, pad_token_id, "left"),
-             "prompt_attention_mask": pad([np.ones_like(p) for p in prompts], 0, "left")}
+    batch = {
+        "prompt": [e.prompt for e in examples],
+        "prompt_input_ids": pad(prompts, pad_token_id, "left"),
+        "prompt_attention_mask": pad([np.ones_like(p) for p in prompts], 0, "left"),
+    }
     sides = ("chosen",) if examples[0].rejected is None else ("chosen", "rejected")
     for side in sides:
         texts = [getattr(e, side) for e in examples]
@@ -743,13 +878,20 @@ def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows:
     if kl_rows:
         completions = [(e.prompt_ids, getattr(e, side + "_ids")) for side in sides for e in examples]
         cap = max(len(p) + len(r) for p, r in completions)  # never longer than a real sequence of the batch
-        shifted = [completions[k - 1][1][:cap - len(p)] for k, (p, _) in enumerate(completions)]
+        shifted = [completions[k - 1][1][: cap - len(p)] for k, (p, _) in enumerate(completions)]
         batch.update(rows([p for p, _ in completions], shifted, "kl_"))
     return batch
 
 
-def get_batch_iterator(split: Split, pad_token_id: int | None, *, balance: bool = False, kl_rows: bool = False,
-                       shared_prompt: bool = False, **order) -> Iterator[dict[str, Any]]:
+def get_batch_iterator(
+    split: Split,
+    pad_token_id: int | None,
+    *,
+    balance: bool = False,
+    kl_rows: bool = False,
+    shared_prompt: bool = False,
+    **order,
+) -> Iterator[dict[str, Any]]:
     """This rank's share of each global batch (iter_batch_indices: `order` its arguments batch_size, seed, n_epochs,
     n_examples, rank, world_size, start_example, shuffle), collated, with `example_index`; raises at once. `balance`
     deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
@@ -757,12 +899,22 @@ def get_batch_iterator(split: Split, pad_token_id: int | None, *, balance: bool 
     if balance:  # the tokens of the rows an example becomes: the prompt in each row, or once if shared
         prompt, chosen, rejected = split.lengths
         sizes = prompt * (1 if shared_prompt or not rejected.any() else 2) + chosen + rejected
-    return (dict(collate(split.rows(idx), pad_token_id, kl_rows), example_index=torch.as_tensor(idx))
-            for idx in iter_batch_indices(len(split), sizes=sizes, **order))  # called now: errors raise here
+    return (
+        dict(collate(split.rows(idx), pad_token_id, kl_rows), example_index=torch.as_tensor(idx))
+        for idx in iter_batch_indices(len(split), sizes=sizes, **order)
+    )  # called now: errors raise here
 
 
-def get_eval_batches(split: Split, pad_token_id: int | None, *, batch_size: int, n_examples: int, rank: int = 0,
-                     world_size: int = 1, kl_rows: bool = False) -> list[dict]:
+def get_eval_batches(
+    split: Split,
+    pad_token_id: int | None,
+    *,
+    batch_size: int,
+    n_examples: int,
+    rank: int = 0,
+    world_size: int = 1,
+    kl_rows: bool = False,
+) -> list[dict]:
     """This rank's shares of the first n_examples test pairs in global batches, the last filled with repeats marked
     `valid` False (B,): every rank runs the same forwards (FSDP), and the mean counts each pair once."""
     n, per_rank, batches = min(n_examples, len(split)), batch_size // world_size, []
@@ -774,8 +926,9 @@ def get_eval_batches(split: Split, pad_token_id: int | None, *, batch_size: int,
     return batches
 
 
-def get_sample_batches(split: Split, pad_token_id: int | None, *, n_examples: int, rank: int = 0,
-                       world_size: int = 1) -> list[tuple[int, dict]]:
+def get_sample_batches(
+    split: Split, pad_token_id: int | None, *, n_examples: int, rank: int = 0, world_size: int = 1
+) -> list[tuple[int, dict]]:
     """(group, batch): groups of SAMPLE_GROUP of the first n_examples distinct test prompts, round-robin over the
     ranks, each generated with its own seed (world-size independent); repeats that even out the ranks' counts have
     group -1."""
@@ -783,6 +936,6 @@ def get_sample_batches(split: Split, pad_token_id: int | None, *, n_examples: in
     for example in itertools.takewhile(lambda _: len(firsts) < n_examples, split):
         firsts.setdefault(example.prompt, example)  # a prompt with several pairs is sampled (and counted) once
     examples = list(firsts.values())
-    groups = [examples[start:start + SAMPLE_GROUP] for start in range(0, len(examples), SAMPLE_GROUP)]
-    mine = (list(range(len(groups)))[rank::world_size] + [-1] * world_size)[:-(-len(groups) // world_size)]
+    groups = [examples[start : start + SAMPLE_GROUP] for start in range(0, len(examples), SAMPLE_GROUP)]
+    mine = (list(range(len(groups)))[rank::world_size] + [-1] * world_size)[: -(-len(groups) // world_size)]
     return [(g, collate(groups[max(g, 0)], pad_token_id)) for g in mine]

@@ -6,6 +6,7 @@ first: other data refuses (exit 2, nothing loaded or written), other code warns.
 <run_dir>/config.yaml again into a new run directory and prints each logged metric's largest difference against
 <run_dir>/metrics.jsonl, over the steps both runs logged. (Not step-N/manifest.json: a checkpoint's file list.)
 """
+
 import hashlib
 import json
 import platform
@@ -35,30 +36,52 @@ class ManifestError(ValueError):
 
 def git_state() -> tuple[dict, str]:
     """({commit, dirty, diff_sha256, untracked}, diff text) of the repository this file lives in."""
-    git = lambda *args: subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+    git = lambda *args: (
+        subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+    )
     try:
         commit, diff = git("rev-parse", "HEAD").strip(), git("diff", "HEAD")
         untracked = git("ls-files", "--others", "--exclude-standard").split()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (a copied tree): say so, do not guess
         return {"commit": None, "dirty": None, "diff_sha256": None, "untracked": []}, ""
-    return {"commit": commit, "dirty": bool(diff or untracked), "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(),
-            "untracked": untracked}, diff
+    return {
+        "commit": commit,
+        "dirty": bool(diff or untracked),
+        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(),
+        "untracked": untracked,
+    }, diff
 
 
 def write(run_dir, cfg, splits: dict, world_size: int) -> None:
     """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
     code, diff = git_state()
-    device = ({"type": "cuda", "name": torch.cuda.get_device_name(0)} if torch.cuda.is_available()
-              else {"type": "cpu", "name": platform.processor() or platform.machine()})
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                **{name: version(name) for name in ("transformers", "datasets")}}
-    manifest = {"format": FORMAT, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "config": cfg.to_dict(), "code": code, "versions": versions, "device": device,
-                "world_size": world_size, "data": {split: loaded.keys for split, loaded in splits.items()},
-                "data_counts": {split: [dict(asdict(s), cache=None) for s in loaded.stats]  # kept, dropped, truncated
-                                for split, loaded in splits.items()}}
+    device = (
+        {"type": "cuda", "name": torch.cuda.get_device_name(0)}
+        if torch.cuda.is_available()
+        else {"type": "cpu", "name": platform.processor() or platform.machine()}
+    )
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **{name: version(name) for name in ("transformers", "datasets")},
+    }
+    manifest = {
+        "format": FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "code": code,
+        "versions": versions,
+        "device": device,
+        "world_size": world_size,
+        "data": {split: loaded.keys for split, loaded in splits.items()},
+        "data_counts": {
+            split: [dict(asdict(s), cache=None) for s in loaded.stats]  # kept, dropped, truncated
+            for split, loaded in splits.items()
+        },
+    }
     if cfg.online.rounds:  # semi-online DPO: what regenerates its rounds (sampling, seeds, prompts, scorer)
         import online
+
         manifest["online"] = online.record(cfg)
     if diff:
         utils.atomic_write_text(Path(run_dir) / DIFF, diff)
@@ -70,33 +93,55 @@ def check_against(recorded_dir, cfg, splits: dict, what: str) -> None:
     warn on stderr when the code differs. A run older than manifests is not checked."""
     path = Path(recorded_dir) / MANIFEST
     if not path.is_file():
-        print(f"warning: {path} does not exist (a run from before run manifests): data and code not checked", file=sys.stderr)
+        print(
+            f"warning: {path} does not exist (a run from before run manifests): data and code not checked",
+            file=sys.stderr,
+        )
         return
     try:
         recorded = json.loads(path.read_text())
         then, recorded_code = recorded["data"], recorded["code"]
     except (ValueError, KeyError) as e:
-        raise ManifestError(f"{path}: unreadable run manifest ({type(e).__name__}: {e}); expected the JSON that "
-                            "train.py writes at the start of a run") from None
+        raise ManifestError(
+            f"{path}: unreadable run manifest ({type(e).__name__}: {e}); expected the JSON that "
+            "train.py writes at the start of a run"
+        ) from None
     now = {split: loaded.keys for split, loaded in splits.items()}  # preference_datasets' cache keys
-    drift = [f"{split}/{name}: recorded {then.get(split, {}).get(name, 'absent')[:16]}, now {fp[:16]}"
-             for split, names in now.items() for name, fp in names.items() if then.get(split, {}).get(name) != fp]
-    drift += [f"{split}/{name}: recorded, now absent" for split, names in then.items() for name in names
-              if name not in now.get(split, {})]
+    drift = [
+        f"{split}/{name}: recorded {then.get(split, {}).get(name, 'absent')[:16]}, now {fp[:16]}"
+        for split, names in now.items()
+        for name, fp in names.items()
+        if then.get(split, {}).get(name) != fp
+    ]
+    drift += [
+        f"{split}/{name}: recorded, now absent"
+        for split, names in then.items()
+        for name in names
+        if name not in now.get(split, {})
+    ]
     if drift:
-        raise ManifestError(f"cannot {what}: the tokenized data differs from the data recorded in {path} (the "
-                            "fingerprint hashes the raw file, the tokenizer, the lengths and the truncation); nothing "
-                            "was loaded or written:\n  " + "\n  ".join(drift))
+        raise ManifestError(
+            f"cannot {what}: the tokenized data differs from the data recorded in {path} (the "
+            "fingerprint hashes the raw file, the tokenizer, the lengths and the truncation); nothing "
+            "was loaded or written:\n  " + "\n  ".join(drift)
+        )
     if cfg.online.rounds and "online" in recorded:  # a scorer whose code or weights changed samples other pairs
         import online
+
         if (now_scorer := online.record(cfg)["scorer"]) != recorded["online"].get("scorer"):
-            print(f"warning: the online scorer differs from the recorded run's ({path}): the rounds it scores will "
-                  f"differ:\n  then {recorded['online'].get('scorer')}\n  now  {now_scorer}", file=sys.stderr)
+            print(
+                f"warning: the online scorer differs from the recorded run's ({path}): the rounds it scores will "
+                f"differ:\n  then {recorded['online'].get('scorer')}\n  now  {now_scorer}",
+                file=sys.stderr,
+            )
     code, _ = git_state()
     if (code["commit"], code["diff_sha256"]) != (recorded_code.get("commit"), recorded_code.get("diff_sha256")):
-        print(f"warning: the code differs from the recorded run's ({path}): commit {recorded_code.get('commit')} "
-              f"dirty={recorded_code.get('dirty')} then, {code['commit']} dirty={code['dirty']} now; "
-              f"the recorded diff is in {Path(recorded_dir) / DIFF}", file=sys.stderr)
+        print(
+            f"warning: the code differs from the recorded run's ({path}): commit {recorded_code.get('commit')} "
+            f"dirty={recorded_code.get('dirty')} then, {code['commit']} dirty={code['dirty']} now; "
+            f"the recorded diff is in {Path(recorded_dir) / DIFF}",
+            file=sys.stderr,
+        )
 
 
 def replay_config(original_dir, overrides: list[str]):
@@ -109,10 +154,15 @@ def replay_config(original_dir, overrides: list[str]):
     # config.yaml is already resolved (aliases, derived eval_every): rebuilt as it is, over the defaults
     flat = {**{k: d for k, (_, d, _) in keys.items()}, **config.flatten(yaml.safe_load(path.read_text()))}
     _, given, flags, problems = config.parse_argv(overrides)
-    problems += [f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"
-                 for key, _, raw in given if key not in REPLAY_KEYS]
+    problems += [
+        f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"
+        for key, _, raw in given
+        if key not in REPLAY_KEYS
+    ]
     if not problems:
-        flat.update(resume_from=None, run_dir=f"{Path(original_dir).resolve()}-replay-{datetime.now():%Y%m%d_%H%M%S_%f}")
+        flat.update(
+            resume_from=None, run_dir=f"{Path(original_dir).resolve()}-replay-{datetime.now():%Y%m%d_%H%M%S_%f}"
+        )
         flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
         cfg = config._build(config.Config, flat, "", problems)
         problems += config.validate(cfg)
@@ -124,9 +174,11 @@ def replay_config(original_dir, overrides: list[str]):
 def metric_differences(original_dir, replay_dir) -> dict[str, tuple[float, int, int]]:
     """{metric: (largest |difference|, steps compared, steps of one run only)}, records matched by step. A metric
     logged as null (non-finite) matches only null; a value against null counts as an infinite difference."""
+
     def read(run_dir) -> dict[str, dict[int, float]]:  # {metric: {step: value}}
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         return {k: {r["step"]: r[k] for r in records if k in r} for k in {k for r in records for k in r} - {"step"}}
+
     a, b = read(original_dir), read(replay_dir)
     out = {}
     for name in sorted(set(a) | set(b)):
@@ -143,20 +195,32 @@ def report(original_dir, replay_dir) -> str:
     rows = metric_differences(original_dir, replay_dir)
     differ = [n for n, (d, common, _) in rows.items() if not n.startswith(TIMING) and common and d != 0]
     apart = [n for n, (_, common, _) in rows.items() if not n.startswith(TIMING) and not common]
-    lines = [f"replay of {original_dir} in {replay_dir}: largest |difference| per logged metric (matched by step)",
-             f"  {'metric':<40} {'max_abs_diff':>14} {'steps_compared':>15} {'steps_in_one_run_only':>22}"]
-    lines += [f"  {name:<40} {d:>14.3e} {n:>15d} {only:>22d}" + ("  (wall-clock time: differs by nature)" if
-              name.startswith(TIMING) else "") for name, (d, n, only) in rows.items()]
+    lines = [
+        f"replay of {original_dir} in {replay_dir}: largest |difference| per logged metric (matched by step)",
+        f"  {'metric':<40} {'max_abs_diff':>14} {'steps_compared':>15} {'steps_in_one_run_only':>22}",
+    ]
+    lines += [
+        f"  {name:<40} {d:>14.3e} {n:>15d} {only:>22d}"
+        + ("  (wall-clock time: differs by nature)" if name.startswith(TIMING) else "")
+        for name, (d, n, only) in rows.items()
+    ]
     if apart:
         lines.append(f"not comparable (no step logged by both runs): {', '.join(apart)}")
     steps = {split: rows.get(f"loss/{split}", (0, 0, 0))[1:] for split in ("train", "eval")}
-    lines.append(f"compared {steps['train'][0]} training steps ({steps['train'][1]} in one run only) and "
-                 f"{steps['eval'][0]} evaluations ({steps['eval'][1]} in one run only)")
+    lines.append(
+        f"compared {steps['train'][0]} training steps ({steps['train'][1]} in one run only) and "
+        f"{steps['eval'][0]} evaluations ({steps['eval'][1]} in one run only)"
+    )
     if rounds := sorted(Path(original_dir).glob("rounds/*/pairs.jsonl")):  # semi-online DPO: the pairs, sampled again
         again = [Path(replay_dir) / p.relative_to(original_dir) for p in rounds]
         differ = [p.parent.name for p, q in zip(rounds, again) if not q.is_file() or p.read_bytes() != q.read_bytes()]
-        lines.append(f"online rounds: {len(rounds)} compared, " + (f"rounds {', '.join(differ)} differ" if differ else
-                     "identical pairs in every round"))
-    lines.append(f"replay differs in {len(differ)} metric(s): {', '.join(differ)}" if differ else
-                 "replay identical: every metric that is not wall-clock time matches exactly at every step both runs logged")
+        lines.append(
+            f"online rounds: {len(rounds)} compared, "
+            + (f"rounds {', '.join(differ)} differ" if differ else "identical pairs in every round")
+        )
+    lines.append(
+        f"replay differs in {len(differ)} metric(s): {', '.join(differ)}"
+        if differ
+        else "replay identical: every metric that is not wall-clock time matches exactly at every step both runs logged"
+    )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ One line per check; run_dir/self_check.json (its own file: it survives a failed 
 A failure raises SelfCheckError (train.py: exit code 4) naming the check, the difference, the tolerance and the key
 that avoids it. `self_check=false` turns it off. Cost: a few forwards of at most PROBE_PAIRS pairs, no backward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,8 +99,11 @@ def head(t, inputs: dict, dtype: torch.dtype) -> list[dict]:
 
 def layout(t, inputs: dict, ours: SequenceLogps, dtype: torch.dtype) -> list[dict]:
     c = t.config
-    keys = {"padding_free=false": c.padding_free, "prefix_sharing=false": c.prefix_sharing,
-            "fsdp.ulysses_sequence_parallel_size=1": t.sp_size > 1}
+    keys = {
+        "padding_free=false": c.padding_free,
+        "prefix_sharing=false": c.prefix_sharing,
+        "fsdp.ulysses_sequence_parallel_size=1": t.sp_size > 1,
+    }
     fix = " and ".join(k for k, on in keys.items() if on)
     if not fix:
         return []
@@ -134,6 +138,7 @@ def starts_as_policy(t) -> bool:
     """Whether the reference holds the policy's weights (this rank's shards, element by element: both models are
     sharded alike) and computes in the same precision; one answer for all ranks."""
     from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
+
     ref, c = t.reference, t.config
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 - FSDP2's DTensor shard
     if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)
@@ -143,7 +148,8 @@ def starts_as_policy(t) -> bool:
         refs = {clean_name(k): local(p) for k, p in ref.model.named_parameters()}
         same = policy.keys() == refs.keys() and all(
             p.dtype == refs[k].dtype and p.shape == refs[k].shape and torch.equal(p, refs[k].to(p.device))
-            for k, p in policy.items())
+            for k, p in policy.items()
+        )
     return t.sharding.all_true(same and ref.mixed == (c.fsdp.mixed_precision is not None))
 
 
@@ -191,8 +197,9 @@ def compare(t, name: str, what: str, ours: SequenceLogps, plain: SequenceLogps, 
     """One check's record: the largest difference over all ranks (each rank probed its own pairs), its tolerance."""
     worst = t.sharding.gather(torch.tensor([difference(ours, plain)], device=t.device)).max().item()
     tol = TOLERANCE[dtype]
-    return dict(check=name, what=what, difference=worst, tolerance=tol, dtype=str(dtype)[6:], passed=worst <= tol,
-                fix=fix)
+    return dict(
+        check=name, what=what, difference=worst, tolerance=tol, dtype=str(dtype)[6:], passed=worst <= tol, fix=fix
+    )
 
 
 def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
@@ -202,17 +209,26 @@ def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
             rank0_print(f"self-check {c['check']}: skipped: {c['skipped']}")
             continue
         loss = "step0_loss" in c and f"; step-0 loss {c['step0_loss']:.6f}, at zero margin {c['zero_margin_loss']:.6f}"
-        rank0_print(f"self-check {c['check']}: {c['what']}: largest difference {c['difference']:.2e} nats per token "
-                    f"(tolerance {c['tolerance']:g}, {c['dtype']}){loss or ''}: {'ok' if c['passed'] else 'FAILED'}")
+        rank0_print(
+            f"self-check {c['check']}: {c['what']}: largest difference {c['difference']:.2e} nats per token "
+            f"(tolerance {c['tolerance']:g}, {c['dtype']}){loss or ''}: {'ok' if c['passed'] else 'FAILED'}"
+        )
     failed = [c for c in checks if not c["passed"]]
-    rank0_print(f"self-check: {len(checks) - len(failed)} of {len(checks)} passed on {len(probe)} examples per rank "
-                f"in {seconds:.2f} s (self_check=false turns it off)")
+    rank0_print(
+        f"self-check: {len(checks) - len(failed)} of {len(checks)} passed on {len(probe)} examples per rank "
+        f"in {seconds:.2f} s (self_check=false turns it off)"
+    )
     message = "; ".join(map(failure_line, failed)) + f". Nothing was trained; the report: {t.run_dir / REPORT}"
     if t.rank == 0:
         strict = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731 - JSON: no inf
         as_json = [{k: strict(v) for k, v in c.items()} for c in checks]
-        record = dict(passed=not failed, seconds=round(seconds, 3), example_index=probe, checks=as_json,
-                      failure=message if failed else None)
+        record = dict(
+            passed=not failed,
+            seconds=round(seconds, 3),
+            example_index=probe,
+            checks=as_json,
+            failure=message if failed else None,
+        )
         atomic_write_text(t.run_dir / REPORT, json.dumps(record, indent=1) + "\n")
         if t.log.wandb_run is not None:
             summary = {f"self_check/{c['check']}": c["difference"] for c in checks if "difference" in c}
@@ -224,8 +240,10 @@ def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
 
 def failure_line(c: dict) -> str:
     fix = f"set {c['fix']}" if c["fix"] else "no key avoids it (the reference's path differs from the policy's: a bug)"
-    return (f"self-check failed: {c['check']} ({c['what']}): largest difference {c['difference']:.3g} nats per token, "
-            f"tolerance {c['tolerance']:g} for {c['dtype']}; {fix} (self_check=false trains anyway)")
+    return (
+        f"self-check failed: {c['check']} ({c['what']}): largest difference {c['difference']:.3g} nats per token, "
+        f"tolerance {c['tolerance']:g} for {c['dtype']}; {fix} (self_check=false trains anyway)"
+    )
 
 
 def failure(run_dir) -> str:

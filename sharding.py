@@ -6,6 +6,7 @@ FULL_SHARD, BACKWARD_PRE prefetch (FSDP1), MixedPrecision, NO_REENTRANT activati
 loads the weights and the others build empty (meta) models that rank 0's values fill. Every torch.distributed call
 of training is here, in utils.py's helpers or in ulysses.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,18 +20,44 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper)
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FSDPModule, FullyShardedDataParallel as FSDP,
-                                    MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, fully_shard)
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
 import ulysses
-from utils import (all_gather_if_needed, all_ranks_true, dtype_of, find_block_class_names, get_block_class_from_model,
-                   rank0_print, wait_for_rank0)
+from utils import (
+    all_gather_if_needed,
+    all_ranks_true,
+    dtype_of,
+    find_block_class_names,
+    get_block_class_from_model,
+    rank0_print,
+    wait_for_rank0,
+)
 
 
 class OneProcess:
@@ -52,17 +79,38 @@ class OneProcess:
     def input_device(self, model: nn.Module) -> torch.device:
         return model.get_input_embeddings().weight.device  # device_map: the first GPU
 
-    def gradient_sync(self, model: nn.Module, sync: bool): return contextlib.nullcontext()
-    def all_true(self, flag: bool) -> bool: return flag
-    def any_true(self, flag: bool) -> bool: return not self.all_true(not flag)
-    def agree_max(self, n: int) -> int: return n
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor: return tensor
-    def gather_objects(self, items: list, sp_size: int = 1) -> list: return items
-    def barrier(self) -> None: pass
-    def reshard(self, model: nn.Module) -> None: pass
-    def params_on_device(self, model: nn.Module): return contextlib.nullcontext()
-    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor: return model.generate(**kwargs)
-    def step(self, optimizer: torch.optim.Optimizer) -> None: optimizer.step()
+    def gradient_sync(self, model: nn.Module, sync: bool):
+        return contextlib.nullcontext()
+
+    def all_true(self, flag: bool) -> bool:
+        return flag
+
+    def any_true(self, flag: bool) -> bool:
+        return not self.all_true(not flag)
+
+    def agree_max(self, n: int) -> int:
+        return n
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_objects(self, items: list, sp_size: int = 1) -> list:
+        return items
+
+    def barrier(self) -> None:
+        pass
+
+    def reshard(self, model: nn.Module) -> None:
+        pass
+
+    def params_on_device(self, model: nn.Module):
+        return contextlib.nullcontext()
+
+    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
+        return model.generate(**kwargs)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
 
     def clip(self, model: nn.Module, max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
@@ -114,27 +162,36 @@ class OneProcess:
 class Sharded(OneProcess):
     """What FSDP1 and FSDP2 share: mesh, units, collectives, sampling, offloaded optimizer state, sharded checkpoints
     (torch.distributed.checkpoint reads either's)."""
+
     autocasts = False
 
     def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
         self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
         size = fsdp.fsdp_size  # 1 <= fsdp_size < world: a 2-D mesh, replicate x shard (hybrid)
         shape = (world_size,) if size in (-1, world_size) else (world_size // size, size)
-        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
         mnp = fsdp.wrap_policy.get("min_num_params")  # a size policy, else the block classes that become units
         self.blocks = ("min_num_params", mnp) if mnp is not None else block_classes(policy, fsdp.wrap_policy)
         units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
-        rank0_print(f"sharding policy with {fsdp.strategy} (units {units}, mesh {tuple(self.mesh.shape)}, "
-                    f"reshard_after_forward {fsdp.reshard_after_forward}, mixed precision {fsdp.mixed_precision}, "
-                    f"offload params {fsdp.param_offload}/policy {fsdp.offload_policy})")
+        rank0_print(
+            f"sharding policy with {fsdp.strategy} (units {units}, mesh {tuple(self.mesh.shape)}, "
+            f"reshard_after_forward {fsdp.reshard_after_forward}, mixed precision {fsdp.mixed_precision}, "
+            f"offload params {fsdp.param_offload}/policy {fsdp.offload_policy})"
+        )
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
         """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to fp32
         (as verl): gradients summed in bf16 lose bits, and rotary tables rounded to bf16 shift every angle."""
         mp = self.fsdp.mixed_precision
-        return None if mp is None else {"param_dtype": dtype_of(mp.get("param_dtype", self.fsdp.dtype)),
-                                        "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")),
-                                        "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32"))}
+        return (
+            None
+            if mp is None
+            else {
+                "param_dtype": dtype_of(mp.get("param_dtype", self.fsdp.dtype)),
+                "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")),
+                "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32")),
+            }
+        )
 
     def input_device(self, model: nn.Module) -> torch.device:
         return self.device
@@ -171,6 +228,7 @@ class Sharded(OneProcess):
                 return model(*args, **inputs)
             finally:
                 lm.forward = forward
+
         if lm is not model:  # else (FSDP2 without LoRA) generate's call is the root's already
             lm.forward = forward
         try:
@@ -191,7 +249,9 @@ class Sharded(OneProcess):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         # on CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu there)
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available()))
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
+        )
         return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
 
     def sharded_state(self, model: nn.Module, optimizer, ckpt: Path) -> tuple[dict, str]:
@@ -208,28 +268,38 @@ class Sharded(OneProcess):
     def load(self, model: nn.Module, optimizer, ckpt: Path) -> None:
         state, where = self.sharded_state(model, optimizer, ckpt)
         dcp.load(state, checkpoint_id=where)
-        set_state_dict(model, optimizer or (), model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}))
+        set_state_dict(
+            model, optimizer or (), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+        )
 
 
 class FSDP1(Sharded):
     """FullyShardedDataParallel: the model is wrapped, each unit one FlatParameter."""
 
-    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True) -> nn.Module:
+    def shard(
+        self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
+    ) -> nn.Module:
         """The sharded model; `mixed_precision=False`: it computes in the dtype it was loaded in."""
         if self.fsdp.offload_policy:
-            raise ValueError("fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload")
+            raise ValueError(
+                "fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload"
+            )
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
         if isinstance(self.blocks, tuple):
             size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
             kept = never_units(model)
             policy = lambda module, recurse, **numel: (  # noqa: E731
-                size_policy(module=module, recurse=recurse, **numel) and (recurse or module not in kept))
+                size_policy(module=module, recurse=recurse, **numel) and (recurse or module not in kept)
+            )
         else:
             policy = ModuleWrapPolicy(self.blocks)
         hybrid = self.mesh.ndim == 2 and self.mesh.shape[1] > 1
-        strategy = {(False, True): ShardingStrategy.FULL_SHARD, (False, False): ShardingStrategy.SHARD_GRAD_OP,
-                    (True, True): ShardingStrategy.HYBRID_SHARD, (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2}[hybrid, reshard_after_forward]
+        strategy = {
+            (False, True): ShardingStrategy.FULL_SHARD,
+            (False, False): ShardingStrategy.SHARD_GRAD_OP,
+            (True, True): ShardingStrategy.HYBRID_SHARD,
+            (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2,
+        }[hybrid, reshard_after_forward]
         if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
             strategy = ShardingStrategy.NO_SHARD  # fsdp_size=1: every rank holds everything
         on_gpu = self.device.type == "cuda"
@@ -240,16 +310,24 @@ class FSDP1(Sharded):
                 retie(ties)
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=strategy, device_id=self.device,
-                       cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),  # pinned memory: GPU only
-                       backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=self.fsdp.forward_prefetch,
-                       mixed_precision=MixedPrecision(**dtypes) if dtypes else None, use_orig_params=self.fsdp.use_orig_params,
-                       # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU; torch advises
-                       # it off only for CPU-bound runs with low memory pressure, as gloo on CPU
-                       limit_all_gathers=on_gpu,
-                       # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
-                       sync_module_states=on_gpu, param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
-                       device_mesh=self.mesh if hybrid else None)
+        wrapped = FSDP(
+            model,
+            auto_wrap_policy=policy,
+            sharding_strategy=strategy,
+            device_id=self.device,
+            cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),  # pinned memory: GPU only
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            forward_prefetch=self.fsdp.forward_prefetch,
+            mixed_precision=MixedPrecision(**dtypes) if dtypes else None,
+            use_orig_params=self.fsdp.use_orig_params,
+            # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU; torch advises
+            # it off only for CPU-bound runs with low memory pressure, as gloo on CPU
+            limit_all_gathers=on_gpu,
+            # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
+            sync_module_states=on_gpu,
+            param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
+            device_mesh=self.mesh if hybrid else None,
+        )
         if on_gpu:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid): once more
             for buffer in wrapped.buffers():
                 dist.broadcast(buffer, src=0)
@@ -282,9 +360,15 @@ class FSDP1(Sharded):
 class FSDP2(Sharded):
     """fully_shard: the model keeps its class, its parameters become DTensors, each unit's hooks all-gather."""
 
-    def shard(self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True) -> nn.Module:
+    def shard(
+        self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
+    ) -> nn.Module:
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
-        mp = MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"])
+            if dtypes
+            else MixedPrecisionPolicy()
+        )
         if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:  # FSDP2 casts no buffers: once, here
             for buffer in filter(torch.is_floating_point, model.buffers()):
                 buffer.data = buffer.data.to(dtypes["buffer_dtype"])
@@ -301,14 +385,23 @@ class FSDP2(Sharded):
         else:  # a checkpointed block's unit is its checkpoint wrapper
             inner = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
             blocks = tuple(self.blocks)
-            units = [m for m in model.modules()
-                     if id(m) not in inner and isinstance(getattr(m, "_checkpoint_wrapped_module", m), blocks)]
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
+            units = [
+                m
+                for m in model.modules()
+                if id(m) not in inner and isinstance(getattr(m, "_checkpoint_wrapped_module", m), blocks)
+            ]
+        offload = (
+            CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
+        )
         for unit in (*units, model):  # on a 2-D mesh: replicate over the first dimension, shard over the second
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
+            fully_shard(
+                unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload
+            )
         model.to_empty(device="cpu" if self.fsdp.offload_policy else self.device)
         retie(ties)  # a tied embedding must be ONE sharded Parameter on every rank
-        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(
+            model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
         for name, buffer in model.named_buffers():  # non-persistent buffers (rotary tables) are not in the state dict
             if self.rank == 0:
                 buffer.copy_(buffers[name])
@@ -359,8 +452,10 @@ def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
     names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
     if not names:
         candidates = sorted({type(m).__name__ for m in model.modules() if len(list(m.children())) > 1})
-        raise ValueError(f"cannot tell which blocks of {type(model).__name__} to shard: set model.block_name "
-                         f"(or fsdp.wrap_policy.transformer_layer_cls_to_wrap); candidates: {', '.join(candidates)}")
+        raise ValueError(
+            f"cannot tell which blocks of {type(model).__name__} to shard: set model.block_name "
+            f"(or fsdp.wrap_policy.transformer_layer_cls_to_wrap); candidates: {', '.join(candidates)}"
+        )
     return {get_block_class_from_model(model, n) for n in names}
 
 
@@ -375,6 +470,7 @@ def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]
             chosen.append(module)
             return 0
         return n
+
     remaining(model)
     return chosen
 
@@ -386,16 +482,22 @@ def never_units(model: nn.Module) -> set[nn.Module]:
     a unit of its own is flattened again by FSDP1's root (embedding and head then train as two matrices) or shared by
     two FSDP2 groups (refused at the first forward)."""
     weight = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
-    return {m for m in model.modules()
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or any(p is weight for p in m.parameters())}
+    return {
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or any(p is weight for p in m.parameters())
+    }
 
 
 def checkpoint_blocks(model: nn.Module, wrap_policy: dict) -> None:
     """Recompute each block (block_classes) in backward (NO_REENTRANT), as the original FSDPTrainer did (one process
     too); unlike the original, a failure to apply it is an error, not a printed warning."""
     units = tuple(block_classes(unwrap(model), wrap_policy))
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, units),
-                                   checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    apply_activation_checkpointing(
+        model,
+        check_fn=lambda m: isinstance(m, units),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+    )
     n = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
 
@@ -423,6 +525,7 @@ def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
 def materialize(device: torch.device, ties: list):
     """FSDP1's param_init_fn, once per module of each unit: the module's meta tensors get real (uninitialized)
     memory, sharing a tied Parameter another module already has; sync_module_states then fills them."""
+
     def init(module: nn.Module) -> None:
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
@@ -431,6 +534,7 @@ def materialize(device: torch.device, ties: list):
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=device)
         retie(ties)
+
     return init
 
 

@@ -20,6 +20,7 @@ Departures from the original DPO code (eric-mitchell/direct-preference-optimizat
   6. On GPUs the process group is cpu:gloo,cuda:nccl; the non-finite guard decides once for all ranks; rank 0's lone
      work (loading weights, writing checkpoints) is waited for with a long timeout of its own.
 """
+
 import dataclasses
 import importlib.util
 import os
@@ -58,8 +59,10 @@ import utils  # noqa: E402
 
 REPO = Path(__file__).resolve().parent
 # Chat templates by name, for tokenizers without one (model.chat_template): ChatML, as Qwen and many others use it.
-CHAT_TEMPLATES = {"chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"}
+CHAT_TEMPLATES = {
+    "chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+}
 
 
 def resolve_local(path: str) -> str:
@@ -70,17 +73,26 @@ def resolve_local(path: str) -> str:
 def load_tokenizer(cfg):
     """The run's tokenizer (no weights), with a pad token and model.chat_template applied."""
     import transformers
+
     name = resolve_local(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:  # transformers raises OSError for a missing or unreachable repository
-        raise ConfigError([f"model.tokenizer_name_or_path / model.name_or_path={name!r}: cannot load a tokenizer"
-                           f" ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
+        raise ConfigError(
+            [
+                f"model.tokenizer_name_or_path / model.name_or_path={name!r}: cannot load a tokenizer"
+                f" ({type(e).__name__}: {str(e).splitlines()[0]})"
+            ]
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
     if (template := cfg.model.chat_template) is not None:
         if template not in CHAT_TEMPLATES and not Path(template).is_file():
-            raise ConfigError([f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja template file"])
+            raise ConfigError(
+                [
+                    f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja template file"
+                ]
+            )
         tokenizer.chat_template = CHAT_TEMPLATES.get(template) or Path(template).read_text()
     return tokenizer
 
@@ -90,6 +102,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     (FSDP ranks other than 0: rank 0 loads the weights once, so a node holds one copy in host memory, not one per
     rank). Under LoRA the reference is the policy with its adapters off (trainers.Reference): None here."""
     import transformers
+
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
     path, remote = resolve_local(cfg.model.name_or_path), cfg.model.trust_remote_code
 
@@ -100,35 +113,55 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
                 config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
         else:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                                      trust_remote_code=remote)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, device_map=device_map, trust_remote_code=remote
+            )
         utils.disable_dropout(model)
         return model
 
     mixed = cfg.fsdp.mixed_precision and trainers.reference_mixed_precision(cfg)  # the reference's; the policy's is
-    utils.rank0_print(f"loading policy {path} in {cfg.fsdp.model_dtype}"  # fsdp.mixed_precision alone
-                      + (f", computing in {cfg.model.fsdp_policy_mp}" if cfg.fsdp.mixed_precision else ""))
+    utils.rank0_print(
+        f"loading policy {path} in {cfg.fsdp.model_dtype}"  # fsdp.mixed_precision alone
+        + (f", computing in {cfg.model.fsdp_policy_mp}" if cfg.fsdp.mixed_precision else "")
+    )
     policy, reference = load(cfg.fsdp.model_dtype), None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:
         dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
-        utils.rank0_print(f"loading reference {path} in {dtype}, computing in {cfg.model.fsdp_policy_mp if mixed else dtype}")
+        utils.rank0_print(
+            f"loading reference {path} in {dtype}, computing in {cfg.model.fsdp_policy_mp if mixed else dtype}"
+        )
         reference = load(dtype).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
         for model in filter(None, (policy, reference)):
             model.load_state_dict(state)
-        utils.rank0_print(f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else ""))
+        utils.rank0_print(
+            f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else "")
+        )
     if cfg.lora.r is not None:
         import peft  # optional: check_inputs refused lora.r without it, before any model loaded
+
         lora = cfg.lora
-        with warnings.catch_warnings():  # peft asks transformers a deprecated question on every run: not the user's to fix
+        with (
+            warnings.catch_warnings()
+        ):  # peft asks transformers a deprecated question on every run: not the user's to fix
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            policy = peft.get_peft_model(policy, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                                 bias="none", target_modules=lora.target_modules,
-                                                                 task_type="CAUSAL_LM"))
-        utils.rank0_print(f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
-                          f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
-                          f"{sum(p.numel() for p in policy.parameters())}")
+            policy = peft.get_peft_model(
+                policy,
+                peft.LoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    bias="none",
+                    target_modules=lora.target_modules,
+                    task_type="CAUSAL_LM",
+                ),
+            )
+        utils.rank0_print(
+            f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
+            f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
+            f"{sum(p.numel() for p in policy.parameters())}"
+        )
     return load_tokenizer(cfg), policy, reference
 
 
@@ -140,10 +173,18 @@ def load_archive(path: str, model) -> dict:
         raise ConfigError([f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})"]) from None
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    shapes = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if missing or unexpected or shapes:
-        raise ConfigError([f"model.archive={path} does not fit model {type(model).__name__}: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}"])
+        raise ConfigError(
+            [
+                f"model.archive={path} does not fit model {type(model).__name__}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}"
+            ]
+        )
     return state
 
 
@@ -152,15 +193,22 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
     HF_DATASETS_OFFLINE (this process and its ranks): a file missing from the local cache then fails at once, not
     after a minute of retries."""
     names = [cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path]
-    hub = [n for n in names if not Path(resolve_local(n)).exists()] + [d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None]
-    if not hub or any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    hub = [n for n in names if not Path(resolve_local(n)).exists()] + [
+        d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None
+    ]
+    if not hub or any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
         return
     try:
         socket.create_connection(("huggingface.co", 443), timeout=3).close()
     except OSError as e:
         os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        print(f"the Hugging Face hub is unreachable ({e}): {', '.join(sorted(set(hub)))} must come from the local cache"
-              " (HF_HUB_OFFLINE=1 set for this run)", file=sys.stderr)
+        print(
+            f"the Hugging Face hub is unreachable ({e}): {', '.join(sorted(set(hub)))} must come from the local cache"
+            " (HF_HUB_OFFLINE=1 set for this run)",
+            file=sys.stderr,
+        )
 
 
 def check_inputs(cfg, world_size: int) -> dict:
@@ -185,6 +233,7 @@ def check_inputs(cfg, world_size: int) -> dict:
     splits = check_data(cfg, world_size)
     if cfg.online.rounds:  # semi-online DPO: its scorer and prompts, before any model loads
         import online
+
         online.check(cfg, load_tokenizer(cfg))
     return splits
 
@@ -193,6 +242,7 @@ def check_tiled_head(cfg) -> None:
     """tiled_lm_head=true redoes the LM head's post-processing by model type: a head it does not know is refused here,
     from config.json alone (logps.tiled_head; the first tiled forward refuses it too)."""
     import transformers
+
     name = resolve_local(cfg.model.name_or_path)
     try:
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
@@ -208,51 +258,77 @@ def check_router_aux_loss(cfg) -> None:
     """loss.router_aux_loss balances the routers of a mixture of experts: refused, from config.json alone, for a model
     without experts, and `model` for one whose config has no router_aux_loss_coef."""
     import transformers
+
     name, value = resolve_local(cfg.model.name_or_path), cfg.loss.router_aux_loss
     try:
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):  # unreadable here: loading the model reports it
         return
     if trainers.expert_share(config) == 1:
-        raise ConfigError([f"loss.router_aux_loss={value}: model type {config.model_type!r} (model.name_or_path="
-                           f"{name!r}) has no experts (num_experts_per_tok), so no router to balance; set "
-                           "loss.router_aux_loss=null"])
+        raise ConfigError(
+            [
+                f"loss.router_aux_loss={value}: model type {config.model_type!r} (model.name_or_path="
+                f"{name!r}) has no experts (num_experts_per_tok), so no router to balance; set "
+                "loss.router_aux_loss=null"
+            ]
+        )
     if value == "model" and getattr(config, "router_aux_loss_coef", None) is None:
-        raise ConfigError([f"loss.router_aux_loss=model: the config of model type {config.model_type!r} has no "
-                           "router_aux_loss_coef; set a number"])
+        raise ConfigError(
+            [
+                f"loss.router_aux_loss=model: the config of model type {config.model_type!r} has no "
+                "router_aux_loss_coef; set a number"
+            ]
+        )
 
 
 def check_sequence_parallel(cfg) -> None:
     """Ulysses gives each rank of a group heads / sp whole attention heads: sp must divide the model's attention heads
     (fewer key/value heads are repeated); RoPE types that scale by the longest position of a call are refused."""
     import transformers
+
     name, sp = resolve_local(cfg.model.name_or_path), cfg.fsdp.ulysses_sequence_parallel_size
     try:
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
         heads = config.num_attention_heads
     except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: cannot read the attention heads of model.name_or_path="
-                           f"{name!r} ({type(e).__name__}: {str(e).splitlines()[0]})"]) from None
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp}: cannot read the attention heads of model.name_or_path="
+                f"{name!r} ({type(e).__name__}: {str(e).splitlines()[0]})"
+            ]
+        ) from None
     if heads % sp:
-        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
-                           f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"])
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
+                f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"
+            ]
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     # Gemma 3: one per layer type
     kinds = [r.get("rope_type", r.get("type")) for r in (rope, *rope.values()) if isinstance(r, dict)]
-    if (kind := next((k for k in kinds if k in ("dynamic", "longrope")), None)):  # each rank sees only its slice
-        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r} (model type "
-                           f"{config.model_type!r}): its RoPE type {kind!r} scales frequencies by the longest position"
-                           " of a call, and each rank of a group sees only its slice of the positions: not supported yet"])
+    if kind := next((k for k in kinds if k in ("dynamic", "longrope")), None):  # each rank sees only its slice
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r} (model type "
+                f"{config.model_type!r}): its RoPE type {kind!r} scales frequencies by the longest position"
+                " of a call, and each rank of a group sees only its slice of the positions: not supported yet"
+            ]
+        )
     # logps._score refuses the same at the first forward; sdpa is the default of a model class that supports it
     cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     window = logps.sliding_window(config, float("inf"))
     no_flex = cls is not None and cls._supports_sdpa and not cls._supports_flex_attn
     if torch.cuda.is_available() and no_flex and (cfg.padding_free or window):
         option = "padding_free=true" if cfg.padding_free else f"a sliding window ({window})"
-        raise ConfigError([f"fsdp.ulysses_sequence_parallel_size={sp} with {option}: {cls.__name__} (model type "
-                           f"{config.model_type!r}) does not attend through FlexAttention, and sdpa on CUDA would "
-                           "keep a dense (T, T) mask in every layer; "
-                           + ("set padding_free=false" if cfg.padding_free else "not supported yet")])
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp} with {option}: {cls.__name__} (model type "
+                f"{config.model_type!r}) does not attend through FlexAttention, and sdpa on CUDA would "
+                "keep a dense (T, T) mask in every layer; "
+                + ("set padding_free=false" if cfg.padding_free else "not supported yet")
+            ]
+        )
 
 
 def check_data(cfg, world_size: int) -> dict:
@@ -260,22 +336,36 @@ def check_data(cfg, world_size: int) -> dict:
     fewer eval pairs than ranks, naming each source and its drops; warn of a long warmup and of one file for both."""
     for name in cfg.datasets:
         if name not in data.SOURCES and "{split}" not in name:
-            print(f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
-                  " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)")
+            print(
+                f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
+                " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)"
+            )
     splits, (dp, ranks) = data.load_splits(cfg, load_tokenizer(cfg)), data_parallel_size(cfg, world_size)
-    for split, needed, knob in (("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
-                                ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)")):
+    for split, needed, knob in (
+        ("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
+        ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)"),
+    ):
         examples, stats = splits[split], splits[split].stats
         if len(examples) < needed:
-            per_source = "; ".join(f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
-                                   + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none") for s in stats)
-            raise data.DataError(f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after filtering,"
-                                 f" fewer than {knob} ({per_source}); add data, or for dropped over-long pairs raise"
-                                 f" max_length={cfg.max_length}")
-        steps = split == "train" and data.num_steps(len(examples), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples)
+            per_source = "; ".join(
+                f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
+                + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
+                for s in stats
+            )
+            raise data.DataError(
+                f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after filtering,"
+                f" fewer than {knob} ({per_source}); add data, or for dropped over-long pairs raise"
+                f" max_length={cfg.max_length}"
+            )
+        steps = split == "train" and data.num_steps(
+            len(examples), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples
+        )
         if steps and cfg.warmup_steps >= steps:
-            print(f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
-                  f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})", file=sys.stderr)
+            print(
+                f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
+                f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})",
+                file=sys.stderr,
+            )
     return splits
 
 
@@ -288,14 +378,20 @@ def resume_run_dir(resume_from: str) -> str:
     if latest.exists() and (path.name == "LATEST" or path.resolve() == latest.resolve()):
         return str(path.parent)
     if latest.exists() and path.name.startswith("step-"):
-        raise FileNotFoundError(f"resume_from={resume_from}: not the run's latest checkpoint ({latest} -> {latest.resolve().name});"
-                                f" a resume continues from LATEST and would overwrite the later checkpoints. To go back to"
-                                f" {path.name}: ln -sfn {path.name} {latest}")
+        raise FileNotFoundError(
+            f"resume_from={resume_from}: not the run's latest checkpoint ({latest} -> {latest.resolve().name});"
+            f" a resume continues from LATEST and would overwrite the later checkpoints. To go back to"
+            f" {path.name}: ln -sfn {path.name} {latest}"
+        )
     if (path / "config.yaml").is_file():
-        raise FileNotFoundError(f"resume_from={resume_from}: no LATEST checkpoint there: the run stopped before its first"
-                                " checkpoint; start it again with the same command, without resume_from")
-    raise FileNotFoundError(f"resume_from={resume_from}: no checkpoint there; expected a run directory holding LATEST "
-                            "(or its LATEST, or the step-N checkpoint LATEST points at)")
+        raise FileNotFoundError(
+            f"resume_from={resume_from}: no LATEST checkpoint there: the run stopped before its first"
+            " checkpoint; start it again with the same command, without resume_from"
+        )
+    raise FileNotFoundError(
+        f"resume_from={resume_from}: no checkpoint there; expected a run directory holding LATEST "
+        "(or its LATEST, or the step-N checkpoint LATEST points at)"
+    )
 
 
 def world_size_of(cfg) -> int:
@@ -311,8 +407,12 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
     device_map = None
     if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
         if importlib.util.find_spec("accelerate") is None:  # transformers' device_map needs it; we do not
-            raise ConfigError(["trainer=BasicTrainer on several GPUs spreads the model with transformers' device_map,"
-                               " which needs `pip install accelerate`; or use trainer=FSDPTrainer"])
+            raise ConfigError(
+                [
+                    "trainer=BasicTrainer on several GPUs spreads the model with transformers' device_map,"
+                    " which needs `pip install accelerate`; or use trainer=FSDPTrainer"
+                ]
+            )
         device_map = "balanced"  # naive model parallel, as the original
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
     splits = splits or data.load_splits(cfg, tokenizer)  # a spawned rank: from the cache check_inputs filled
@@ -322,8 +422,9 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
         utils.wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy, reference = policy.to("cuda"), reference.to("cuda") if reference is not None else None
-    trainer = getattr(trainers, cfg.trainer)(policy, cfg, cfg.seed, run_dir, reference, rank, world_size, tokenizer,
-                                             splits)
+    trainer = getattr(trainers, cfg.trainer)(
+        policy, cfg, cfg.seed, run_dir, reference, rank, world_size, tokenizer, splits
+    )
     del policy, reference  # the trainer owns the models: precompute_ref_log_probs can free the reference for real
     trainer.train()
 
@@ -331,7 +432,9 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
 def check_run_dir(cfg) -> None:
     """A fresh start may not reuse a run directory that holds a checkpoint (--cfg checks it too)."""
     if cfg.run_dir and not cfg.resume_from and (Path(cfg.run_dir) / "LATEST").exists():
-        raise FileExistsError(f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir")
+        raise FileExistsError(
+            f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir"
+        )
 
 
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
@@ -343,15 +446,31 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
         run_dir, created = Path(cfg.resume_from), False
     elif cfg.run_dir:
         run_dir, created = Path(cfg.run_dir), not Path(cfg.run_dir).exists()
-        written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", "rounds",
-                   run_manifest.MANIFEST, run_manifest.DIFF, self_check.REPORT}
-        earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")] if run_dir.is_dir() else []
+        written = {
+            "config.yaml",
+            "config.resumed.yaml",
+            "metrics.jsonl",
+            "samples.jsonl",
+            "wandb",
+            "rounds",
+            run_manifest.MANIFEST,
+            run_manifest.DIFF,
+            self_check.REPORT,
+        }
+        earlier = (
+            [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")]
+            if run_dir.is_dir()
+            else []
+        )
         if earlier:
             keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
             keep.mkdir()
             for p in earlier:
                 os.replace(p, keep / p.name)
-            print(f"run_dir={run_dir} held an earlier start without a checkpoint: its files moved to {keep}", file=sys.stderr)
+            print(
+                f"run_dir={run_dir} held an earlier start without a checkpoint: its files moved to {keep}",
+                file=sys.stderr,
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir, created = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
@@ -368,7 +487,9 @@ def remove_orphan(run_dir, created: bool) -> None:
 
 def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> None:
     """Entry of each process `launch` starts on one node (mp.spawn passes the rank first)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     try:
         distributed_worker(cfg, run_dir)
     except trainers.Interrupted as e:  # the launcher tells the user how to resume
@@ -412,8 +533,12 @@ def check_shared_run_dir(run_dir: str) -> None:
     made (a node-local local_dirs does not work across nodes)."""
     views = utils.all_gather_object((socket.gethostname(), (Path(run_dir) / "config.yaml").is_file()))
     if blind := sorted({host for host, seen in views if not seen}):
-        raise ConfigError([f"run_dir={run_dir}: rank 0 made it, but the ranks on {', '.join(blind)} do not see it; the"
-                           " nodes of a run must share it (set local_dirs or run_dir to a shared filesystem)"])
+        raise ConfigError(
+            [
+                f"run_dir={run_dir}: rank 0 made it, but the ranks on {', '.join(blind)} do not see it; the"
+                " nodes of a run must share it (set local_dirs or run_dir to a shared filesystem)"
+            ]
+        )
 
 
 def checkpoint_problem(ckpt: Path) -> str | None:
@@ -441,10 +566,19 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
     the ranks, which stop after their step with a checkpoint. Ctrl-C reaches every process of the terminal already,
     so this one ignores it and waits for the ranks to stop."""
     print(f"starting {world_size} processes", flush=True)
-    context = torch.multiprocessing.start_processes(spawned_worker, args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()),
-                                                    nprocs=world_size, join=False, start_method="spawn")
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()]),
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
+    context = torch.multiprocessing.start_processes(
+        spawned_worker,
+        args=(world_size, cfg, str(run_dir), cfg.fsdp_port or utils.get_open_port()),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    previous = {
+        signal.SIGTERM: signal.signal(
+            signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()]
+        ),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    }
     try:
         while not context.join():
             pass
@@ -482,7 +616,9 @@ def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
     """One line: where the run stopped and the command that continues it (as given, resume_from replaced)."""
     kept, name = [a for a in argv if not a.lstrip("-").startswith("resume_from=")], signal.Signals(e.signum).name
     if e.examples is None:
-        return f"interrupted ({name}) before the first checkpoint: start again with: python -u train.py {shlex.join(kept)}"
+        return (
+            f"interrupted ({name}) before the first checkpoint: start again with: python -u train.py {shlex.join(kept)}"
+        )
     resume = f"resume with: python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}"
     if e.at_once:
         return f"interrupted ({name}) at once, without a checkpoint; the latest is step {e.step} ({e.examples} pairs): {resume}"
@@ -498,14 +634,14 @@ def main(argv: list[str] | None = None) -> int:
     estimating, replay_of, gpu = "--estimate" in argv, None, None
     if estimating:
         i = argv.index("--estimate")
-        gpu = argv[i + 1][len("gpu="):] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
-        argv = argv[:i] + argv[i + 1 + (gpu is not None):]
+        gpu = argv[i + 1][len("gpu=") :] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
+        argv = argv[:i] + argv[i + 1 + (gpu is not None) :]
     if "--replay" in argv:
         i = argv.index("--replay")
         if i + 1 >= len(argv):
             print("error: --replay needs the run directory to replay: --replay <run dir>", file=sys.stderr)
             return 2
-        replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     try:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
@@ -516,17 +652,26 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
         splits = check_inputs(cfg, world_size_of(cfg))
         if cfg.resume_from or replay_of:  # the data must be the recorded run's
-            run_manifest.check_against(cfg.resume_from or replay_of, cfg, splits,
-                                       "resume" if cfg.resume_from else "replay")
+            run_manifest.check_against(
+                cfg.resume_from or replay_of, cfg, splits, "resume" if cfg.resume_from else "replay"
+            )
         if "--cfg" in flags:
             print(to_yaml(cfg), end="")
             return 0
         launch(cfg, splits)
         if replay_of is not None:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
-    except (ConfigError, estimate.EstimateError, data.DataError, FileExistsError, FileNotFoundError,
-            run_manifest.ManifestError, trainers.CheckpointError, trainers.NonFiniteError,
-            self_check.SelfCheckError) as e:
+    except (
+        ConfigError,
+        estimate.EstimateError,
+        data.DataError,
+        FileExistsError,
+        FileNotFoundError,
+        run_manifest.ManifestError,
+        trainers.CheckpointError,
+        trainers.NonFiniteError,
+        self_check.SelfCheckError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)  # 2 bad input (nothing loaded or written), 3 non-finite, 4 self-check
         return 3 if isinstance(e, trainers.NonFiniteError) else 4 if isinstance(e, self_check.SelfCheckError) else 2
     except trainers.Interrupted as e:

@@ -9,6 +9,7 @@ budget); each runs ONE policy forward over chosen and rejected concatenated (and
 lookup), its loss weighted by its share of the rank's pairs, so that the summed gradient is that of the batch's mean
 loss; then clip, one decision on non-finite values for all ranks, step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,15 +42,28 @@ import ulysses
 from config import flatten, loss_registry
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
-from utils import (all_gather_object, atomic_write_text, broadcast_object, dtype_of, first_usable_dir, formatted_dict,
-                   fsync_dir, get_rng_state, rank0_print, set_rng_state, use_shape_free_attention)
+from utils import (
+    all_gather_object,
+    atomic_write_text,
+    broadcast_object,
+    dtype_of,
+    first_usable_dir,
+    formatted_dict,
+    fsync_dir,
+    get_rng_state,
+    rank0_print,
+    set_rng_state,
+    use_shape_free_attention,
+)
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 # Dense bf16 matmul peak TFLOP/s (vendors' datasheets) that throughput/mfu divides by; peak_tflops wins.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
-    "AdamW": lambda params, cfg: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None),
+    "AdamW": lambda params, cfg: torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None
+    ),
     "SGD": lambda params, cfg: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay),  # for exact checks
 }
 DECAYS = {  # fraction of the peak learning rate after warmup, as a function of progress in [0, 1]
@@ -61,10 +75,12 @@ DECAYS = {  # fraction of the peak learning rate after warmup, as a function of 
 
 def lr_lambda(warmup_steps: int, total_steps: int, decay: str):
     """Linear warmup from 0 to the peak over `warmup_steps`, then `decay` until `total_steps`."""
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
         return DECAYS[decay]((step - warmup_steps) / max(1, total_steps - warmup_steps))
+
     return factor
 
 
@@ -98,7 +114,10 @@ def stop_on_signals(stop: dict):
         if stop["signal"] is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         stop["signal"] = signum
-        rank0_print(f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C again: now, without one)")
+        rank0_print(
+            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C again: now, without one)"
+        )
+
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
@@ -111,8 +130,18 @@ class BasicTrainer:
     """The loop: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint cadence. The
     reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`."""
 
-    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None, splits: Optional[dict] = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        config,
+        seed: int,
+        run_dir: str,
+        reference_model: Optional[nn.Module] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        tokenizer=None,
+        splits: Optional[dict] = None,
+    ):
         c, self.config, self.seed, self.rank, self.world_size = config, config, seed, rank, world_size
         self.sharding = getattr(self, "sharding", None) or OneProcess(policy, config)  # FSDPTrainer sets its own
         self.sp = getattr(self, "sp", None)  # FSDPTrainer's Ulysses group, if any
@@ -121,25 +150,38 @@ class BasicTrainer:
         self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
         use_shape_free_attention(self.device)
-        self.entropy_options = dict(chunking=c.fsdp.entropy_from_logits_with_chunking, checkpointing=c.fsdp.entropy_checkpointing,
-                                    use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile)
+        self.entropy_options = dict(
+            chunking=c.fsdp.entropy_from_logits_with_chunking,
+            checkpointing=c.fsdp.entropy_checkpointing,
+            use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
+        )
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.stop, self.log, self.beta_dpo_running = {"signal": None}, RunLog(self.run_dir, rank, config), None  # beta-DPO's
+        self.stop, self.log, self.beta_dpo_running = (
+            {"signal": None},
+            RunLog(self.run_dir, rank, config),
+            None,
+        )  # beta-DPO's
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         self.splits = splits or data.load_splits(c, tokenizer)  # train.py hands on what its checks loaded
         train, test = self.splits["train"], self.splits["test"]
         rank0_print(data.dataset_summary(train.stats))
         self.n_train_pairs = len(train)
-        self.total_steps = data.num_steps(self.n_train_pairs, batch_size=c.batch_size, n_epochs=c.n_epochs, n_examples=c.n_examples)
+        self.total_steps = data.num_steps(
+            self.n_train_pairs, batch_size=c.batch_size, n_epochs=c.n_epochs, n_examples=c.n_examples
+        )
         # The first n_eval_examples test pairs, each once (repeats completing the last batch are left out); KTO needs
         # >= 2 rows per rank for its KL estimate
         self.n_eval_pairs = min(len(test), c.n_eval_examples)
-        self.eval_batch_size = min(c.eval_batch_size, max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size)) * self.dp_size)
+        self.eval_batch_size = min(
+            c.eval_batch_size, max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size)) * self.dp_size
+        )
         shares = dict(pad_token_id=tokenizer.pad_token_id, rank=self.dp_rank, world_size=self.dp_size)
-        self.eval_batches = data.get_eval_batches(test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples,
-                                                  kl_rows=self.unpaired, **shares)
-        self.sample_batches = data.get_sample_batches(test, n_examples=c.n_eval_model_samples * c.sample_during_eval,
-                                                      **shares)
+        self.eval_batches = data.get_eval_batches(
+            test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples, kl_rows=self.unpaired, **shares
+        )
+        self.sample_batches = data.get_sample_batches(
+            test, n_examples=c.n_eval_model_samples * c.sample_during_eval, **shares
+        )
         self.reference = Reference(self, reference_model)
         self.checkpoints = Checkpoints(self)
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference (N counted before any sharding)
@@ -147,26 +189,47 @@ class BasicTrainer:
         self.flops_per_token = (6 + 2 * online) * (getattr(self, "n_params", None) or flops_params(policy))
         if (share := expert_share(unwrap(policy).config)) < 1:
             active = self.flops_per_token // (6 + 2 * online)
-            rank0_print(f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
-                        f"{share:g}: top-k of the experts run per token); memory holds all of them")
+            rank0_print(
+                f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
+                f"{share:g}: top-k of the experts run per token); memory holds all of them"
+            )
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         self.peak_flops = 1e12 * (c.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0.0))
         unit = "completions" if self.unpaired else "pairs"
-        ranks = (f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
-                 if self.sp_size > 1 else f"world size {world_size}")
-        doubled = " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)" if c.pairs_to_unpaired else ""
-        rank0_print(f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation {c.gradient_accumulation_steps} x "
-                    f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}"
-                    f"{doubled}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}")
+        ranks = (
+            f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
+            if self.sp_size > 1
+            else f"world size {world_size}"
+        )
+        doubled = (
+            " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)"
+            if c.pairs_to_unpaired
+            else ""
+        )
+        rank0_print(
+            f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation {c.gradient_accumulation_steps} x "
+            f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}"
+            f"{doubled}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
+        )
         original = (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150)
-        rank0_print(f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}"
-                    + (" (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)" if original else ""))
+        rank0_print(
+            f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}"
+            + (
+                " (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)"
+                if original
+                else ""
+            )
+        )
 
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
     def forward_options(self, entropy_grad: bool = False) -> dict:
         """How log-probs are computed (never what they are); a differentiable entropy needs the full logits."""
-        return {"packed_capacity": self.config.max_length if self.config.padding_free else None, "sequence_parallel": self.sp,
-                "tiled": self.config.tiled_lm_head and not entropy_grad, "prefix_sharing": self.config.prefix_sharing}
+        return {
+            "packed_capacity": self.config.max_length if self.config.padding_free else None,
+            "sequence_parallel": self.sp,
+            "tiled": self.config.tiled_lm_head and not entropy_grad,
+            "prefix_sharing": self.config.prefix_sharing,
+        }
 
     def autocast(self):
         """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
@@ -183,22 +246,41 @@ class BasicTrainer:
         ld = c.loss.ld_alpha != 1  # the loss modifiers that need more than sums: LD-DPO's tokens, WPO's statistic
         router = router_aux_coef(c.loss.router_aux_loss, unwrap(self.policy).config)  # a mixture of experts' balance
         with self.autocast():
-            out = forward_logps(self.policy, inputs, entropy=self.entropy_options, entropy_grad=entropy_grad, per_token=ld,
-                                sum_sq=c.loss.wpo, routing=True, routing_grad=router > 0,
-                                **self.forward_options(entropy_grad))
+            out = forward_logps(
+                self.policy,
+                inputs,
+                entropy=self.entropy_options,
+                entropy_grad=entropy_grad,
+                per_token=ld,
+                sum_sq=c.loss.wpo,
+                routing=True,
+                routing_grad=router > 0,
+                **self.forward_options(entropy_grad),
+            )
         sums, counts, entropy, routing = *out[:3], out.routing
         kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], policy_sum_sq=out.log_sum_sq)
         if paired:
             kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
         ref = self.reference.logps(batch, inputs, split, per_token=ld)
         if ref is not None:
-            kwargs.update(reference_chosen_sum=ref.sums[:n].to(sums.device), reference_rejected_sum=ref.sums[n:].to(sums.device) if paired else None)
+            kwargs.update(
+                reference_chosen_sum=ref.sums[:n].to(sums.device),
+                reference_rejected_sum=ref.sums[n:].to(sums.device) if paired else None,
+            )
         if ld:  # output t predicts token t+1: a row's first token is never scored
-            scored = (inputs["labels"].to(sums.device) != IGNORE_INDEX) & (torch.arange(inputs["labels"].size(1), device=sums.device) > 0)
-            kwargs.update(policy_tokens=out.tokens, reference_tokens=None if ref is None else ref.tokens.to(sums.device), scored=scored)
+            scored = (inputs["labels"].to(sums.device) != IGNORE_INDEX) & (
+                torch.arange(inputs["labels"].size(1), device=sums.device) > 0
+            )
+            kwargs.update(
+                policy_tokens=out.tokens,
+                reference_tokens=None if ref is None else ref.tokens.to(sums.device),
+                scored=scored,
+            )
         if self.unpaired:
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
-            kwargs.update(kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None)
+            kwargs.update(
+                kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None
+            )
         extra_metrics = beta_dpo_step(self, kwargs, split) if c.loss.dynamic_beta and paired else {}
         out = losses.compute_loss(c.loss_names, c.loss.weights, c.loss, **kwargs)
         metrics = dict(out.metrics, **extra_metrics, **{"entropy/chosen": entropy[:n].detach()})
@@ -236,25 +318,34 @@ class BasicTrainer:
             with sharding.gradient_sync(self.policy, i == len(micro) - 1 or not c.no_sync_accumulation):
                 loss, metrics = self.batch_metrics(mb, "train")
                 (loss * (len(mb["chosen_input_ids"]) / per_rank if i < real else 0.0)).backward()  # a repeat: weight 0
-            for name, v in (metrics.items() if i < real else ()):
+            for name, v in metrics.items() if i < real else ():
                 collected[name].append(v.detach())
         grad_norm = sharding.clip(self.policy, c.max_grad_norm)
-        finite = math.isfinite(grad_norm) and all(torch.isfinite(torch.cat(v)).all() for k, v in collected.items() if k.startswith("loss"))
+        finite = math.isfinite(grad_norm) and all(
+            torch.isfinite(torch.cat(v)).all() for k, v in collected.items() if k.startswith("loss")
+        )
         if sharding.all_true(finite):  # every rank steps, or every rank skips
             sharding.step(self.optimizer)
             self.scheduler.step()
             self.nonfinite_in_a_row = 0
         else:  # skip: parameters, optimizer state and schedule stay as they were
             self.nonfinite_in_a_row, self.nonfinite_total = self.nonfinite_in_a_row + 1, self.nonfinite_total + 1
-            rank0_print(f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
-                        f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)")
+            rank0_print(
+                f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
+                f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)"
+            )
         self.optimizer.zero_grad(set_to_none=True)
         # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
         mean = {k: sharding.gather(torch.cat(v).float()).nanmean().item() for k, v in collected.items()}
         tokens = pair_tokens(batch, c.prefix_sharing).sum()
         tokens = sharding.gather(tokens.reshape(1).float().to(self.device)).sum().item() / self.sp_size
-        return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0],
-                    nonfinite_steps=float(self.nonfinite_total))
+        return dict(
+            mean,
+            tokens=tokens,
+            grad_norm=grad_norm,
+            lr=self.scheduler.get_last_lr()[0],
+            nonfinite_steps=float(self.nonfinite_total),
+        )
 
     # --- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -265,6 +356,7 @@ class BasicTrainer:
             return self.evaluate_and_log()
         if c.online.rounds:  # semi-online DPO: the pairs come from rounds of sampling and scoring (online.py)
             import online
+
             return online.train(self)
         self.build_optimizer()
         self.log.start(self.checkpoints.resume())
@@ -273,8 +365,16 @@ class BasicTrainer:
         self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
-        with stop_on_signals(self.stop), tqdm.tqdm(total=self.total_steps, initial=self.batch_counter, unit="step",
-                                                   disable=not self.bars, dynamic_ncols=True) as bar:
+        with (
+            stop_on_signals(self.stop),
+            tqdm.tqdm(
+                total=self.total_steps,
+                initial=self.batch_counter,
+                unit="step",
+                disable=not self.bars,
+                dynamic_ncols=True,
+            ) as bar,
+        ):
             for batch in self.train_batches():
                 if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
                     if self.example_counter > 0 or c.do_first_eval:
@@ -289,15 +389,27 @@ class BasicTrainer:
     def build_optimizer(self) -> None:
         c = self.config
         self.optimizer = OPTIMIZERS[c.optimizer]([p for p in self.policy.parameters() if p.requires_grad], c)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(c.warmup_steps, self.total_steps, c.scheduler))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(c.warmup_steps, self.total_steps, c.scheduler)
+        )
 
     def train_batches(self):
         """This rank's share of every step's pairs, from where the run stands (a resume continues the order)."""
         c = self.config
-        return data.get_batch_iterator(self.splits["train"], self.tokenizer.pad_token_id, batch_size=c.batch_size,
-                                       n_epochs=c.n_epochs, n_examples=c.n_examples, rank=self.dp_rank,
-                                       world_size=self.dp_size, seed=self.seed, start_example=self.example_counter,
-                                       balance=c.balance_batch, kl_rows=self.unpaired, shared_prompt=c.prefix_sharing)
+        return data.get_batch_iterator(
+            self.splits["train"],
+            self.tokenizer.pad_token_id,
+            batch_size=c.batch_size,
+            n_epochs=c.n_epochs,
+            n_examples=c.n_examples,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
+            seed=self.seed,
+            start_example=self.example_counter,
+            balance=c.balance_batch,
+            kl_rows=self.unpaired,
+            shared_prompt=c.prefix_sharing,
+        )
 
     def step_and_log(self, batch: dict, bar) -> None:
         """One step, its metrics and throughput logged; then a requested stop or too many non-finite steps."""
@@ -309,10 +421,16 @@ class BasicTrainer:
         self.example_counter += self.config.batch_size
         self.reference.update()
         tokens = metrics.pop("tokens")
-        metrics.update({"throughput/pairs_per_second": self.config.batch_size / seconds, "throughput/tokens_per_second": tokens / seconds,
-                        # the original's name: pairs over seconds since the loop started
-                        "examples_per_second": (self.example_counter - self.loop_start[1]) / (time.time() - self.loop_start[0]),
-                        "counters/examples": self.example_counter, "counters/updates": self.batch_counter})
+        metrics.update(
+            {
+                "throughput/pairs_per_second": self.config.batch_size / seconds,
+                "throughput/tokens_per_second": tokens / seconds,
+                # the original's name: pairs over seconds since the loop started
+                "examples_per_second": (self.example_counter - self.loop_start[1]) / (time.time() - self.loop_start[0]),
+                "counters/examples": self.example_counter,
+                "counters/updates": self.batch_counter,
+            }
+        )
         if self.peak_flops:  # model FLOPs utilization
             metrics["throughput/mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * self.world_size)
         self.log.progress(bar, metrics, self.batch_counter, self.total_steps, self.example_counter)
@@ -320,11 +438,15 @@ class BasicTrainer:
             self.log(self.example_counter, metrics)  # a step cadence: the same config logs the same steps
         if self.sharding.any_true(self.stop["signal"] is not None):  # a signal on any rank: all stop after this step
             self.checkpoints.save(lean=True)
-            raise Interrupted(self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir)
+            raise Interrupted(
+                self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir
+            )
         if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
             self.checkpoints.save()
-            raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
-                                 f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}")
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
+                f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}"
+            )
 
     # --- evaluation and sampling -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -334,7 +456,9 @@ class BasicTrainer:
         self.policy.eval()
         collected = defaultdict(list)
         with self.sharding.params_on_device(self.policy):
-            for batch in tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.bars, leave=False):
+            for batch in tqdm.tqdm(
+                self.eval_batches, desc="Computing eval metrics", disable=not self.bars, leave=False
+            ):
                 _, metrics = self.batch_metrics(batch, "eval")
                 valid = batch["valid"].to(self.device)
                 for name, v in metrics.items():  # per row (or completion); the repeats completing a batch are left out
@@ -352,10 +476,17 @@ class BasicTrainer:
         ids = batch["prompt_input_ids"].to(self.sharding.input_device(model))
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else ()):
             torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
-            out = self.sharding.generate(model, input_ids=ids, attention_mask=batch["prompt_attention_mask"].to(ids.device),
-                                         max_new_tokens=self.config.max_new_tokens, do_sample=True, temperature=self.config.temperature,
-                                         top_p=self.config.top_p, pad_token_id=self.tokenizer.pad_token_id)
-        return self.tokenizer.batch_decode(out[:, ids.size(1):], skip_special_tokens=True)
+            out = self.sharding.generate(
+                model,
+                input_ids=ids,
+                attention_mask=batch["prompt_attention_mask"].to(ids.device),
+                max_new_tokens=self.config.max_new_tokens,
+                do_sample=True,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        return self.tokenizer.batch_decode(out[:, ids.size(1) :], skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
         """Samples of policy and reference for the first n_eval_model_samples prompts, in groups seeded on their own
@@ -392,15 +523,25 @@ class RunLog:
         c = self.config
         if self.rank == 0 and not c.debug and c.wandb.enabled:
             import wandb  # seconds to import: only runs that log to it pay
+
             online = bool(os.environ.get("WANDB_API_KEY")) or Path("~/.netrc").expanduser().exists()
-            self.wandb_run = wandb.init(entity=c.wandb.entity, project=c.wandb.project, name=c.exp_name, dir=str(self.run_dir),
-                                        mode=os.environ.get("WANDB_MODE") or ("online" if online else "offline"), config=c.to_dict(),
-                                        id=resumed_wandb_id or None, resume="allow" if resumed_wandb_id else None)
+            self.wandb_run = wandb.init(
+                entity=c.wandb.entity,
+                project=c.wandb.project,
+                name=c.exp_name,
+                dir=str(self.run_dir),
+                mode=os.environ.get("WANDB_MODE") or ("online" if online else "offline"),
+                config=c.to_dict(),
+                id=resumed_wandb_id or None,
+                resume="allow" if resumed_wandb_id else None,
+            )
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         """One record, at `step` (training pairs seen)."""
         if self.rank == 0:
-            self._append("metrics.jsonl", [{"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}])
+            self._append(
+                "metrics.jsonl", [{"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}]
+            )
             if self.wandb_run is not None:
                 self.wandb_run.log(metrics, step=step)
 
@@ -409,18 +550,32 @@ class RunLog:
         speed, loss = f"{metrics['throughput/pairs_per_second']:.2f}", f"{metrics.get('loss/train', math.nan):.4f}"
         bar.update(1)
         bar.set_postfix(pairs_per_s=speed, loss=loss)
-        if bar.disable and self.rank == 0 and (time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total):
-            print(f"progress: step {step}/{total}, pairs seen {examples}, pairs/s {speed}, "
-                  f"loss/train {loss}", flush=True)
+        if (
+            bar.disable
+            and self.rank == 0
+            and (time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total)
+        ):
+            print(
+                f"progress: step {step}/{total}, pairs seen {examples}, pairs/s {speed}, loss/train {loss}", flush=True
+            )
             self.last_progress = time.time()
 
     def samples(self, step: int, rows: list[tuple]) -> None:
         if self.rank == 0:
-            self._append("samples.jsonl", [{"step": step, "prompt": p, "policy": s, "reference": r} for p, s, r in rows])
+            self._append(
+                "samples.jsonl", [{"step": step, "prompt": p, "policy": s, "reference": r} for p, s, r in rows]
+            )
             if self.wandb_run is not None:
                 import wandb
-                self.wandb_run.log({"samples": wandb.Table(columns=["step", "prompt", "policy", "reference"],
-                                                           data=[[step, *row] for row in rows])}, step=step)
+
+                self.wandb_run.log(
+                    {
+                        "samples": wandb.Table(
+                            columns=["step", "prompt", "policy", "reference"], data=[[step, *row] for row in rows]
+                        )
+                    },
+                    step=step,
+                )
 
     def truncate(self, step: int) -> None:
         """On resume: drop the records written after the checkpoint's step (the resumed run writes them again)."""
@@ -442,7 +597,9 @@ class Reference:
     def __init__(self, trainer: BasicTrainer, model: Optional[nn.Module]):
         c, self.trainer, self.tables = trainer.config, trainer, {}  # split -> (n_examples, 2) precomputed sums
         self.lora = c.lora.r is not None
-        self.model = trainer.policy if self.lora and losses.needs_reference(c.loss_names, c.loss.reference_free) else model
+        self.model = (
+            trainer.policy if self.lora and losses.needs_reference(c.loss_names, c.loss.reference_free) else model
+        )
         self.mixed = reference_mixed_precision(c)
 
     def context(self):
@@ -456,12 +613,18 @@ class Reference:
         if self.model is None or t.config.loss.reference_free:
             return None
         with t.autocast() if self.mixed else contextlib.nullcontext(), self.context():
-            out = forward_logps(self.model, {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
-                                per_token=per_token, **t.forward_options())
+            out = forward_logps(
+                self.model,
+                {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
+                per_token=per_token,
+                **t.forward_options(),
+            )
         t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
         return out
 
-    def logps(self, batch: dict, inputs: dict[str, torch.Tensor], split: str, per_token: bool = False) -> Optional[SequenceLogps]:
+    def logps(
+        self, batch: dict, inputs: dict[str, torch.Tensor], split: str, per_token: bool = False
+    ) -> Optional[SequenceLogps]:
         """Reference log-probs of chosen then rejected (2B,): from the precomputed table (sums only), or a forward."""
         if self.tables:
             table = self.tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
@@ -485,8 +648,12 @@ class Reference:
                 sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
             if i < real:
-                logratios = losses.sequence_logps(sums - (0 if ref is None else ref.sums.to(sums.device)), counts, average)
-                total += torch.stack([logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]).to(total.device)
+                logratios = losses.sequence_logps(
+                    sums - (0 if ref is None else ref.sums.to(sums.device)), counts, average
+                )
+                total += torch.stack(
+                    [logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]
+                ).to(total.device)
         total = t.sharding.gather(total[None]).sum(0)
         return (total[0] / total[1]).float().reshape(1)
 
@@ -509,11 +676,15 @@ class Reference:
         policy = {clean_name(k): v for k, v in self.trainer.policy.named_parameters()}
         reference = {clean_name(k): v for k, v in self.model.named_parameters()}
         if policy.keys() != reference.keys():
-            raise RuntimeError(f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}")
+            raise RuntimeError(
+                f"ref_update: policy and reference parameters differ: {sorted(policy.keys() ^ reference.keys())[:5]}"
+            )
         for name, ref in reference.items():  # this rank's shards: FSDP2's DTensor local part, FSDP1's flat ones
             ref, pol = (p.to_local() if hasattr(p, "to_local") else p for p in (ref, policy[name]))
             if ref.shape != pol.shape:
-                raise RuntimeError(f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference")
+                raise RuntimeError(
+                    f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference"
+                )
             ref.lerp_(pol.to(ref.device, ref.dtype), c.alpha)  # ref + alpha (policy - ref)
 
     def precompute(self) -> None:
@@ -522,9 +693,18 @@ class Reference:
         t, c = self.trainer, self.trainer.config
         if not c.precompute_ref_log_probs or self.model is None:
             return
-        used = data.iter_batch_indices(t.n_train_pairs, batch_size=c.batch_size, shuffle=True, seed=t.seed, n_epochs=c.n_epochs,
-                                       n_examples=c.n_examples)
-        self.tables = {"train": self.table("train", sorted({i for batch in used for i in batch})), "test": self.table("test", None)}
+        used = data.iter_batch_indices(
+            t.n_train_pairs,
+            batch_size=c.batch_size,
+            shuffle=True,
+            seed=t.seed,
+            n_epochs=c.n_epochs,
+            n_examples=c.n_examples,
+        )
+        self.tables = {
+            "train": self.table("train", sorted({i for batch in used for i in batch})),
+            "test": self.table("test", None),
+        }
         freed = 0 if self.lora else t.sharding.release(self.model)  # under LoRA the model IS the policy: kept
         self.model = None
         gc.collect()  # FSDP2's modules sit in reference cycles
@@ -542,21 +722,45 @@ class Reference:
         examples = t.splits[split]
         wanted = list(range(min(c.n_eval_examples, len(examples)))) if wanted is None else wanted
         archive = Path(c.model.archive) if c.model.archive else None
-        digest = hashlib.sha256(repr((c.model.name_or_path, c.model.reference_dtype or c.fsdp.model_dtype, self.mixed and c.fsdp.mixed_precision,
-                                      archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
-                                      sorted(examples.keys.items()), len(examples))).encode())  # keys: data, tokenizer
+        digest = hashlib.sha256(
+            repr(
+                (
+                    c.model.name_or_path,
+                    c.model.reference_dtype or c.fsdp.model_dtype,
+                    self.mixed and c.fsdp.mixed_precision,
+                    archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
+                    sorted(examples.keys.items()),
+                    len(examples),
+                )
+            ).encode()
+        )  # keys: data, tokenizer
         path = first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
-        table = (torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan)) if t.rank == 0 else None
+        table = (
+            (torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan))
+            if t.rank == 0
+            else None
+        )
         table = broadcast_object(table)
         missing = [i for i in wanted if math.isnan(table[i, 0])]
-        rank0_print(f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute")
+        rank0_print(
+            f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute"
+        )
         if missing:
             mine = rank_share(missing, t.dp_rank, t.dp_size)  # as many forwards on every rank (collectives under FSDP)
             size, values = max(1, c.eval_batch_size // t.dp_size), []
             for start in range(0, len(mine), size):
-                sums = self.forward(concatenated_inputs(data.collate(examples.rows(mine[start:start + size]),
-                                                                     t.tokenizer.pad_token_id))).sums.float().cpu()
-                values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)  # SFT: one
+                sums = (
+                    self.forward(
+                        concatenated_inputs(
+                            data.collate(examples.rows(mine[start : start + size]), t.tokenizer.pad_token_id)
+                        )
+                    )
+                    .sums.float()
+                    .cpu()
+                )
+                values.append(
+                    torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T
+                )  # SFT: one
             # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
             where = t.sharding.gather(torch.tensor(mine, device=t.device)).cpu()
             table[where] = t.sharding.gather(torch.cat(values).to(t.device)).cpu()
@@ -574,11 +778,21 @@ def beta_dpo_step(t: BasicTrainer, kwargs: dict, split: str) -> dict:
     c = t.config
     name = next(n for n in c.loss_names if "beta" in loss_registry()[n]["reads"])  # the margins of the loss it scales
     average = losses.average_log_prob(losses.LOSSES[name], c.loss)
-    ratio = {s: losses.sequence_logps(kwargs[f"policy_{s}_sum"] - kwargs.get(f"reference_{s}_sum", 0),
-                                      kwargs[f"policy_{s}_len"], average).detach() for s in ("chosen", "rejected")}
+    ratio = {
+        s: losses.sequence_logps(
+            kwargs[f"policy_{s}_sum"] - kwargs.get(f"reference_{s}_sum", 0), kwargs[f"policy_{s}_len"], average
+        ).detach()
+        for s in ("chosen", "rejected")
+    }
     train, draw = split == "train", torch.Generator().manual_seed(t.seed * 1_000_003 + t.batch_counter)
-    beta, keep, running = losses.beta_dpo(ratio["chosen"] - ratio["rejected"], c.loss.beta, c.loss.dynamic_beta,
-                                          t.beta_dpo_running, c.loss.dynamic_beta_filter * train, draw)
+    beta, keep, running = losses.beta_dpo(
+        ratio["chosen"] - ratio["rejected"],
+        c.loss.beta,
+        c.loss.dynamic_beta,
+        t.beta_dpo_running,
+        c.loss.dynamic_beta_filter * train,
+        draw,
+    )
     t.beta_dpo_running = running if train else t.beta_dpo_running
     kwargs.update(keep=keep, beta_batch=beta)
     return {"beta_dpo/beta": torch.full_like(keep, beta, dtype=torch.float), "beta_dpo/kept": keep.float()}
@@ -623,11 +837,23 @@ class Checkpoints:
                 metrics = getattr(t, "last_eval_metrics", {})
                 torch.save({"step_idx": t.example_counter, "state": state, "metrics": metrics}, tmp / "policy.pt")
             torch.save(t.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save({"format": CHECKPOINT_FORMAT, "example_counter": t.example_counter, "batch_counter": t.batch_counter,
-                        "nonfinite_in_a_row": t.nonfinite_in_a_row, "nonfinite_total": t.nonfinite_total,
-                        "wandb_id": getattr(t.log.wandb_run, "id", None), "model": t.config.model.name_or_path,
-                        "datasets": list(t.config.datasets), "seed": t.seed, "batch_size": t.config.batch_size,
-                        "world_size": t.world_size, "beta_dpo_running": t.beta_dpo_running}, tmp / "trainer_state.pt")
+            torch.save(
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "example_counter": t.example_counter,
+                    "batch_counter": t.batch_counter,
+                    "nonfinite_in_a_row": t.nonfinite_in_a_row,
+                    "nonfinite_total": t.nonfinite_total,
+                    "wandb_id": getattr(t.log.wandb_run, "id", None),
+                    "model": t.config.model.name_or_path,
+                    "datasets": list(t.config.datasets),
+                    "seed": t.seed,
+                    "batch_size": t.config.batch_size,
+                    "world_size": t.world_size,
+                    "beta_dpo_running": t.beta_dpo_running,
+                },
+                tmp / "trainer_state.pt",
+            )
             if not lean:
                 self.export_hf(state, tmp / "hf")
         del state
@@ -641,7 +867,10 @@ class Checkpoints:
             link.symlink_to(final.name)
             os.replace(link, t.run_dir / "LATEST")
             fsync_dir(t.run_dir)
-            print(f"checkpoint written: {final}" + (" (lean: no policy.pt, HF export or sha256)" if lean else ""), flush=True)
+            print(
+                f"checkpoint written: {final}" + (" (lean: no policy.pt, HF export or sha256)" if lean else ""),
+                flush=True,
+            )
         t.sharding.barrier()
 
     def export_hf(self, state: dict, out: Path) -> None:
@@ -651,8 +880,9 @@ class Checkpoints:
         if self.trainer.reference.lora:
             lora = self.trainer.config.lora
             model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
-            state = merged_lora_state(state, lora.alpha / lora.r, fan_in_fan_out_layers(model),
-                                      experts=expert_lora_layers(model))
+            state = merged_lora_state(
+                state, lora.alpha / lora.r, fan_in_fan_out_layers(model), experts=expert_lora_layers(model)
+            )
             model = model.get_base_model()
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.trainer.tokenizer.save_pretrained(out)
@@ -676,8 +906,10 @@ class Checkpoints:
             group["initial_lr"], group["lr"] = c.lr, c.lr * factor(t.scheduler.last_epoch)
         t.scheduler._last_lr = [g["lr"] for g in t.optimizer.param_groups]
         if before != t.scheduler._last_lr:
-            rank0_print(f"resume: lr {before[0]:.6g} -> {t.scheduler._last_lr[0]:.6g} at step {t.scheduler.last_epoch} "
-                        f"(lr={c.lr:g}, scheduler={c.scheduler}, warmup_steps={c.warmup_steps})")
+            rank0_print(
+                f"resume: lr {before[0]:.6g} -> {t.scheduler._last_lr[0]:.6g} at step {t.scheduler.last_epoch} "
+                f"(lr={c.lr:g}, scheduler={c.scheduler}, warmup_steps={c.warmup_steps})"
+            )
         t.example_counter, t.batch_counter = state["example_counter"], state["batch_counter"]
         t.nonfinite_in_a_row, t.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
         t.beta_dpo_running = state.get("beta_dpo_running")
@@ -691,7 +923,10 @@ def write_manifest(ckpt: Path, rank: int, world_size: int, hashes: bool = True) 
     """manifest.json: the size (and with `hashes` the sha256) of every file of the checkpoint, written last, each
     file fsynced as it is read: a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as
     wrong weights. The ranks share the files, largest first, so hashing takes 1/world_size of the time."""
-    files = sorted((p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: (-p.stat().st_size, str(p)))
+    files = sorted(
+        (p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"),
+        key=lambda p: (-p.stat().st_size, str(p)),
+    )
     sha256 = {}
     for p in files[rank::world_size]:
         with open(p, "rb") as f:
@@ -710,21 +945,40 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
     sha256). Nothing is loaded from one that fails; the message names each bad file and the run's earlier complete
     checkpoints. It runs once per resume: in the launcher, or on rank 0 of a torchrun job (train.py)."""
     run_dir = ckpt.parent
-    earlier = sorted((p.name for p in run_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
-                      and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()),
-                     key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1, reverse=True)
-    hint = (f"\nearlier checkpoints in {run_dir}: {', '.join(earlier)}; to resume from one, point LATEST at it:"
-            f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}") if earlier else ""
+    earlier = sorted(
+        (
+            p.name
+            for p in run_dir.glob("step-*")
+            if p.is_dir()
+            and not p.name.endswith(".tmp")
+            and (p / "manifest.json").exists()
+            and p.resolve() != ckpt.resolve()
+        ),
+        key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1,
+        reverse=True,
+    )
+    hint = (
+        (
+            f"\nearlier checkpoints in {run_dir}: {', '.join(earlier)}; to resume from one, point LATEST at it:"
+            f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}"
+        )
+        if earlier
+        else ""
+    )
     if not ckpt.is_dir():
-        raise CheckpointError(f"cannot resume: {ckpt}{f' -> {os.readlink(ckpt)}' if ckpt.is_symlink() else ''} is not a "
-                              f"checkpoint directory{hint}")
+        raise CheckpointError(
+            f"cannot resume: {ckpt}{f' -> {os.readlink(ckpt)}' if ckpt.is_symlink() else ''} is not a "
+            f"checkpoint directory{hint}"
+        )
     if not (ckpt / "manifest.json").exists():
         raise CheckpointError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there){hint}")
     try:
         record = json.loads((ckpt / "manifest.json").read_text())
         listed, sums = dict(record["files"]), dict(record.get("sha256", {}))
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot resume: {ckpt / 'manifest.json'} is unreadable ({type(e).__name__}: {e}){hint}") from None
+        raise CheckpointError(
+            f"cannot resume: {ckpt / 'manifest.json'} is unreadable ({type(e).__name__}: {e}){hint}"
+        ) from None
     problems = []
     for name, size in listed.items():
         path = ckpt / name
@@ -737,37 +991,83 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
                 if hashlib.file_digest(f, "sha256").hexdigest() != sums[name]:
                     problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
     if problems:
-        raise CheckpointError(f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
-                              + "\n  ".join(problems) + hint)
+        raise CheckpointError(
+            f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
+            + "\n  ".join(problems)
+            + hint
+        )
     return ckpt
 
 
 # What a resume may change: lr and schedule (applied after loading, printed), the run's length, evaluation, sampling,
 # logging, file places, and knobs that change memory, not numbers; any other key changes what the saved state means.
-RESUME_MAY_CHANGE = ("lr", "scheduler", "warmup_steps", "n_epochs", "n_examples", "eval_every", "n_eval_examples",
-                     "eval_batch_size", "do_first_eval", "sample_during_eval", "n_eval_model_samples", "max_new_tokens",
-                     "temperature", "top_p", "minimum_log_interval_secs", "log_every_steps", "wandb.", "debug", "exp_name", "local_dirs",
-                     "run_dir", "resume_from", "collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps",
-                     "peak_tflops", "activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload",
-                     "fsdp.offload_policy", "fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking",
-                     "fsdp.entropy_checkpointing", "fsdp.use_torch_compile", "self_check")
+RESUME_MAY_CHANGE = (
+    "lr",
+    "scheduler",
+    "warmup_steps",
+    "n_epochs",
+    "n_examples",
+    "eval_every",
+    "n_eval_examples",
+    "eval_batch_size",
+    "do_first_eval",
+    "sample_during_eval",
+    "n_eval_model_samples",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "minimum_log_interval_secs",
+    "log_every_steps",
+    "wandb.",
+    "debug",
+    "exp_name",
+    "local_dirs",
+    "run_dir",
+    "resume_from",
+    "collective_timeout_secs",
+    "fsdp_port",
+    "n_workers",
+    "max_nonfinite_steps",
+    "peak_tflops",
+    "activation_checkpointing",
+    "fsdp.param_offload",
+    "fsdp.optimizer_offload",
+    "fsdp.offload_policy",
+    "fsdp.forward_prefetch",
+    "fsdp.entropy_from_logits_with_chunking",
+    "fsdp.entropy_checkpointing",
+    "fsdp.use_torch_compile",
+    "self_check",
+)
 
 
 def check_compatible(state: dict, config, world_size: int) -> None:
     """Refuse, before anything is loaded, to resume a checkpoint of another model, data, geometry or objective."""
-    expected = {"model": config.model.name_or_path, "datasets": list(config.datasets), "seed": config.seed,
-                "batch_size": config.batch_size, "world_size": world_size}
-    wrong = [f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v]
+    expected = {
+        "model": config.model.name_or_path,
+        "datasets": list(config.datasets),
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "world_size": world_size,
+    }
+    wrong = [
+        f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v
+    ]
     if state.get("format") != CHECKPOINT_FORMAT:
         wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
     original = Path(config.resume_from or "") / "config.yaml"
     if config.resume_from and original.is_file():  # what the run was started with: any other change is refused
         saved, now = flatten(yaml.safe_load(original.read_text()) or {}), flatten(config.to_dict())
-        wrong += [f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r} (a resume "
-                  f"may change only {', '.join(RESUME_MAY_CHANGE)})" for key in sorted(set(saved) | set(now))
-                  if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE)]
+        wrong += [
+            f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r} (a resume "
+            f"may change only {', '.join(RESUME_MAY_CHANGE)})"
+            for key in sorted(set(saved) | set(now))
+            if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE)
+        ]
     if wrong:
-        raise CheckpointError("cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong))
+        raise CheckpointError(
+            "cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong)
+        )
 
 
 # --- Small pure helpers ---
@@ -807,15 +1107,20 @@ def split_name(name: str, split: str) -> str:
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
     """The rows in micro-batches (token budget, else gradient_accumulation_steps slices) and how many are real: every
     forward and backward is a collective under FSDP, so a rank with fewer repeats its last one."""
-    micro = (split_by_tokens(batch, c.max_tokens_per_microbatch, shared_prefix=c.prefix_sharing) if c.max_tokens_per_microbatch
-             else split_batch(batch, c.gradient_accumulation_steps))
+    micro = (
+        split_by_tokens(batch, c.max_tokens_per_microbatch, shared_prefix=c.prefix_sharing)
+        if c.max_tokens_per_microbatch
+        else split_batch(batch, c.gradient_accumulation_steps)
+    )
     return micro + micro[-1:] * (sharding.agree_max(len(micro)) - len(micro)), len(micro)
 
 
 def pair_tokens(batch: dict, shared_prefix: bool = False) -> torch.Tensor:
     """(B,) real tokens of the rows each example becomes: its sequences, the prompt once when it is shared."""
     sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
-    return sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (batch["prompt_attention_mask"].sum(1) if shared_prefix else 0)
+    return sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (
+        batch["prompt_attention_mask"].sum(1) if shared_prefix else 0
+    )
 
 
 def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:
@@ -840,7 +1145,7 @@ def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -
 def split_batch(batch: dict, k: int) -> list[dict]:
     """k consecutive micro-batches whose sizes differ by at most one (empty ones when there are fewer rows than k)."""
     n = len(batch["chosen_input_ids"])
-    return [{key: v[i * n // k:(i + 1) * n // k] for key, v in batch.items()} for i in range(k)]
+    return [{key: v[i * n // k : (i + 1) * n // k] for key, v in batch.items()} for i in range(k)]
 
 
 def rank_share(indices: list[int], rank: int, world_size: int) -> list[int]:
@@ -855,8 +1160,13 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
-def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed: frozenset = frozenset(),
-                      adapter: str = "default", experts: Optional[dict] = None) -> dict[str, torch.Tensor]:
+def merged_lora_state(
+    state: dict[str, torch.Tensor],
+    scaling: float,
+    transposed: frozenset = frozenset(),
+    adapter: str = "default",
+    experts: Optional[dict] = None,
+) -> dict[str, torch.Tensor]:
     """A peft LoRA model's full state dict -> the base model's with each adapter merged, W + scaling * B @ A (scaling
     = lora.alpha / lora.r), keys without peft's prefixes. Layers in `transposed` store W as (in, out) (transformers'
     Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as peft merges it. `experts` (expert_lora_layers:
@@ -866,8 +1176,9 @@ def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed
     for stem, (name, n, swapped) in (experts or {}).items():
         a, b = (state[f"{stem}.lora_{x}.{adapter}.weight"].double() for x in "AB")
         a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(b.shape[0], -1, n)  # (experts, r, in), (out, r, experts)
-        base = next(k for k in state if k.startswith(f"{stem}.base_layer.") and k.endswith(f".{name}")
-                    and ".lora_" not in k)
+        base = next(
+            k for k in state if k.startswith(f"{stem}.base_layer.") and k.endswith(f".{name}") and ".lora_" not in k
+        )
         deltas[base] = scaling * torch.einsum("ore,eri->e" + ("oi" if swapped else "io"), b, a)
     for key, value in state.items():
         if ".lora_" in key:
@@ -876,7 +1187,9 @@ def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed
             value = value + deltas[key].to(value.dtype)
         elif key.endswith(".base_layer.weight"):
             stem = key[: -len(".base_layer.weight")]
-            delta = scaling * (state[f"{stem}.lora_B.{adapter}.weight"].double() @ state[f"{stem}.lora_A.{adapter}.weight"].double())
+            delta = scaling * (
+                state[f"{stem}.lora_B.{adapter}.weight"].double() @ state[f"{stem}.lora_A.{adapter}.weight"].double()
+            )
             value = value + (delta.T if stem in transposed else delta).to(value.dtype)
         parts = key.removeprefix("base_model.model.").split(".")
         merged[".".join(part for part in parts if part != "base_layer")] = value  # nested wrappers: each level
@@ -886,13 +1199,18 @@ def merged_lora_state(state: dict[str, torch.Tensor], scaling: float, transposed
 def expert_lora_layers(model: nn.Module) -> dict[str, tuple[str, int, bool]]:
     """State-dict stem of each peft LoRA layer on a fused expert parameter -> (its parameter's name, experts, whether
     it is stored (experts, out, in)); peft's all-linear adapts them in transformers' MoE models."""
-    return {clean_name(name): (m.parameter_name, m.num_experts, m._did_swap_in_out_features)
-            for name, m in model.named_modules() if getattr(m, "num_experts", 1) > 1 and hasattr(m, "parameter_name")}
+    return {
+        clean_name(name): (m.parameter_name, m.num_experts, m._did_swap_in_out_features)
+        for name, m in model.named_modules()
+        if getattr(m, "num_experts", 1) > 1 and hasattr(m, "parameter_name")
+    }
 
 
 def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
     """State-dict stems of the LoRA layers whose base weight is stored (in, out) (peft sets fan_in_fan_out for Conv1D)."""
-    return frozenset(clean_name(name) for name, module in model.named_modules() if getattr(module, "fan_in_fan_out", False))
+    return frozenset(
+        clean_name(name) for name, module in model.named_modules() if getattr(module, "fan_in_fan_out", False)
+    )
 
 
 SHARDINGS = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
@@ -902,21 +1220,39 @@ class FSDPTrainer(BasicTrainer):
     """BasicTrainer with policy and reference sharded as the original FSDPTrainer did (each block a unit, FULL_SHARD,
     BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (sharding.py) does the rest."""
 
-    def __init__(self, policy: nn.Module, config, seed: int, run_dir: str, reference_model: Optional[nn.Module] = None,
-                 rank: int = 0, world_size: int = 1, tokenizer=None, splits: Optional[dict] = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        config,
+        seed: int,
+        run_dir: str,
+        reference_model: Optional[nn.Module] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        tokenizer=None,
+        splits: Optional[dict] = None,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
         # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if config.fsdp.ulysses_sequence_parallel_size > 1:  # before sharding: recomputed blocks attend through it too
             self.sp = ulysses.make_group(device, world_size, config.fsdp.ulysses_sequence_parallel_size)
             for model in filter(None, (policy, reference_model)):
                 ulysses.install(model, self.sp)
         self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, device, rank, world_size, policy)
         self.n_params = flops_params(policy)  # meta tensors know their shapes too
-        policy = self.sharding.shard(policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward)
+        policy = self.sharding.shard(
+            policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward
+        )
         if reference_model is not None:  # in its own compute dtype (reference_mixed_precision)
-            reference_model = self.sharding.shard(reference_model, False, mixed_precision=reference_mixed_precision(config))
+            reference_model = self.sharding.shard(
+                reference_model, False, mixed_precision=reference_mixed_precision(config)
+            )
         super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer, splits)

@@ -7,6 +7,7 @@ trainers.py calls `make_group` and `install` (`paused()` turns it off for sampli
 `whole_row_inputs`, `local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed
 log-probs and the backward of a sum is a sum, so FSDP's average over all `dp x sp` ranks is the data-parallel mean.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ _PAUSED = [False]  # True inside paused()
 @dataclass(frozen=True)
 class SequenceParallel:
     """One rank's group: `size` consecutive ranks holding the same pairs; this one holds every row's `rank`-th slice."""
+
     group: object  # torch.distributed ProcessGroup
     rank: int
     size: int
@@ -33,6 +35,7 @@ class SequenceParallel:
 def make_group(device: torch.device, world_size: int, size: int) -> SequenceParallel:
     """The (dp x sp) mesh, as verl's: groups of `size` consecutive ranks (FSDP still shards over all); a collective."""
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(device.type, (world_size // size, size), mesh_dim_names=("dp", "sp"))
     return SequenceParallel(group=mesh["sp"].get_group(), rank=mesh.get_local_rank("sp"), size=size)
 
@@ -105,16 +108,19 @@ def _wrap(inner_of, takes_is_causal: bool):
     heads, all-to-all back. whole_row_inputs' causal stand-in becomes is_causal=True for sdpa (its O(T) causal kernel;
     a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a causal mask per call. A
     FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to FlexAttention."""
+
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = inner_of(module)
         if isinstance(attention_mask, BlockMask):
             from transformers.integrations import flex_attention
+
             inner = flex_attention.flex_attention_forward
         sp = getattr(module, "ulysses_group", None)  # set by install on the modules of a sequence-parallel model
         if sp is None or _PAUSED[0]:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if key.shape[1] % sp.size:  # fewer KV heads than ranks (or not a multiple): one per query head
             from transformers.integrations.sdpa_attention import repeat_kv
+
             key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
             module = _AttentionView(module, num_key_value_groups=1)
         if getattr(module, "sinks", None) is not None:  # gpt-oss: a learned sink logit per head; this rank's heads only
@@ -129,11 +135,13 @@ def _wrap(inner_of, takes_is_causal: bool):
         query, key, value = (_exchange(x, sp) for x in (query, key, value))
         if causal and not takes_is_causal:
             t = query.size(-2)
-            attention_mask = torch.full((t, t), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16,
-                                        device=query.device).triu_(1)[None, None]
+            attention_mask = torch.full(
+                (t, t), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=query.device
+            ).triu_(1)[None, None]
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         # (B, T, H/sp, d) -> (B, T/sp, H, d); no attention weights: they would be per head slice
         return _exchange(out, sp), None
+
     return attention
 
 
@@ -141,14 +149,19 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """`model` attends sequence-parallel over `sp` from now on: the all-to-all wraps its modules' attention function
     only, in forward and in checkpointed recomputation."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
-        raise ValueError(f"fsdp.ulysses_sequence_parallel_size={sp.size} with attention {implementation!r}: not supported"
-                         f" yet; expected one of {SUPPORTED_ATTENTION} (the model's config._attn_implementation)")
+        raise ValueError(
+            f"fsdp.ulysses_sequence_parallel_size={sp.size} with attention {implementation!r}: not supported"
+            f" yet; expected one of {SUPPORTED_ATTENTION} (the model's config._attn_implementation)"
+        )
     original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
     if not getattr(original, "ulysses", False):
-        wrapped = _wrap(_eager_attention if implementation == "eager" else lambda module: original,
-                        takes_is_causal=implementation == "sdpa")
+        wrapped = _wrap(
+            _eager_attention if implementation == "eager" else lambda module: original,
+            takes_is_causal=implementation == "sdpa",
+        )
         wrapped.ulysses = True
         ALL_ATTENTION_FUNCTIONS[implementation] = wrapped
     for module in model.modules():  # the attention function receives the attention module: it finds the group there
@@ -173,7 +186,11 @@ def whole_row_inputs(kwargs: dict) -> dict:
     ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
     causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
     causal.causal_only = True
-    return {"input_ids": ids, "attention_mask": causal, "position_ids": torch.arange(t, device=ids.device).expand_as(ids)}
+    return {
+        "input_ids": ids,
+        "attention_mask": causal,
+        "position_ids": torch.arange(t, device=ids.device).expand_as(ids),
+    }
 
 
 def local_slice(kwargs: dict, sp: SequenceParallel, *per_position: torch.Tensor):

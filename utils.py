@@ -1,5 +1,6 @@
 """Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, the
 data options a split is read with, and the few distributed helpers (sharding.py and ulysses.py hold the rest)."""
+
 import os
 import random
 import socket
@@ -37,7 +38,9 @@ def get_block_class_from_model(model: torch.nn.Module, block_class_name: str) ->
         if type(module).__name__ == block_class_name:
             return type(module)
     names = sorted({type(m).__name__ for m in model.modules()})
-    raise ValueError(f"no module of class '{block_class_name}' in {type(model).__name__}; its module classes are: {', '.join(names)}")
+    raise ValueError(
+        f"no module of class '{block_class_name}' in {type(model).__name__}; its module classes are: {', '.join(names)}"
+    )
 
 
 def find_block_class_names(model: torch.nn.Module) -> list[str]:
@@ -119,10 +122,16 @@ def data_options(cfg, split: str) -> dict:
     and the run manifest read the same data). KTO reads labelled completions; with pairs_to_unpaired, training
     splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
     unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
-    return dict(max_length=cfg.max_length, max_prompt_length=cfg.max_prompt_length, truncation_mode=cfg.truncation_mode,
-                sft_mode=set(cfg.loss_names) == {"sft"}, cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"),
-                unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
-                drop_identical_pairs=cfg.drop_identical_pairs)
+    return dict(
+        max_length=cfg.max_length,
+        max_prompt_length=cfg.max_prompt_length,
+        truncation_mode=cfg.truncation_mode,
+        sft_mode=set(cfg.loss_names) == {"sft"},
+        cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"),
+        unpaired=unpaired,
+        pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
+        drop_identical_pairs=cfg.drop_identical_pairs,
+    )
 
 
 def atomic_write_text(path: Path, text: str) -> None:

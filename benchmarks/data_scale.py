@@ -11,6 +11,7 @@ seconds since its start, its peak RSS (getrusage) and its peak PSS (/proc/self/s
 pages several ranks map count once in their sum). The toy task, run the same way, is the reference: the table gives
 each figure and what N pairs add over the toy task.
 """
+
 import argparse
 import json
 import os
@@ -25,37 +26,56 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from or had by "
-         "word but what some we can out other were all there when up use your how said an each she which do their time "
-         "if will way about many then them write would like so these her long make thing see him two has look more day "
-         "could go come did number sound no most people my over know water than call first who may down side been now "
-         "find any new work part take get place made live where after back little only round man year came show every "
-         "good me give our under name very through just form sentence great think say help low line differ turn cause "
-         "much mean before move right boy old too same tell does set three want air well also play small end put home "
-         "read hand port large spell add even land here must big high such follow act why ask men change went light "
-         "kind off need house picture try us again animal point mother world near build self earth father").split()
-RUN = ["loss=dpo", "model=tiny", "n_epochs=null", "batch_size=8", "n_examples=8", "eval_batch_size=8",
-       "n_eval_examples=8", "max_length=512", "max_prompt_length=256", "warmup_steps=0", "do_first_eval=false",
-       "sample_during_eval=false", "wandb.enabled=false", "optimizer=AdamW"]
+WORDS = (
+    "the a of to and in is it you that he was for on are with as I his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she which do their time "
+    "if will way about many then them write would like so these her long make thing see him two has look more day "
+    "could go come did number sound no most people my over know water than call first who may down side been now "
+    "find any new work part take get place made live where after back little only round man year came show every "
+    "good me give our under name very through just form sentence great think say help low line differ turn cause "
+    "much mean before move right boy old too same tell does set three want air well also play small end put home "
+    "read hand port large spell add even land here must big high such follow act why ask men change went light "
+    "kind off need house picture try us again animal point mother world near build self earth father"
+).split()
+RUN = [
+    "loss=dpo",
+    "model=tiny",
+    "n_epochs=null",
+    "batch_size=8",
+    "n_examples=8",
+    "eval_batch_size=8",
+    "n_eval_examples=8",
+    "max_length=512",
+    "max_prompt_length=256",
+    "warmup_steps=0",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    "wandb.enabled=false",
+    "optimizer=AdamW",
+]
 
 
 def write_pairs(path: Path, n: int, seed: int) -> None:
     """n {prompt, chosen, rejected} rows: 1-3 turns of history (~70 words a prompt), replies of ~35 and ~30 words,
     every length lognormal (a long tail, as real conversations); a sentence ends every ~12 words."""
-    rng, vocab = np.random.default_rng(seed), np.array(WORDS + [w + "." for w in WORDS[:len(WORDS) // 11]])
+    rng, vocab = np.random.default_rng(seed), np.array(WORDS + [w + "." for w in WORDS[: len(WORDS) // 11]])
 
     def texts(mean_words: float, count: int) -> list[str]:
         lengths = np.maximum(1, rng.lognormal(np.log(mean_words), 0.6, count).astype(int))
         words, ends = vocab[rng.integers(0, len(vocab), lengths.sum())].tolist(), np.cumsum(lengths)
-        return [" ".join(words[end - length:end]) for end, length in zip(ends, lengths)]
+        return [" ".join(words[end - length : end]) for end, length in zip(ends, lengths)]
+
     first, turns = texts(25, n), rng.integers(0, 3, n)
     replies, follow_ups = iter(texts(20, int(turns.sum()))), iter(texts(12, int(turns.sum())))
     chosen, rejected = texts(35, n), texts(30, n)
     with open(path.with_suffix(".tmp"), "w") as f:
         for i in range(n):
             history = "".join(f"\n\nAssistant: {next(replies)}\n\nHuman: {next(follow_ups)}" for _ in range(turns[i]))
-            row = {"prompt": f"\n\nHuman: {i}. {first[i]}{history}\n\nAssistant:", "chosen": " " + chosen[i],
-                   "rejected": " " + rejected[i]}
+            row = {
+                "prompt": f"\n\nHuman: {i}. {first[i]}{history}\n\nAssistant:",
+                "chosen": " " + chosen[i],
+                "rejected": " " + rejected[i],
+            }
             f.write(json.dumps(row) + "\n")
     os.replace(path.with_suffix(".tmp"), path)
 
@@ -78,6 +98,7 @@ def worker(tree: str, out: str, argv: list[str]) -> None:
             pss = next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("Pss:"))
             peak["pss"] = max(peak["pss"], pss)
             time.sleep(0.05)
+
     threading.Thread(target=sample, daemon=True).start()
     sys.path.insert(0, tree)
     os.chdir(tree)
@@ -87,10 +108,16 @@ def worker(tree: str, out: str, argv: list[str]) -> None:
     def first_step(self, batch):
         rank = int(os.environ.get("RANK", 0))
         usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process (the tokenizer's too)
-        record = dict(rank=rank, at=time.time(), rss_mb=usage.ru_maxrss / 1024, pss_mb=peak["pss"] / 1024,
-                      cpu=usage.ru_utime + usage.ru_stime)
+        record = dict(
+            rank=rank,
+            at=time.time(),
+            rss_mb=usage.ru_maxrss / 1024,
+            pss_mb=peak["pss"] / 1024,
+            cpu=usage.ru_utime + usage.ru_stime,
+        )
         Path(f"{out}.{rank}.json").write_text(json.dumps(record))
         os._exit(0)
+
     trainers.BasicTrainer.train_step = first_step
     sys.exit(train.main(argv))
 
@@ -109,14 +136,24 @@ def run(tree: str, source: str, ranks: int, cache: Path, tmp: Path, name: str) -
     start, procs = time.time(), []
     for rank in range(ranks):
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else env
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", tree, str(out), *args], env=rank_env,
-                                      stdout=open(f"{out}.{rank}.log", "w"), stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", tree, str(out), *args],
+                env=rank_env,
+                stdout=open(f"{out}.{rank}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+        )
     if any(p.wait() for p in procs):
         raise SystemExit(f"{name}: a rank failed; see {out}.*.log")
     records = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(ranks)]
-    return dict(seconds=max(r["at"] for r in records) - start, cpu=max(r["cpu"] for r in records),
-                rss=max(r["rss_mb"] for r in records), pss=max(r["pss_mb"] for r in records),
-                pss_sum=sum(r["pss_mb"] for r in records))
+    return dict(
+        seconds=max(r["at"] for r in records) - start,
+        cpu=max(r["cpu"] for r in records),
+        rss=max(r["rss_mb"] for r in records),
+        pss=max(r["pss_mb"] for r in records),
+        pss_sum=sum(r["pss_mb"] for r in records),
+    )
 
 
 def main() -> None:
@@ -128,27 +165,43 @@ def main() -> None:
     a = ap.parse_args()
     work, trees = Path(a.work), {Path(t).resolve().name: str(Path(t).resolve()) for t in a.tree}
     work.mkdir(parents=True, exist_ok=True)
-    print(f"{os.cpu_count()} CPUs; seconds from start to the first step (slowest rank) and CPU seconds of the busiest "
-          "rank until then (a loaded machine stretches the first, hardly the second); peak MB per rank (largest); "
-          "+: over the toy task, same tree and ranks; PSS summed over the ranks")
-    print(f"{'tree':>8} {'pairs':>9} {'ranks':>5} {'cache':>5} {'seconds':>8} {'+s':>7} {'cpu s':>7} {'+cpu':>7} "
-          f"{'RSS':>7} {'+RSS':>7} {'PSS':>7} {'+PSS':>7} {'PSS sum':>8}", flush=True)
+    print(
+        f"{os.cpu_count()} CPUs; seconds from start to the first step (slowest rank) and CPU seconds of the busiest "
+        "rank until then (a loaded machine stretches the first, hardly the second); peak MB per rank (largest); "
+        "+: over the toy task, same tree and ranks; PSS summed over the ranks"
+    )
+    print(
+        f"{'tree':>8} {'pairs':>9} {'ranks':>5} {'cache':>5} {'seconds':>8} {'+s':>7} {'cpu s':>7} {'+cpu':>7} "
+        f"{'RSS':>7} {'+RSS':>7} {'PSS':>7} {'+PSS':>7} {'PSS sum':>8}",
+        flush=True,
+    )
     toy = {}
     for ranks in a.ranks:
         for n in [0, *a.sizes]:
             source = "toy" if n == 0 else dataset(work, n)
             for label, tree in trees.items():  # interleaved: a loaded machine slows both alike
                 cache = work / f"cache-{label}-{n}-{ranks}"
-                subprocess.run(["rm", "-rf", str(cache), str(work / f"{label}-{n}-{ranks}-cold-run"),
-                                str(work / f"{label}-{n}-{ranks}-warm-run")], check=True)
+                subprocess.run(
+                    [
+                        "rm",
+                        "-rf",
+                        str(cache),
+                        str(work / f"{label}-{n}-{ranks}-cold-run"),
+                        str(work / f"{label}-{n}-{ranks}-warm-run"),
+                    ],
+                    check=True,
+                )
                 for state in ("cold", "warm"):
                     r = run(tree, source, ranks, cache, work, f"{label}-{n}-{ranks}-{state}")
                     toy[label, ranks] = r if n == 0 and state == "warm" else toy.get((label, ranks))
                     base = toy[label, ranks] if n else r
                     added = {k: r[k] - base[k] for k in ("seconds", "cpu", "rss", "pss")}
-                    print(f"{label:>8} {n or 'toy':>9} {ranks:>5} {state:>5} {r['seconds']:8.1f} "
-                          f"{added['seconds']:+7.1f} {r['cpu']:7.1f} {added['cpu']:+7.1f} {r['rss']:7.0f} {added['rss']:+7.0f} {r['pss']:7.0f} "
-                          f"{added['pss']:+7.0f} {r['pss_sum']:8.0f}", flush=True)
+                    print(
+                        f"{label:>8} {n or 'toy':>9} {ranks:>5} {state:>5} {r['seconds']:8.1f} "
+                        f"{added['seconds']:+7.1f} {r['cpu']:7.1f} {added['cpu']:+7.1f} {r['rss']:7.0f} {added['rss']:+7.0f} {r['pss']:7.0f} "
+                        f"{added['pss']:+7.0f} {r['pss_sum']:8.0f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

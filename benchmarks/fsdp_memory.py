@@ -16,6 +16,7 @@ run; the ratio is then bounded by the full path's logits plus their gradient.
     python benchmarks/fsdp_memory.py                  # 4 x 512 tokens per rank, ~2 min on 2 CPU cores
     python benchmarks/fsdp_memory.py --length 2048    # the issue's 8 x 2048 tokens over 2 ranks (full: not on 23 GiB)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,17 @@ def random_llama(vocab: int, hidden: int, layers: int, length: int, heads: int =
     then each block and the root fully_shard-ed over the ranks, as sharding.FSDP2 does."""
     import transformers
     from torch.distributed.fsdp import fully_shard
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * hidden,
-                                      max_position_embeddings=length, tie_word_embeddings=False)
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=length,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if install is not None:
@@ -111,24 +120,34 @@ def main() -> int:
     results = {}
     for tiled in (False, True):
         if not tiled and full_need_gib > available_gib:
-            print(f"full: NOT RUN: 2 ranks need ~{full_need_gib:.1f} GiB (3 x {logits_gib:.2f} GiB of fp32 logits + 1 GiB, "
-                  f"each), MemAvailable is {available_gib:.1f} GiB")
+            print(
+                f"full: NOT RUN: 2 ranks need ~{full_need_gib:.1f} GiB (3 x {logits_gib:.2f} GiB of fp32 logits + 1 GiB, "
+                f"each), MemAvailable is {available_gib:.1f} GiB"
+            )
             continue
         mp.spawn(rank_step, args=(get_open_port(), args, tiled, args.out), nprocs=2, join=True)
-        results[tiled] = [json.loads(Path(args.out, f"{'tiled' if tiled else 'full'}-{r}.json").read_text()) for r in range(2)]
-    print(f"FSDP2, 2 gloo ranks, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.rows} x "
-          f"{args.length} tokens per rank ({args.prompt} prompt tokens unscored); full fp32 logits per rank = {logits_gib:.2f} GiB")
+        results[tiled] = [
+            json.loads(Path(args.out, f"{'tiled' if tiled else 'full'}-{r}.json").read_text()) for r in range(2)
+        ]
+    print(
+        f"FSDP2, 2 gloo ranks, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, {args.rows} x "
+        f"{args.length} tokens per rank ({args.prompt} prompt tokens unscored); full fp32 logits per rank = {logits_gib:.2f} GiB"
+    )
     for tiled in results:
         for r in results[tiled]:
-            print(f"  {'tiled' if tiled else 'full '}  rank {r['rank']}  step_peak_gib={r['peak_gib']:.3f}  "
-                  f"rss_before_gib={r['base_gib']:.3f}  step_seconds={r['seconds']:.2f}")
+            print(
+                f"  {'tiled' if tiled else 'full '}  rank {r['rank']}  step_peak_gib={r['peak_gib']:.3f}  "
+                f"rss_before_gib={r['base_gib']:.3f}  step_seconds={r['seconds']:.2f}"
+            )
     tiled_peak = max(r["peak_gib"] for r in results[True])
     if False in results:
         ratio = tiled_peak / max(r["peak_gib"] for r in results[False])
         print(f"tiled_over_full_peak_ratio={ratio:.3f} (goal <= 0.35)")
     else:  # the full path's logits and their gradient exist together in its backward: a floor of its peak
-        print(f"tiled_over_full_peak_ratio<={tiled_peak / (2 * logits_gib):.3f} (goal <= 0.35; full not run: its peak is "
-              f"at least the logits plus their gradient, 2 x {logits_gib:.2f} GiB)")
+        print(
+            f"tiled_over_full_peak_ratio<={tiled_peak / (2 * logits_gib):.3f} (goal <= 0.35; full not run: its peak is "
+            f"at least the logits plus their gradient, 2 x {logits_gib:.2f} GiB)"
+        )
     return 0
 
 

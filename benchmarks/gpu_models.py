@@ -12,6 +12,7 @@ gpt-oss-20b's attention geometry: 64 query heads of 64 over 8 key/value heads, 3
 parameters) checks correctness fast; `small` (~20-40M, the MoEs ~100M of which a quarter is active) gives throughput
 numbers worth reading.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,38 +22,78 @@ import sys
 from pathlib import Path
 
 VOCAB = 512  # the toy tokenizer's (toy/tiny-llama), which every model here is trained with
-SIZES = {"tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, experts=(4, 2), gpt_oss_heads=(4, 2, 16)),
-         "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, mlp=2048, experts=(32, 4), gpt_oss_heads=(64, 8, 64))}
+SIZES = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, experts=(4, 2), gpt_oss_heads=(4, 2, 16)),
+    "small": dict(hidden=512, layers=8, heads=8, kv_heads=4, mlp=2048, experts=(32, 4), gpt_oss_heads=(64, 8, 64)),
+}
 MOE = ("qwen3_moe", "gpt_oss")  # the ones that take loss.router_aux_loss
 
 
 def configs(size: str) -> dict:
     from transformers import GptOssConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
     s = SIZES[size]
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return {
-        "gpt2": GPT2Config(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"], n_inner=s["mlp"], n_positions=512,
-                           tie_word_embeddings=True, **common),
-        "llama": LlamaConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["kv_heads"], intermediate_size=s["mlp"], max_position_embeddings=512,
-                             tie_word_embeddings=False, **common),
-        "qwen2": Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["kv_heads"], intermediate_size=s["mlp"], max_position_embeddings=512,
-                             tie_word_embeddings=True, **common),
+        "gpt2": GPT2Config(
+            n_embd=s["hidden"],
+            n_layer=s["layers"],
+            n_head=s["heads"],
+            n_inner=s["mlp"],
+            n_positions=512,
+            tie_word_embeddings=True,
+            **common,
+        ),
+        "llama": LlamaConfig(
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            intermediate_size=s["mlp"],
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **common,
+        ),
+        "qwen2": Qwen2Config(
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            intermediate_size=s["mlp"],
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            **common,
+        ),
         # top-k of the experts a token (experts: (count, k)), each a quarter of the dense MLP's width
-        "qwen3_moe": Qwen3MoeConfig(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                                    num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                                    head_dim=s["hidden"] // s["heads"], intermediate_size=s["mlp"],
-                                    moe_intermediate_size=s["mlp"] // 4, num_experts=s["experts"][0],
-                                    num_experts_per_tok=s["experts"][1], max_position_embeddings=512,
-                                    tie_word_embeddings=False, **common),
+        "qwen3_moe": Qwen3MoeConfig(
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            head_dim=s["hidden"] // s["heads"],
+            intermediate_size=s["mlp"],
+            moe_intermediate_size=s["mlp"] // 4,
+            num_experts=s["experts"][0],
+            num_experts_per_tok=s["experts"][1],
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **common,
+        ),
         # layers alternate sliding (128) and full attention, as gpt-oss-20b's; its YaRN (x32 over 4096 positions)
-        "gpt_oss": GptOssConfig(hidden_size=s["hidden"], num_hidden_layers=max(2, s["layers"] // 2),
-                                num_attention_heads=s["gpt_oss_heads"][0], num_key_value_heads=s["gpt_oss_heads"][1],
-                                head_dim=s["gpt_oss_heads"][2], intermediate_size=s["hidden"],
-                                num_local_experts=s["experts"][0], num_experts_per_tok=s["experts"][1],
-                                sliding_window=128, max_position_embeddings=131072, tie_word_embeddings=False,
-                                **common),
+        "gpt_oss": GptOssConfig(
+            hidden_size=s["hidden"],
+            num_hidden_layers=max(2, s["layers"] // 2),
+            num_attention_heads=s["gpt_oss_heads"][0],
+            num_key_value_heads=s["gpt_oss_heads"][1],
+            head_dim=s["gpt_oss_heads"][2],
+            intermediate_size=s["hidden"],
+            num_local_experts=s["experts"][0],
+            num_experts_per_tok=s["experts"][1],
+            sliding_window=128,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+            **common,
+        ),
     }
 
 
@@ -60,6 +101,7 @@ def build(out: Path, size: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
+
     transformers.utils.logging.disable_progress_bar()  # stdout is the list of models the script reads
     for name, config in configs(size).items():
         path = out / f"{name}-{size}"
@@ -73,8 +115,11 @@ def summarize(run_dir: Path) -> int:
     """Median pairs/s and MFU over the training steps after the first (warm-up, compilation, allocator). train.py
     logs throughput/mfu only with peak_tflops or on a GPU in trainers.PEAK_TFLOPS: otherwise MFU is "-"."""
     path = run_dir / "metrics.jsonl"
-    steps = [r for r in map(json.loads, path.read_text().splitlines())
-             if "throughput/pairs_per_second" in r] if path.exists() else []
+    steps = (
+        [r for r in map(json.loads, path.read_text().splitlines()) if "throughput/pairs_per_second" in r]
+        if path.exists()
+        else []
+    )
     steps = steps[1:] or steps
     if not steps or any(r.get("loss/train") is None for r in steps):  # no step, or a non-finite loss (logged as null)
         print(f"no finite training step in {path}", file=sys.stderr)

@@ -54,7 +54,7 @@ def make_inputs(args, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, args.dtype)
     hidden = torch.randn(args.rows, args.hidden, generator=gen, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(args.vocab, args.hidden, generator=gen, device=device) / args.hidden**0.5)
+    weight = torch.randn(args.vocab, args.hidden, generator=gen, device=device) / args.hidden**0.5
     weight = weight.to(dtype).requires_grad_()
     labels = torch.randint(0, args.vocab, (args.rows,), generator=gen, device=device)
     return hidden, weight, labels
@@ -84,9 +84,24 @@ def measure_cpu_child(args) -> None:
 
 
 def measure_cpu(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--rows", str(args.rows), "--hidden",
-           str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype, "--chunk-size",
-           str(args.chunk_size), "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--rows",
+        str(args.rows),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--chunk-size",
+        str(args.chunk_size),
+        "--repeats",
+        str(args.repeats),
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -130,20 +145,28 @@ def main() -> None:
     if args.device == "cpu":
         available = read_kib("/proc/meminfo", "MemAvailable") * 1024
         if available < 6 * logits_bytes:
-            raise SystemExit(f"needs ~{6 * logits_bytes / GIB:.1f} GiB free RAM for the plain variant, "
-                             f"{available / GIB:.1f} GiB available; try --rows 1024")
+            raise SystemExit(
+                f"needs ~{6 * logits_bytes / GIB:.1f} GiB free RAM for the plain variant, "
+                f"{available / GIB:.1f} GiB available; try --rows 1024"
+            )
     measure = measure_cuda if args.device == "cuda" else measure_cpu
-    print(f"device={args.device} rows={args.rows} hidden={args.hidden} vocab={args.vocab} dtype={args.dtype} "
-          f"chunk_size={args.chunk_size} logits={logits_bytes / GIB:.3f} GiB "
-          f"weight={args.vocab * args.hidden * element / GIB:.3f} GiB  method="
-          + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "fresh subprocess, VmHWM - VmRSS"))
+    print(
+        f"device={args.device} rows={args.rows} hidden={args.hidden} vocab={args.vocab} dtype={args.dtype} "
+        f"chunk_size={args.chunk_size} logits={logits_bytes / GIB:.3f} GiB "
+        f"weight={args.vocab * args.hidden * element / GIB:.3f} GiB  method="
+        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "fresh subprocess, VmHWM - VmRSS")
+    )
     results = {variant: measure(args, variant) for variant in ("plain", "tiled")}
     for variant, result in results.items():
-        print(f"{variant}_peak_gib={result['peak_bytes'] / GIB:.3f}  "
-              f"{variant}_peak_over_logits={result['peak_bytes'] / logits_bytes:.2f}x  "
-              f"{variant}_seconds={result['seconds']:.3f}")
-    print(f"tiled_over_plain_peak={results['tiled']['peak_bytes'] / results['plain']['peak_bytes']:.3f}  "
-          f"tiled_over_plain_seconds={results['tiled']['seconds'] / results['plain']['seconds']:.3f}")
+        print(
+            f"{variant}_peak_gib={result['peak_bytes'] / GIB:.3f}  "
+            f"{variant}_peak_over_logits={result['peak_bytes'] / logits_bytes:.2f}x  "
+            f"{variant}_seconds={result['seconds']:.3f}"
+        )
+    print(
+        f"tiled_over_plain_peak={results['tiled']['peak_bytes'] / results['plain']['peak_bytes']:.3f}  "
+        f"tiled_over_plain_seconds={results['tiled']['seconds'] / results['plain']['seconds']:.3f}"
+    )
 
 
 if __name__ == "__main__":

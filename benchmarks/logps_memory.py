@@ -89,8 +89,20 @@ def measure_cpu_child(args) -> None:
 
 
 def measure_cpu(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(args.seqs), "--tokens",
-           str(args.tokens), "--vocab", str(args.vocab), "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--seqs",
+        str(args.seqs),
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -106,8 +118,7 @@ def measure_cuda(args, variant: str) -> dict:
     start = time.perf_counter()
     VARIANTS[variant](logits, labels).sum().backward()
     torch.cuda.synchronize()
-    result = {"peak_bytes": torch.cuda.max_memory_allocated() - before,
-              "seconds": time.perf_counter() - start}
+    result = {"peak_bytes": torch.cuda.max_memory_allocated() - before, "seconds": time.perf_counter() - start}
     del logits, labels
     torch.cuda.empty_cache()
     return result
@@ -126,21 +137,29 @@ def main() -> None:
         measure_cpu_child(args)
         return
 
-    logits_bytes = args.seqs * args.tokens * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    logits_bytes = (
+        args.seqs * args.tokens * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    )
     if args.device == "cpu":
         available = read_kib("/proc/meminfo", "MemAvailable") * 1024
         if available < 10 * logits_bytes:
-            raise SystemExit(f"needs ~{10 * logits_bytes / GIB:.1f} GiB free RAM for the plain variant, "
-                             f"{available / GIB:.1f} GiB available; try --tokens 256")
+            raise SystemExit(
+                f"needs ~{10 * logits_bytes / GIB:.1f} GiB free RAM for the plain variant, "
+                f"{available / GIB:.1f} GiB available; try --tokens 256"
+            )
     measure = measure_cuda if args.device == "cuda" else measure_cpu
-    print(f"device={args.device} shape=({args.seqs}, {args.tokens}, {args.vocab}) dtype={args.dtype} "
-          f"logits={logits_bytes / GIB:.3f} GiB  method="
-          + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "fresh subprocess, VmHWM - VmRSS"))
+    print(
+        f"device={args.device} shape=({args.seqs}, {args.tokens}, {args.vocab}) dtype={args.dtype} "
+        f"logits={logits_bytes / GIB:.3f} GiB  method="
+        + ("torch.cuda.max_memory_allocated" if args.device == "cuda" else "fresh subprocess, VmHWM - VmRSS")
+    )
     results = {variant: measure(args, variant) for variant in ("plain", "chunked")}
     for variant, result in results.items():
-        print(f"{variant}_peak_gib={result['peak_bytes'] / GIB:.3f}  "
-              f"{variant}_peak_over_logits={result['peak_bytes'] / logits_bytes:.2f}x  "
-              f"{variant}_seconds={result['seconds']:.2f}")
+        print(
+            f"{variant}_peak_gib={result['peak_bytes'] / GIB:.3f}  "
+            f"{variant}_peak_over_logits={result['peak_bytes'] / logits_bytes:.2f}x  "
+            f"{variant}_seconds={result['seconds']:.2f}"
+        )
     ratio = results["chunked"]["peak_bytes"] / results["plain"]["peak_bytes"]
     print(f"chunked_over_plain_ratio={ratio:.3f}  (goal <= 0.3)")
 

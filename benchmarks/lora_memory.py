@@ -13,6 +13,7 @@ Each variant runs train.py in a fresh subprocess; its peak RSS is the child's ru
          and AdamW moments of the adapters only
 Goal (issue 16): lora peak <= 0.6 x full peak. The ratio printed is lora / full.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,23 +33,53 @@ def build_model(workdir: Path, layers: int) -> Path:
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
 
 def run(name: str, model: Path, steps: int, extra: list[str], workdir: Path) -> tuple[int, float]:
     """(peak RSS in bytes, seconds) of one train.py run in a fresh process."""
-    args = [sys.executable, "-u", str(REPO / "train.py"), "loss=dpo", f"model.name_or_path={model}",
-            f"model.tokenizer_name_or_path={REPO / 'toy' / 'tiny-llama'}", "model.block_name=LlamaDecoderLayer",
-            "model.reference_dtype=float32", "datasets=[toy]", "batch_size=4", "eval_batch_size=4",
-            "n_eval_examples=4", "max_length=64", "max_prompt_length=32", "n_epochs=null", f"n_examples={4 * steps}",
-            f"eval_every={4 * steps}", "do_first_eval=false", "sample_during_eval=false", "optimizer=AdamW",
-            "lr=1e-4", "warmup_steps=0", "debug=true", "wandb.enabled=false", "fsdp.use_torch_compile=false",
-            f"local_dirs=[{workdir / 'cache'}]", *extra]
+    args = [
+        sys.executable,
+        "-u",
+        str(REPO / "train.py"),
+        "loss=dpo",
+        f"model.name_or_path={model}",
+        f"model.tokenizer_name_or_path={REPO / 'toy' / 'tiny-llama'}",
+        "model.block_name=LlamaDecoderLayer",
+        "model.reference_dtype=float32",
+        "datasets=[toy]",
+        "batch_size=4",
+        "eval_batch_size=4",
+        "n_eval_examples=4",
+        "max_length=64",
+        "max_prompt_length=32",
+        "n_epochs=null",
+        f"n_examples={4 * steps}",
+        f"eval_every={4 * steps}",
+        "do_first_eval=false",
+        "sample_during_eval=false",
+        "optimizer=AdamW",
+        "lr=1e-4",
+        "warmup_steps=0",
+        "debug=true",
+        "wandb.enabled=false",
+        "fsdp.use_torch_compile=false",
+        f"local_dirs=[{workdir / 'cache'}]",
+        *extra,
+    ]
     start = time.time()
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     _, status, usage = os.wait4(proc.pid, 0)

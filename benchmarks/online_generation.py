@@ -7,6 +7,7 @@ the repeats) and whether both drew the same tokens from the same seed.
     python -u benchmarks/online_generation.py --threads 1                  # CPU: 8 prompts x 4 samples, 50M model
     python -u benchmarks/online_generation.py --model 1b --device cuda --prompts 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,23 @@ from online import shared_prefix_generate  # noqa: E402
 from sharding import OneProcess  # noqa: E402
 
 GEOMETRIES = {  # Llama-style, random weights
-    "50m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                intermediate_size=1408, vocab_size=32000),
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "50m": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1408,
+        vocab_size=32000,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -44,10 +58,13 @@ def main() -> None:
     if args.threads:  # on shared cores, one thread spares each small decode op the wait for a second core
         torch.set_num_threads(args.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
+
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**GEOMETRIES[args.model], max_position_embeddings=1024)).to(device, dtype).eval()
+    model = (
+        LlamaForCausalLM(LlamaConfig(**GEOMETRIES[args.model], max_position_embeddings=1024)).to(device, dtype).eval()
+    )
     model.generation_config.eos_token_id = None  # random weights: every sample is new_tokens long, for both methods
     lengths = torch.randint(180, 221, (args.prompts,)).tolist()
     ids = torch.zeros(args.prompts, max(lengths), dtype=torch.long)
@@ -60,8 +77,9 @@ def main() -> None:
     sampling = dict(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0, pad_token_id=0)
 
     def plain() -> torch.Tensor:
-        return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=args.n,
-                              **sampling)[:, ids.size(1):]
+        return model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=args.n, **sampling
+        )[:, ids.size(1) :]
 
     def shared() -> torch.Tensor:
         return shared_prefix_generate(sharding, model, ids, mask, args.n, **sampling)
@@ -83,17 +101,23 @@ def main() -> None:
             seconds.setdefault(name, []).append(time.perf_counter() - start)
             outputs.setdefault(name, []).append(out.cpu())
     tokens = args.prompts * args.n * args.new_tokens
-    print(f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {dtype}) on "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens x "
-          f"{args.n} samples x {args.new_tokens} new tokens per call, {args.repeats} repeats")
+    print(
+        f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {dtype}) on "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens x "
+        f"{args.n} samples x {args.new_tokens} new tokens per call, {args.repeats} repeats"
+    )
     print("| method | generated tokens/s (median) | range | s per call (median) |\n|---|---|---|---|")
     for name, times in seconds.items():
         rates = [tokens / s for s in times]
-        print(f"| {name} | {statistics.median(rates):.0f} | {min(rates):.0f}-{max(rates):.0f} | {statistics.median(times):.3f} |")
+        print(
+            f"| {name} | {statistics.median(rates):.0f} | {min(rates):.0f}-{max(rates):.0f} | {statistics.median(times):.3f} |"
+        )
     ratio = statistics.median(seconds["num_return_sequences"]) / statistics.median(seconds["shared prefix"])
     same = all(torch.equal(a, b) for a, b in zip(outputs["num_return_sequences"], outputs["shared prefix"]))
-    print(f"shared prefix / num_return_sequences: {ratio:.2f}x generated tokens/s; same tokens from the same seed: {same}")
+    print(
+        f"shared prefix / num_return_sequences: {ratio:.2f}x generated tokens/s; same tokens from the same seed: {same}"
+    )
 
 
 if __name__ == "__main__":

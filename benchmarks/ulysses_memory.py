@@ -15,6 +15,7 @@ where freed blocks up to 32 MiB stay in the heap and count towards the peak.
 
     python benchmarks/ulysses_memory.py               # ~2 min on 2 CPU cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,14 @@ from utils import get_open_port  # noqa: E402
 def rank_step(rank: int, port: int, args, sp_size: int, out: str) -> None:
     join_two_ranks(rank, port)
     sp = ulysses.make_group(torch.device("cpu"), 2, sp_size) if sp_size > 1 else None
-    model = random_llama(args.vocab, args.hidden, args.layers, args.length, heads=args.heads,
-                         install=(lambda m: ulysses.install(m, sp)) if sp else None)
+    model = random_llama(
+        args.vocab,
+        args.hidden,
+        args.layers,
+        args.length,
+        heads=args.heads,
+        install=(lambda m: ulysses.install(m, sp)) if sp else None,
+    )
     # SP=1: each rank its own pair; SP=2: the group's one pair (the ranks of a group read the same pairs)
     inputs = pair_rows(rank // sp_size, 2, args.length, args.vocab, args.prompt)
     mean_logps, step = measured_step(model, inputs, tiled=True, sequence_parallel=sp)
@@ -64,13 +71,17 @@ def main() -> int:
     for sp_size in (1, 2):
         mp.spawn(rank_step, args=(get_open_port(), args, sp_size, args.out), nprocs=2, join=True)
         results[sp_size] = [json.loads(Path(args.out, f"sp{sp_size}-{r}.json").read_text()) for r in range(2)]
-    print(f"FSDP2, 2 gloo ranks, Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab},"
-          f" tiled LM head; one pair per rank of 2 x {args.length} tokens ({args.prompt} prompt tokens per row unscored);"
-          f" glibc mmap threshold {'adaptive (default)' if args.glibc_default else '64 KiB'}")
+    print(
+        f"FSDP2, 2 gloo ranks, Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab},"
+        f" tiled LM head; one pair per rank of 2 x {args.length} tokens ({args.prompt} prompt tokens per row unscored);"
+        f" glibc mmap threshold {'adaptive (default)' if args.glibc_default else '64 KiB'}"
+    )
     for sp_size in (1, 2):
         for r in results[sp_size]:
-            print(f"  sp={sp_size}  rank {r['rank']}  step_peak_gib={r['peak_gib']:.3f}  rss_before_gib={r['base_gib']:.3f}"
-                  f"  step_seconds={r['seconds']:.2f}  mean_logp={[round(x, 5) for x in r['mean_logp']]}")
+            print(
+                f"  sp={sp_size}  rank {r['rank']}  step_peak_gib={r['peak_gib']:.3f}  rss_before_gib={r['base_gib']:.3f}"
+                f"  step_seconds={r['seconds']:.2f}  mean_logp={[round(x, 5) for x in r['mean_logp']]}"
+            )
     # the same pair: SP=2's log-probs equal SP=1 rank 0's (the pair of group 0), within fp32 summation noise
     diff = max(abs(a - b) for a, b in zip(results[2][0]["mean_logp"], results[1][0]["mean_logp"]))
     ratio = max(r["peak_gib"] for r in results[2]) / max(r["peak_gib"] for r in results[1])

@@ -9,6 +9,7 @@ and its config.yaml (the resolved config train.py wrote) equals this command's, 
 its end is resumed from its last checkpoint, one stopped before its first checkpoint starts again. The code and the
 contents of model.archive are not part of the config: after changing either, delete the old runs.
 """
+
 import hashlib
 import itertools
 import json

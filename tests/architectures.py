@@ -5,6 +5,7 @@ bias, logit softcapping, sliding window; per-head q/k norms, local and global la
 attention sinks) at <= 1M parameters and the toy tokenizer's vocabulary (512), so
 that train.py loads it through its real `from_pretrained` path with `model.name_or_path=<dir>`.
 """
+
 from pathlib import Path
 
 import torch
@@ -16,53 +17,172 @@ VOCAB = 512
 # max_position_embeddings > 256: the bf16 check scores tokens past position 200.
 COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=1)
 # the newer families at hidden 32: 2 layers, 4 query heads over 2 key/value heads (Ulysses over 2 ranks)
-SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=320)
+SMALL = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=320
+)
 EXPERTS = dict(num_experts_per_tok=2)
 
 ARCHITECTURES = {
     # name: (config class, kwargs, tied input/output embeddings)
-    "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=320, resid_pdrop=0.0,
-                                           embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True), True),
-    "gpt_neox": (transformers.GPTNeoXConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                  intermediate_size=128, rotary_pct=0.25, use_parallel_residual=True,
-                                                  max_position_embeddings=320, tie_word_embeddings=False), False),
-    "llama": (transformers.LlamaConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             intermediate_size=128, max_position_embeddings=320, tie_word_embeddings=False), False),
-    "qwen2": (transformers.Qwen2Config, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             intermediate_size=128, max_position_embeddings=320, tie_word_embeddings=True), True),
-    "gemma2": (transformers.Gemma2Config, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               head_dim=16, intermediate_size=128, max_position_embeddings=320,
-                                               sliding_window=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-                                               tie_word_embeddings=True), True),
-    "mistral": (transformers.MistralConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                 intermediate_size=128, max_position_embeddings=320, sliding_window=None,
-                                                 tie_word_embeddings=False), False),
+    "gpt2": (
+        transformers.GPT2Config,
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=320,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+        ),
+        True,
+    ),
+    "gpt_neox": (
+        transformers.GPTNeoXConfig,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            rotary_pct=0.25,
+            use_parallel_residual=True,
+            max_position_embeddings=320,
+            tie_word_embeddings=False,
+        ),
+        False,
+    ),
+    "llama": (
+        transformers.LlamaConfig,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=320,
+            tie_word_embeddings=False,
+        ),
+        False,
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=320,
+            tie_word_embeddings=True,
+        ),
+        True,
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            max_position_embeddings=320,
+            sliding_window=16,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            tie_word_embeddings=True,
+        ),
+        True,
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=320,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+        False,
+    ),
     # per-head q and k norms
-    "qwen3": (transformers.Qwen3Config, dict(**SMALL, head_dim=8, intermediate_size=64, tie_word_embeddings=True),
-              True),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(**SMALL, head_dim=8, intermediate_size=64, tie_word_embeddings=True),
+        True,
+    ),
     # a local (sliding, RoPE base 1e4) and a global (RoPE base 1e6) layer, scaled embeddings
-    "gemma3": (transformers.Gemma3TextConfig, dict(**SMALL, head_dim=8, intermediate_size=64, query_pre_attn_scalar=8,
-                                                   sliding_window=16, tie_word_embeddings=True,
-                                                   layer_types=["sliding_attention", "full_attention"]), True),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            **SMALL,
+            head_dim=8,
+            intermediate_size=64,
+            query_pre_attn_scalar=8,
+            sliding_window=16,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        True,
+    ),
     # layer 1 without RoPE (no_rope_layers: 1 = rotary)
-    "smollm3": (transformers.SmolLM3Config, dict(**SMALL, intermediate_size=64, no_rope_layers=[1, 0],
-                                                 tie_word_embeddings=True), True),
+    "smollm3": (
+        transformers.SmolLM3Config,
+        dict(**SMALL, intermediate_size=64, no_rope_layers=[1, 0], tie_word_embeddings=True),
+        True,
+    ),
     # mixtures of experts: 4 experts, 2 a token, fused 3-D expert parameters, a router per layer
-    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(**SMALL, **EXPERTS, head_dim=8, intermediate_size=64, num_experts=4,
-                                                    moe_intermediate_size=32, tie_word_embeddings=False), False),
-    "olmoe": (transformers.OlmoeConfig, dict(**SMALL, **EXPERTS, intermediate_size=32, num_experts=4,
-                                             tie_word_embeddings=False), False),
-    "mixtral": (transformers.MixtralConfig, dict(**SMALL, **EXPERTS, intermediate_size=32, num_local_experts=4,
-                                                 tie_word_embeddings=False), False),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            **SMALL,
+            **EXPERTS,
+            head_dim=8,
+            intermediate_size=64,
+            num_experts=4,
+            moe_intermediate_size=32,
+            tie_word_embeddings=False,
+        ),
+        False,
+    ),
+    "olmoe": (
+        transformers.OlmoeConfig,
+        dict(**SMALL, **EXPERTS, intermediate_size=32, num_experts=4, tie_word_embeddings=False),
+        False,
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(**SMALL, **EXPERTS, intermediate_size=32, num_local_experts=4, tie_word_embeddings=False),
+        False,
+    ),
     # attention sinks, a sliding and a full layer, YaRN past position 80, biased experts and router
-    "gpt_oss": (transformers.GptOssConfig, dict(**SMALL, **EXPERTS, head_dim=8, intermediate_size=32,
-                                                num_local_experts=4, sliding_window=16,
-                                                layer_types=["sliding_attention", "full_attention"],
-                                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
-                                                                     original_max_position_embeddings=80,
-                                                                     beta_fast=32.0, beta_slow=1.0, truncate=False),
-                                                tie_word_embeddings=False), False),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            **SMALL,
+            **EXPERTS,
+            head_dim=8,
+            intermediate_size=32,
+            num_local_experts=4,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=80,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+            tie_word_embeddings=False,
+        ),
+        False,
+    ),
 }
 MOE = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"]
 

@@ -1,4 +1,5 @@
 """Every test runs offline: no model hub, no dataset hub, no W&B server."""
+
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import tempfile  # noqa: E402
 TEST_LOCAL_DIR = tempfile.mkdtemp(prefix="dpo-tests-")
 atexit.register(shutil.rmtree, TEST_LOCAL_DIR, ignore_errors=True)
 LOCAL_DIRS = f"local_dirs=[{TEST_LOCAL_DIR}]"
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (tests/gpu/); skipped without it")

@@ -16,6 +16,7 @@ with save_pretrained and loaded by train.py through `from_pretrained`.
 
 ONE pair of workers runs every scenario (spawning costs ~15 s of imports); the one-process baselines run here.
 """
+
 import contextlib
 import io
 import json
@@ -41,15 +42,31 @@ import trainers
 from config import load_config
 from utils import get_open_port
 
-FAST = [LOCAL_DIRS, "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
-        "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false",
-        "n_epochs=null", "loss=dpo", "do_first_eval=false", "sample_during_eval=false", "minimum_log_interval_secs=0",
-        "optimizer=SGD", "lr=1.0", "eval_every=8",
-        "peak_tflops=1",  # no measured matmul peak: 1024^2 bf16 matmuls take seconds on a CPU
-        "model.block_name=null",  # each model's own block class (_no_split_modules), not the toy Llama's
-        # AutoTokenizer on a qwen2 directory builds Qwen2Tokenizer, which adds a pad token (id 512) past this
-        # tiny vocabulary: every architecture reads the toy tokenizer itself.
-        f"model.tokenizer_name_or_path={architectures.TOKENIZER}"]
+FAST = [
+    LOCAL_DIRS,
+    "datasets=[toy]",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=8",
+    "max_length=64",
+    "max_prompt_length=32",
+    "fsdp.use_torch_compile=false",
+    "wandb.enabled=false",
+    "n_epochs=null",
+    "loss=dpo",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    "minimum_log_interval_secs=0",
+    "optimizer=SGD",
+    "lr=1.0",
+    "eval_every=8",
+    "peak_tflops=1",  # no measured matmul peak: 1024^2 bf16 matmuls take seconds on a CPU
+    "model.block_name=null",  # each model's own block class (_no_split_modules), not the toy Llama's
+    # AutoTokenizer on a qwen2 directory builds Qwen2Tokenizer, which adds a pad token (id 512) past this
+    # tiny vocabulary: every architecture reads the toy tokenizer itself.
+    f"model.tokenizer_name_or_path={architectures.TOKENIZER}",
+]
 ONE_STEP, TWO_STEPS = ["n_examples=8"], ["n_examples=16"]
 BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
 PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
@@ -59,9 +76,15 @@ SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the s
 SP_ARCHS = ["llama", "qwen2", "gemma3", "gpt_oss"]
 AUX = ["loss.router_aux_loss=0.5"]  # large enough that the router's term moves the parameters well past 1e-5
 # the same 8 pairs under 2 ranks: packed shared rows, 2 micro-batches each (FSDP1); padded rows, tiled head (FSDP2)
-AUX_RUNS = {"mixtral-fsdp-aux": ["fsdp.strategy=fsdp", "prefix_sharing=true", *PACKED],
-            "mixtral-fsdp2-aux": ["fsdp.strategy=fsdp2"]}
-MODIFIERS = ["loss.ld_alpha=0.5", "loss.wpo=true", "loss.dpop_lambda=5"]  # LD-DPO's per-token log-probs, WPO's statistic
+AUX_RUNS = {
+    "mixtral-fsdp-aux": ["fsdp.strategy=fsdp", "prefix_sharing=true", *PACKED],
+    "mixtral-fsdp2-aux": ["fsdp.strategy=fsdp2"],
+}
+MODIFIERS = [
+    "loss.ld_alpha=0.5",
+    "loss.wpo=true",
+    "loss.dpop_lambda=5",
+]  # LD-DPO's per-token log-probs, WPO's statistic
 ARCHS = list(architectures.ARCHITECTURES)
 TIED = [a for a in ARCHS if architectures.ARCHITECTURES[a][2]]
 ROTARY = [a for a in ARCHS if a != "gpt2"]  # GPT-2 has learned positions, no rotary table
@@ -96,8 +119,13 @@ def scenarios() -> dict[str, list[str]]:
             out[f"{arch}-{strategy}-packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *PACKED]
             # prefix sharing: padded rows through the tiled head under one strategy, packed rows through the full head
             # under the other, alternating per architecture
-            out[f"{arch}-{strategy}-shared"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, "prefix_sharing=true",
-                                                *(PACKED if checkpointed(arch, strategy) else [])]
+            out[f"{arch}-{strategy}-shared"] = [
+                f"fsdp.strategy={strategy}",
+                ac,
+                *ONE_STEP,
+                "prefix_sharing=true",
+                *(PACKED if checkpointed(arch, strategy) else []),
+            ]
             if FULL or bf16_in_ci(arch, strategy):
                 out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
     for arch in SP_ARCHS:
@@ -108,14 +136,29 @@ def scenarios() -> dict[str, list[str]]:
     # the loss modifiers: per-token log-probs and WPO's statistic under Ulysses (each rank's slice), and under FSDP1
     # through shared-prefix packed rows
     out["qwen2-fsdp2-sp_modifiers"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, *MODIFIERS]
-    out["llama-fsdp-modifiers"] = ["fsdp.strategy=fsdp", *ONE_STEP, *MODIFIERS, "prefix_sharing=true", "padding_free=true"]
+    out["llama-fsdp-modifiers"] = [
+        "fsdp.strategy=fsdp",
+        *ONE_STEP,
+        *MODIFIERS,
+        "prefix_sharing=true",
+        "padding_free=true",
+    ]
     # the reference precomputed (its pass splits rows too) and token-budget micro-batches, under sequence parallelism
-    out["qwen2-fsdp2-sp_budget"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
-                                    "precompute_ref_log_probs=true"]
+    out["qwen2-fsdp2-sp_budget"] = [
+        "fsdp.strategy=fsdp2",
+        *ONE_STEP,
+        *SP,
+        f"max_tokens_per_microbatch={BUDGET_TOKENS}",
+        "precompute_ref_log_probs=true",
+    ]
     for arch, strategy in BUDGET:  # token-budget micro-batches: the ranks' counts differ, FSDP needs them equal
         # (consecutive halves: shares balanced by FLOPs happen to split into 4 micro-batches each on this batch)
-        out[f"{arch}-{strategy}-budget"] = [f"fsdp.strategy={strategy}", *ONE_STEP, f"max_tokens_per_microbatch={BUDGET_TOKENS}",
-                                            "balance_batch=false"]
+        out[f"{arch}-{strategy}-budget"] = [
+            f"fsdp.strategy={strategy}",
+            *ONE_STEP,
+            f"max_tokens_per_microbatch={BUDGET_TOKENS}",
+            "balance_batch=false",
+        ]
     for name, args in AUX_RUNS.items():  # the router's loss, with recomputed blocks (its logits come from inside them)
         out[name] = [*args, *ONE_STEP, *AUX, "gradient_accumulation_steps=2", "activation_checkpointing=true"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
@@ -132,6 +175,7 @@ def tie_state(model) -> dict:
     """Is the LM head the input embedding, on this rank: one Parameter (FSDP2, one process) or, inside FSDP1's
     full parameters, one storage; and are the gathered values equal."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     is_fsdp1 = isinstance(model, FSDP)
     with FSDP.summon_full_params(model, writeback=False) if is_fsdp1 else contextlib.nullcontext():
         inner = model.module if is_fsdp1 else model
@@ -150,8 +194,12 @@ def block_of(unit) -> str:
 def units(model) -> list[str]:
     """The block class of each FSDP unit below the root."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
-    found = FSDP.fsdp_modules(model)[1:] if isinstance(model, FSDP) else \
-        [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+
+    found = (
+        FSDP.fsdp_modules(model)[1:]
+        if isinstance(model, FSDP)
+        else [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    )
     return sorted({block_of(unit) for unit in found})
 
 
@@ -159,9 +207,16 @@ def expert_shard(model) -> object:
     """Where the fused experts of the first MoE layer live on this rank: FSDP2, the rows of gate_up_proj (experts)
     this rank holds; FSDP1, the unit whose flat parameter holds them. None for a dense model."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     if isinstance(model, FSDP):
-        return next((block_of(u) for u in FSDP.fsdp_modules(model)[1:]
-                     if any(".experts." in f or f.startswith("experts.") for f in u._handle.flat_param._fqns)), None)
+        return next(
+            (
+                block_of(u)
+                for u in FSDP.fsdp_modules(model)[1:]
+                if any(".experts." in f or f.startswith("experts.") for f in u._handle.flat_param._fqns)
+            ),
+            None,
+        )
     param = next((p for k, p in model.named_parameters() if "experts.gate_up_proj" in k), None)
     return None if param is None else param.to_local().shape[0]
 
@@ -176,36 +231,59 @@ def late_token_logps(model) -> torch.Tensor:
 def sample(trainer, model) -> torch.Tensor:
     torch.manual_seed(SAMPLE_SEED)
     with torch.no_grad():
-        return trainer.sharding.generate(model, input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
-                                do_sample=True, pad_token_id=1)
+        return trainer.sharding.generate(
+            model,
+            input_ids=PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=8,
+            do_sample=True,
+            pad_token_id=1,
+        )
 
 
 def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir: Path, models: dict) -> dict:
     arch = name.split("-")[0]
     run_dir = out_dir / name
     resume = [f"resume_from={out_dir / name.replace('resumed', 'interrupted')}"] if name.endswith("resumed") else []
-    cfg, _ = load_config([*FAST, "trainer=FSDPTrainer", f"model.name_or_path={models[arch]}", f"run_dir={run_dir}",
-                          *args, *resume], world_size=world_size)
+    cfg, _ = load_config(
+        [*FAST, "trainer=FSDPTrainer", f"model.name_or_path={models[arch]}", f"run_dir={run_dir}", *args, *resume],
+        world_size=world_size,
+    )
     if rank == 0 and not resume:
         run_dir.mkdir(parents=True)
     dist.barrier()
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)  # as train.py: rank 0 loads
-    trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, resume[0].split("=", 1)[1] if resume else str(run_dir),
-                                   reference, rank, world_size, tokenizer)
-    info = {"tie": tie_state(trainer.policy), "reference_tie": tie_state(trainer.reference.model),
-            "units": units(trainer.policy), "experts": expert_shard(trainer.policy)}
+    trainer = trainers.FSDPTrainer(
+        policy,
+        cfg,
+        cfg.seed,
+        resume[0].split("=", 1)[1] if resume else str(run_dir),
+        reference,
+        rank,
+        world_size,
+        tokenizer,
+    )
+    info = {
+        "tie": tie_state(trainer.policy),
+        "reference_tie": tie_state(trainer.reference.model),
+        "units": units(trainer.policy),
+        "experts": expert_shard(trainer.policy),
+    }
     if name.endswith("fp32") or name.endswith("sp"):
         info["samples"] = sample(trainer, trainer.policy)  # the first forward of the run: no warm root unit
     if name.endswith("bf16"):
         info["late_logps"] = late_token_logps(trainer.policy)
         info["buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.policy.buffers() if b.is_floating_point()})
-        info["reference_buffer_dtypes"] = sorted({str(b.dtype) for b in trainer.reference.model.buffers() if b.is_floating_point()})
+        info["reference_buffer_dtypes"] = sorted(
+            {str(b.dtype) for b in trainer.reference.model.buffers() if b.is_floating_point()}
+        )
     # The tiled path reads the LM head's weight and never calls the head module: count its calls during training.
     head = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_output_embeddings()
     info["head_calls"], info["positions_seen"] = 0, set()
 
     def count(*_):
         info["head_calls"] += 1
+
     hook = head.register_forward_hook(count)
     # the row lengths the policy's embedding sees while training (under Ulysses: this rank's slice of each row)
     embedding = (trainer.policy.module if hasattr(trainer.policy, "module") else trainer.policy).get_input_embeddings()
@@ -213,6 +291,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     def rows_and_positions(_module, args, _out):
         info["positions_seen"].add(args[0].shape[-1])
         info.setdefault("rows_seen", set()).add(args[0].shape[0])
+
     seen = embedding.register_forward_hook(rows_and_positions)
     split_by_tokens = trainers.split_by_tokens  # this rank's own token-budget micro-batches, before padding
 
@@ -220,6 +299,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         out = split_by_tokens(*args, **kwargs)
         info.setdefault("micro_batches", []).append(len(out))
         return out
+
     trainers.split_by_tokens = counted
     layouts = {f: getattr(logps, f) for f in ("padded_inputs", "packed_inputs")}  # the whole rows, before any split
 
@@ -228,7 +308,9 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
             out = layouts[layout](*args, **kwargs)
             info.setdefault("row_widths", set()).add(out[0]["input_ids"].shape[-1])
             return out
+
         return rows
+
     for layout in layouts:
         setattr(logps, layout, recorded(layout))
     if name.endswith("interrupted"):
@@ -237,6 +319,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         def save_then_die():
             save()
             raise Preempted
+
         trainer.checkpoints.save = save_then_die
     check = trainers.self_check.run  # its probe's forwards are not the step's: what the hooks saw is put back after it
 
@@ -244,6 +327,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         kept = {k: v.copy() if isinstance(v, (set, list)) else v for k, v in info.items()}
         check(t)
         info.clear(), info.update(kept)
+
     trainers.self_check.run = checked
     try:
         trainer.train()
@@ -258,8 +342,9 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
 
 
 def worker(rank, world_size, port, out_dir, models):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a rank that failed alone: no long hang
     results = {}
     try:
@@ -304,15 +389,30 @@ def single(tmp_path_factory, models):
     """BasicTrainer in this process on the full batch, fp32 and bf16 autocast: what every sharded run must match."""
     out = tmp_path_factory.mktemp("arch_single")
     # fp32: the plain path (full logits, padded rows), which every sharded path (tiled, packed) must match
-    runs = {f"{arch}-{precision}": [f"model.name_or_path={models[arch]}", *ONE_STEP,
-                                    *(BF16 if precision == "bf16" else ["tiled_lm_head=false"])]
-            for arch in ARCHS for precision in ("fp32", "bf16")}
+    runs = {
+        f"{arch}-{precision}": [
+            f"model.name_or_path={models[arch]}",
+            *ONE_STEP,
+            *(BF16 if precision == "bf16" else ["tiled_lm_head=false"]),
+        ]
+        for arch in ARCHS
+        for precision in ("fp32", "bf16")
+    }
     runs["gpt2-two-steps"] = [f"model.name_or_path={models['gpt2']}", *TWO_STEPS, "activation_checkpointing=true"]
-    runs.update({f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS, "tiled_lm_head=false"]
-                 for arch in ("llama", "qwen2")})
+    runs.update(
+        {
+            f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS, "tiled_lm_head=false"]
+            for arch in ("llama", "qwen2")
+        }
+    )
     for accumulation in (1, 4):  # the router's loss on the plain path, in one and in four micro-batches
-        runs[f"mixtral-aux{accumulation}"] = [f"model.name_or_path={models['mixtral']}", *ONE_STEP, *AUX,
-                                              "tiled_lm_head=false", f"gradient_accumulation_steps={accumulation}"]
+        runs[f"mixtral-aux{accumulation}"] = [
+            f"model.name_or_path={models['mixtral']}",
+            *ONE_STEP,
+            *AUX,
+            "tiled_lm_head=false",
+            f"gradient_accumulation_steps={accumulation}",
+        ]
     for name, args in runs.items():
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0, name
@@ -327,8 +427,13 @@ def one_process(models) -> dict[str, dict]:
         model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
         torch.manual_seed(SAMPLE_SEED)
         with torch.no_grad():
-            samples = model.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8,
-                                     do_sample=True, pad_token_id=1)
+            samples = model.generate(
+                input_ids=PROMPT,
+                attention_mask=torch.ones_like(PROMPT),
+                max_new_tokens=8,
+                do_sample=True,
+                pad_token_id=1,
+            )
         out[arch] = {"samples": samples, "late_logps": late_token_logps(model)}
     return out
 
@@ -365,8 +470,12 @@ def test_log_probs_equal_the_models_own_logits(models, arch):
         scored = labels[:, 1:] != -100  # output t predicts token t+1
         token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         expected = (token * scored).sum(1) / scored.sum(1)
-        for path, options in {"plain": {}, "tiled": {"tiled": True}, "packed": {"packed_capacity": 64},
-                              "packed+tiled": {"packed_capacity": 64, "tiled": True}}.items():
+        for path, options in {
+            "plain": {},
+            "tiled": {"tiled": True},
+            "packed": {"packed_capacity": 64},
+            "packed+tiled": {"packed_capacity": 64, "tiled": True},
+        }.items():
             sums, counts, _, *_ = trainers.forward_logps(model, inputs, **options)
             assert counts.tolist() == scored.sum(1).tolist(), path
             assert (sums / counts - expected).abs().max().item() < 1e-5, path
@@ -380,7 +489,7 @@ def shared_prompt_pairs(seed: int = 3) -> dict:
     ids = torch.randint(2, architectures.VOCAB, (8, 80), generator=g)
     mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
     for i, p in enumerate(prompt):
-        ids[4 + i, :p - (i == 2)] = ids[i, :p - (i == 2)]
+        ids[4 + i, : p - (i == 2)] = ids[i, : p - (i == 2)]
         for row, length in ((i, p + chosen[i]), (4 + i, p + rejected[i])):
             mask[row, :length], labels[row, p:length] = 1, ids[row, p:length]
     return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
@@ -400,6 +509,7 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
         sums, counts, entropy, *_ = logps.forward_logps(model, inputs, entropy={}, **options)
         (sums / counts).sum().backward()
         return sums.detach(), counts, entropy, {k: p.grad.clone() for k, p in model.named_parameters()}
+
     base = run({})
     for options in ({}, {"tiled": True}, {"packed_capacity": 64}, {"packed_capacity": 64, "tiled": True}):
         sums, counts, entropy, grads = run({"prefix_sharing": True, **options})
@@ -424,22 +534,33 @@ def test_per_token_logps_and_wpo_statistic_on_every_path(models, arch):
     inputs = shared_prompt_pairs()
     scored = inputs["labels"] != -100
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits, -1)
+        logp = torch.log_softmax(
+            model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits, -1
+        )
     expected = torch.zeros(scored.shape)
-    expected[:, 1:] = logp[:, :-1].gather(-1, inputs["input_ids"][:, 1:, None])[..., 0] * scored[:, 1:]  # output t predicts t+1
+    expected[:, 1:] = (
+        logp[:, :-1].gather(-1, inputs["input_ids"][:, 1:, None])[..., 0] * scored[:, 1:]
+    )  # output t predicts t+1
     sq = torch.logsumexp(2 * logp[:, :-1], -1)
     expected_sq = (sq * scored[:, 1:]).sum(1)
     weights = torch.randn(scored.shape, generator=torch.Generator().manual_seed(4))
     grads = {}
-    for options in ({}, {"tiled": True}, {"packed_capacity": 64}, {"prefix_sharing": True},
-                    {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
+    for options in (
+        {},
+        {"tiled": True},
+        {"packed_capacity": 64},
+        {"prefix_sharing": True},
+        {"prefix_sharing": True, "packed_capacity": 64, "tiled": True},
+    ):
         model.zero_grad()
         out = logps.forward_logps(model, inputs, per_token=True, sum_sq=True, **options)
         torch.testing.assert_close(out.tokens.detach(), expected, rtol=1e-5, atol=1e-5, msg=str(options))
         torch.testing.assert_close(out.log_sum_sq, expected_sq, rtol=1e-5, atol=1e-5, msg=str(options))
         (out.tokens * weights).sum().backward()
         for k, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads.setdefault(k, p.grad.clone()), rtol=1e-5, atol=1e-5, msg=f"{options} {k}")
+            torch.testing.assert_close(
+                p.grad, grads.setdefault(k, p.grad.clone()), rtol=1e-5, atol=1e-5, msg=f"{options} {k}"
+            )
     assert logps.forward_logps(model, inputs).tokens is None  # nothing kept unless asked
 
 
@@ -457,13 +578,20 @@ def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     mask, FlexAttention is never called."""
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
+
     monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
     calls, forward = [], flex_attention.flex_attention_forward
     monkeypatch.setattr(flex_attention, "flex_attention_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     # transformers compiles FlexAttention; inductor's CPU kernel fails to build for these masks (torch 2.13), and the
     # GPU's is another kernel (Triton): the eager reference computes the same attention
-    monkeypatch.setattr(flex_attention, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: eager_flex_attention(q, k, v, **kw))
-    model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32, **({"sliding_window": 16} if arch == "mistral" else {}))
+    monkeypatch.setattr(
+        flex_attention,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kw: eager_flex_attention(q, k, v, **kw),
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        models[arch], dtype=torch.float32, **({"sliding_window": 16} if arch == "mistral" else {})
+    )
     inputs = shared_prompt_pairs()
     with torch.no_grad():
         base = logps.forward_logps(model.eval(), inputs)
@@ -480,11 +608,12 @@ def test_fsdp1_param_init_fn_keeps_ties(models, order):
     run cannot reach (it broadcasts a whole module instead): called in either order, the LM head and the
     embedding end up one real Parameter, and nothing stays on meta."""
     from transformers import AutoConfig
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["gpt2"]))
     init = sharding.materialize(torch.device("cpu"), sharding.tied_slots(model))
     modules = list(model.modules())
-    for module in (modules if order == "embedding first" else modules[::-1]):
+    for module in modules if order == "embedding first" else modules[::-1]:
         init(module)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -502,7 +631,10 @@ def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy
     model = AutoModelForCausalLM.from_pretrained(models[arch])
     layer = type(next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[0]).__name__
     before = model.state_dict()
-    step = max_difference(final_state(single / f"{arch}-fp32"), {k: v for k, v in before.items() if k in final_state(single / f"{arch}-fp32")})
+    step = max_difference(
+        final_state(single / f"{arch}-fp32"),
+        {k: v for k, v in before.items() if k in final_state(single / f"{arch}-fp32")},
+    )
     assert step > 1e-3  # a real step happened
     for info in ok(results, f"{arch}-{strategy}-fp32"):
         assert info["head_calls"] == 0  # tiled under FSDP: no full-logits forward of the policy
@@ -512,7 +644,9 @@ def test_one_dpo_step_equals_one_process(sharded, single, models, arch, strategy
         assert info["head_calls"] > 0
     expected = records(single / f"{arch}-fp32", "loss/eval")[-1]["loss/eval"]
     for path in ("fp32", "packed"):
-        assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
+        assert (
+            max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5
+        ), path
         assert abs(records(out / f"{arch}-{strategy}-{path}", "loss/eval")[-1]["loss/eval"] - expected) <= 1e-5, path
 
 
@@ -582,15 +716,24 @@ def test_ulysses_step_equals_one_process(sharded, single, arch, strategy):
     activation checkpointing (recomputed attention) on for one strategy and off for the other."""
     out, results = sharded
     expected = train_records(single / f"{arch}-fp32")[0]
-    assert "= data-parallel 1 (world size 2 = dp 1 x sequence-parallel 2) x accumulation 1 x micro-batch 8" in ok(results, f"{arch}-{strategy}-sp")[0]["printed"]
+    assert (
+        "= data-parallel 1 (world size 2 = dp 1 x sequence-parallel 2) x accumulation 1 x micro-batch 8"
+        in ok(results, f"{arch}-{strategy}-sp")[0]["printed"]
+    )
     for path in ("sp", "sp_packed"):
         for info in ok(results, f"{arch}-{strategy}-{path}"):  # each rank: half of every row, never a whole one
-            assert {w // 2 for w in info["row_widths"]} == info["positions_seen"], (path, info["row_widths"], info["positions_seen"])
+            assert {w // 2 for w in info["row_widths"]} == info["positions_seen"], (
+                path,
+                info["row_widths"],
+                info["positions_seen"],
+            )
             assert all(w % 2 == 0 for w in info["row_widths"]), path  # rows padded to a multiple of the group's size
         record = train_records(out / f"{arch}-{strategy}-{path}")[0]
         for key in ("logps_train/chosen", "logps_train/rejected", "loss/train"):
             assert abs(record[key] - expected[key]) <= 1e-5 * max(1.0, abs(expected[key])), (path, key)
-        assert max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5, path
+        assert (
+            max_difference(final_state(out / f"{arch}-{strategy}-{path}"), final_state(single / f"{arch}-fp32")) <= 1e-5
+        ), path
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -601,7 +744,12 @@ def test_tied_embeddings_survive_sharding_checkpoints_resume_and_export(sharded,
         if name not in results[0]:
             continue  # a bf16 run not in CI (bf16_in_ci)
         for info in ok(results, name):  # every rank, after sharding and after training
-            assert info["tie"] == info["tie_after_training"] == info["reference_tie"] == {"same_parameter": True, "equal_values": True}
+            assert (
+                info["tie"]
+                == info["tie_after_training"]
+                == info["reference_tie"]
+                == {"same_parameter": True, "equal_values": True}
+            )
     run = out / f"{arch}-{strategy}-fp32"
     state = final_state(run)
     assert torch.equal(state["lm_head.weight"], state[next(k for k in state if "wte" in k or "embed_tokens" in k)])
@@ -615,7 +763,9 @@ def test_tied_embeddings_survive_sharding_checkpoints_resume_and_export(sharded,
         assert max_difference(resumed, final_state(single / "gpt2-two-steps")) <= 1e-5
 
 
-@pytest.mark.parametrize("arch,strategy", [(a, s) for a in ROTARY for s in ("fsdp", "fsdp2") if FULL or bf16_in_ci(a, s)])
+@pytest.mark.parametrize(
+    "arch,strategy", [(a, s) for a in ROTARY for s in ("fsdp", "fsdp2") if FULL or bf16_in_ci(a, s)]
+)
 def test_bf16_keeps_rotary_tables_fp32_and_late_positions_close(sharded, one_process, arch, strategy):
     """Under bf16 mixed precision every floating buffer (the rotary inv_freq tables) of policy and reference stays
     fp32 on every rank, and per-token log-probs at positions 200-258 stay within 0.02 nats of the fp32 model.
@@ -640,7 +790,9 @@ def test_sampling_equals_one_process(sharded, one_process, arch, strategy):
     _, results = sharded
     expected = one_process[arch]["samples"]
     assert expected.shape == (2, PROMPT.size(1) + 8)
-    for info in ok(results, f"{arch}-{strategy}-fp32") + (ok(results, f"{arch}-{strategy}-sp") if arch in SP_ARCHS else []):
+    for info in ok(results, f"{arch}-{strategy}-fp32") + (
+        ok(results, f"{arch}-{strategy}-sp") if arch in SP_ARCHS else []
+    ):
         assert torch.equal(info["samples"], expected)  # under Ulysses too: sampling attends over whole prompts
 
 
@@ -649,6 +801,7 @@ def test_router_load_balancing_is_transformers_per_sequence(models):
     give losses.load_balancing_loss equal to transformers' load_balancing_loss_func on that sequence alone (real
     tokens only, so padding never counts: 1e-6), and the same gradient on the routers."""
     import importlib
+
     inputs = shared_prompt_pairs()
     for arch in MOE:  # padded rows, and shared-prefix packed rows (the prompt counted for both sequences of a pair)
         model = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32)
@@ -656,9 +809,12 @@ def test_router_load_balancing_is_transformers_per_sequence(models):
         experts, (n, t) = getattr(config, "num_local_experts", None) or config.num_experts, inputs["input_ids"].shape
         with torch.no_grad():  # right-padded rows, causal: a row's real positions route as its sequence alone would
             layers = model(input_ids=inputs["input_ids"], output_router_logits=True).router_logits
-            expected = torch.stack([function(tuple(x.view(n, t, -1)[i, :length] for x in layers), experts,
-                                             config.num_experts_per_tok)
-                                    for i, length in enumerate(inputs["attention_mask"].sum(1).tolist())])
+            expected = torch.stack(
+                [
+                    function(tuple(x.view(n, t, -1)[i, :length] for x in layers), experts, config.num_experts_per_tok)
+                    for i, length in enumerate(inputs["attention_mask"].sum(1).tolist())
+                ]
+            )
         grads = []
         for options in ({}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
             model.zero_grad()
@@ -678,6 +834,7 @@ def test_mfu_and_estimate_count_the_active_parameters_of_an_moe(models):
     --estimate, from config.json alone, counts every parameter for memory and the same N for FLOPs, and says so."""
     import estimate
     from torch.utils.flop_counter import FlopCounterMode
+
     ids = torch.randint(2, architectures.VOCAB, (1, 64), generator=torch.Generator().manual_seed(6))
     for arch in ("qwen3_moe", "olmoe", "mixtral"):
         model = AutoModelForCausalLM.from_pretrained(models[arch], experts_implementation="eager")
@@ -691,7 +848,8 @@ def test_mfu_and_estimate_count_the_active_parameters_of_an_moe(models):
         assert geometry.active - geometry.embed_params == active, arch
     cfg, _ = load_config([*FAST, *ONE_STEP, f"model.name_or_path={models['mixtral']}"])
     assert "mixture of experts: FLOPs count N = 0.04M, the parameters a token runs through" in estimate.report(
-        cfg, models["mixtral"], 1)  # the 0.04M active parameters train.py prints for MFU
+        cfg, models["mixtral"], 1
+    )  # the 0.04M active parameters train.py prints for MFU
 
 
 def test_router_aux_loss_is_the_same_under_accumulation_packing_and_ranks(sharded, single):
@@ -724,13 +882,20 @@ def test_lora_reference_on_moe_is_the_base_model(models):
     give the policy's log-probs (1e-5; before expert_lora_layers the experts' keys came out wrong)."""
     import types
     import peft
+
     cfg, _ = load_config([*FAST, *ONE_STEP, f"model.name_or_path={models['mixtral']}", "lora.r=4", "lora.alpha=8"])
     policy = train_py.load_models(cfg)[1]
     assert not any(p.requires_grad for k, p in policy.named_parameters() if ".lora_" not in k)
     assert any(".experts." in k for k, _ in policy.named_parameters() if ".lora_" in k)
-    fused = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(models["gpt_oss"], dtype=torch.float32),
-                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    fused = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(models["gpt_oss"], dtype=torch.float32),
+        peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules="all-linear",
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     inputs, g = shared_prompt_pairs(), torch.Generator().manual_seed(5)
     for arch, model, options in (("mixtral", policy, {}), ("gpt_oss", fused, {"packed_capacity": 64})):
         base = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
@@ -739,8 +904,14 @@ def test_lora_reference_on_moe_is_the_base_model(models):
                 if "lora_B" in k:  # peft starts B at 0 (the policy is the base): move it
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         merged = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
-        merged.load_state_dict(trainers.merged_lora_state(model.state_dict(), 2.0, trainers.fan_in_fan_out_layers(model),
-                                                          experts=trainers.expert_lora_layers(model)))  # the export's
+        merged.load_state_dict(
+            trainers.merged_lora_state(
+                model.state_dict(),
+                2.0,
+                trainers.fan_in_fan_out_layers(model),
+                experts=trainers.expert_lora_layers(model),
+            )
+        )  # the export's
         with torch.no_grad():
             expected = logps.forward_logps(base, inputs, routing=True, **options)
             moved = logps.forward_logps(model.eval(), inputs, routing=True, **options)
@@ -760,16 +931,28 @@ def gemma3_with_dynamic_rope(models, tmp_path) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("arch,args,message", ids=["olmoe-sp-packed", "llama-aux", "qwen3-aux-model", "gemma3-sp-dynamic"],
-                         argvalues=[
-    ("olmoe", [*SP, "padding_free=true"], "fsdp.ulysses_sequence_parallel_size=2 with padding_free=true: "
-     "OlmoeForCausalLM (model type 'olmoe') does not attend through FlexAttention"),
-    ("llama", AUX, "loss.router_aux_loss=0.5: model type 'llama'"),
-    ("qwen3", ["loss.router_aux_loss=model"], "loss.router_aux_loss=model: model type 'qwen3'"),
-    ("gemma3", SP, "(model type 'gemma3_text'): its RoPE type 'dynamic' scales frequencies by the longest position"),
-])
-def test_options_an_architecture_cannot_take_are_refused_before_loading(models, arch, args, message, monkeypatch,
-                                                                         tmp_path):
+@pytest.mark.parametrize(
+    "arch,args,message",
+    ids=["olmoe-sp-packed", "llama-aux", "qwen3-aux-model", "gemma3-sp-dynamic"],
+    argvalues=[
+        (
+            "olmoe",
+            [*SP, "padding_free=true"],
+            "fsdp.ulysses_sequence_parallel_size=2 with padding_free=true: "
+            "OlmoeForCausalLM (model type 'olmoe') does not attend through FlexAttention",
+        ),
+        ("llama", AUX, "loss.router_aux_loss=0.5: model type 'llama'"),
+        ("qwen3", ["loss.router_aux_loss=model"], "loss.router_aux_loss=model: model type 'qwen3'"),
+        (
+            "gemma3",
+            SP,
+            "(model type 'gemma3_text'): its RoPE type 'dynamic' scales frequencies by the longest position",
+        ),
+    ],
+)
+def test_options_an_architecture_cannot_take_are_refused_before_loading(
+    models, arch, args, message, monkeypatch, tmp_path
+):
     """Refused from config.json alone (train.check_inputs), naming the option and the architecture: OLMoE under
     Ulysses with packed rows on CUDA (sdpa, no FlexAttention: a dense (T, T) mask per layer; CPU keeps the dense
     mask); the router's loss for a dense model; a Gemma3 whose global layers' RoPE is dynamic, under Ulysses."""
@@ -790,12 +973,14 @@ def test_matrix_table(sharded, single, capsys):
         if name and name not in results[0] or not name and not run.exists():
             return "   -   "
         return "error" if name and "error" in results[0][name] else f"{max_difference(final_state(run), base):.1e}"
+
     rows = []
     for arch in ARCHS:
         base = final_state(single / f"{arch}-fp32")
         for layout in ("fp32", "packed", "shared", "bf16", "sp", "sp_packed"):
-            cells = [cell(single / f"{arch}-{layout}")] + [cell(out / f"{arch}-{s}-{layout}", f"{arch}-{s}-{layout}")
-                                                           for s in ("fsdp", "fsdp2")]
+            cells = [cell(single / f"{arch}-{layout}")] + [
+                cell(out / f"{arch}-{s}-{layout}", f"{arch}-{s}-{layout}") for s in ("fsdp", "fsdp2")
+            ]
             if any(c.strip() != "-" for c in cells):
                 rows.append(f"{arch:9s} {layout:9s}  basic {cells[0]}  fsdp1 {cells[1]}  fsdp2 {cells[2]}")
     with capsys.disabled():
@@ -815,9 +1000,12 @@ def test_every_matrix_run_checked_itself(sharded, single):
             continue  # it resumed into the interrupted run's directory: its report is that one's
         report = json.loads((out / name / "self_check.json").read_text())
         found = {c["check"]: c for c in report["checks"]}
-        expected = {"reference", *(["head"] if "tiled_lm_head=false" not in args else []),
-                    *(["layout"] if set(layouts) & set(args) else []),
-                    *(["cache"] if "precompute_ref_log_probs=true" in args else [])}
+        expected = {
+            "reference",
+            *(["head"] if "tiled_lm_head=false" not in args else []),
+            *(["layout"] if set(layouts) & set(args) else []),
+            *(["cache"] if "precompute_ref_log_probs=true" in args else []),
+        }
         assert report["passed"] and set(found) == expected, (name, report)
         assert ("skipped" in found["reference"]) == name.endswith("interrupted"), (name, report)
     for run in single.iterdir():

@@ -1,4 +1,5 @@
 """config.py: the dict-like frozen dataclasses, the YAML loader, overrides, aliases and every error."""
+
 import dataclasses
 import subprocess
 import sys
@@ -8,18 +9,20 @@ import pytest
 import yaml
 
 import config
-from config import (Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config,
-                    schema)
+from config import Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config, schema
 
 REPO = Path(__file__).resolve().parent.parent
-ORIGINAL_COMMAND = ("model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1 exp_name=anthropic_dpo_pythia28 "
-                    "gradient_accumulation_steps=2 batch_size=64 eval_batch_size=32 trainer=FSDPTrainer "
-                    "sample_during_eval=false model.fsdp_policy_mp=bfloat16 model.archive=/path/to/LATEST/policy.pt").split()
+ORIGINAL_COMMAND = (
+    "model=pythia28 datasets=[hh] loss=dpo loss.beta=0.1 exp_name=anthropic_dpo_pythia28 "
+    "gradient_accumulation_steps=2 batch_size=64 eval_batch_size=32 trainer=FSDPTrainer "
+    "sample_during_eval=false model.fsdp_policy_mp=bfloat16 model.archive=/path/to/LATEST/policy.pt"
+).split()
 
 
 def run_train(*args, timeout=30):
-    return subprocess.run([sys.executable, "-u", str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-u", str(REPO / "train.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -64,11 +67,27 @@ def test_mutable_fields_are_inherited_and_extended():
 
 
 def test_fsdp_engine_config_has_exactly_the_seed_fields_and_defaults():
-    expected = dict(wrap_policy={}, offload_policy=False, reshard_after_forward=True, fsdp_size=-1, forward_prefetch=False,
-                    model_dtype="fp32", use_orig_params=False, mixed_precision=None, ulysses_sequence_parallel_size=1,
-                    entropy_from_logits_with_chunking=False, use_torch_compile=None, entropy_checkpointing=False,
-                    strategy="fsdp", param_offload=False, optimizer_offload=False, full_determinism=False,
-                    dtype="bfloat16", forward_only=False, seed=None)
+    expected = dict(
+        wrap_policy={},
+        offload_policy=False,
+        reshard_after_forward=True,
+        fsdp_size=-1,
+        forward_prefetch=False,
+        model_dtype="fp32",
+        use_orig_params=False,
+        mixed_precision=None,
+        ulysses_sequence_parallel_size=1,
+        entropy_from_logits_with_chunking=False,
+        use_torch_compile=None,
+        entropy_checkpointing=False,
+        strategy="fsdp",
+        param_offload=False,
+        optimizer_offload=False,
+        full_determinism=False,
+        dtype="bfloat16",
+        forward_only=False,
+        seed=None,
+    )
     assert FSDPEngineConfig().to_dict() == expected
 
 
@@ -77,18 +96,26 @@ def test_a_bad_strategy_is_a_config_error_naming_the_key_and_the_valid_values():
     with pytest.raises(ConfigError) as info:
         load_config(["trainer=FSDPTrainer", "fsdp.strategy=fsdp3"])
     assert "fsdp.strategy='fsdp3': expected one of fsdp, fsdp2" in str(info.value)
-    result = subprocess.run([sys.executable, "-O", str(REPO / "train.py"), "trainer=FSDPTrainer", "fsdp.strategy=fsdp3",
-                             "--cfg"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-O", str(REPO / "train.py"), "trainer=FSDPTrainer", "fsdp.strategy=fsdp3", "--cfg"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2 and "fsdp.strategy='fsdp3'" in result.stderr, result.stderr
 
 
 def test_no_assert_checks_user_input_in_the_code():
     """`assert` vanishes under python -O: user input gets errors. The code holds no assert statement at all."""
     import ast
+
     found = []
     for path in sorted(REPO.glob("*.py")):
-        found += [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Assert)]
+        found += [
+            f"{path.name}:{node.lineno}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Assert)
+        ]
     assert not found, f"assert statements: {found}"
 
 
@@ -133,7 +160,9 @@ def test_group_selection_and_override_precedence():
     cfg, _ = load_config([])
     assert cfg.model.name_or_path == "toy/tiny-llama" and cfg.loss.name == "sft"  # the defaults list
     cfg, _ = load_config(["loss=dpo"])
-    assert cfg.loss.name == "dpo" and cfg.loss.beta == yaml.safe_load((REPO / "config/loss/dpo.yaml").read_text())["beta"]
+    assert (
+        cfg.loss.name == "dpo" and cfg.loss.beta == yaml.safe_load((REPO / "config/loss/dpo.yaml").read_text())["beta"]
+    )
     cfg, _ = load_config(["loss=dpo", "loss.beta=0.3"])  # command line beats the group file
     assert cfg.loss.beta == 0.3
     cfg, _ = load_config(["loss.beta=0.3", "loss=dpo"])  # whatever the order on the line
@@ -162,12 +191,18 @@ def test_aliases_resolve_in_both_directions():
     cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.wrap_policy={transformer_layer_cls_to_wrap: null}"])
     assert cfg.fsdp.wrap_policy == {"transformer_layer_cls_to_wrap": None}  # null: the model's _no_split_modules
     cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "fsdp.wrap_policy={min_num_params: 1000}"])
-    assert cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None  # command line wins over the group file
+    assert (
+        cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None
+    )  # command line wins over the group file
     cfg, _ = load_config(["seed=5"])
     assert cfg.fsdp.seed == 5
-    cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"])  # same knob, same value
+    cfg, _ = load_config(
+        ["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"]
+    )  # same knob, same value
     assert cfg.fsdp.model_dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="set the same knob"):  # a block class and a size policy: no longer one dropped silently
+    with pytest.raises(
+        ConfigError, match="set the same knob"
+    ):  # a block class and a size policy: no longer one dropped silently
         load_config(["trainer=FSDPTrainer", "model.block_name=Block", "fsdp.wrap_policy={min_num_params: 1000}"])
 
 
@@ -204,8 +239,10 @@ def test_bad_config_is_reported_with_key_value_and_expectation(args, fragment):
 def test_a_required_value_is_one_problem_naming_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(["model=blank_model"])
-    assert info.value.problems == [f"{k}: a value is required (set it on the command line: {k}=...)"
-                                   for k in ("model.name_or_path", "model.block_name")]
+    assert info.value.problems == [
+        f"{k}: a value is required (set it on the command line: {k}=...)"
+        for k in ("model.name_or_path", "model.block_name")
+    ]
 
 
 def test_there_are_at_least_twenty_bad_configs():
@@ -230,7 +267,9 @@ def test_bad_config_exits_2_without_traceback():
 def test_help_lists_every_field_of_every_config_class_without_importing_torch():
     result = run_train("--help")
     assert result.returncode == 0, result.stderr
-    imports = subprocess.run([sys.executable, "-X", "importtime", "train.py", "--help"], capture_output=True, text=True, cwd=REPO)
+    imports = subprocess.run(
+        [sys.executable, "-X", "importtime", "train.py", "--help"], capture_output=True, text=True, cwd=REPO
+    )
     imported = {line.split("|")[-1].strip() for line in imports.stderr.splitlines() if line.startswith("import time:")}
     assert "config" in imported and "torch" not in imported, sorted(imported)[:20]
     for key in schema():
@@ -239,12 +278,19 @@ def test_help_lists_every_field_of_every_config_class_without_importing_torch():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
     assert help_text().count("\n") > len(schema())
-    for flag in ("--cfg ", "--estimate [gpu=NAME]", "--replay <run dir>", "exit codes: 0 done; 2 bad input", "130 / 143"):
+    for flag in (
+        "--cfg ",
+        "--estimate [gpu=NAME]",
+        "--replay <run dir>",
+        "exit codes: 0 done; 2 bad input",
+        "130 / 143",
+    ):
         assert flag in result.stdout, flag
 
 
 def test_loss_names_known_to_config_are_the_registered_losses():
     import losses
+
     with pytest.raises(ConfigError, match="loss.name='mpo': unknown loss") as info:
         load_config(["loss.name=mpo"])
     assert f"expected one of {', '.join(sorted(losses.LOSSES))};" in str(info.value)
@@ -256,6 +302,7 @@ def test_config_reads_the_loss_registry_from_the_imported_losses_py():
     import inspect
 
     import losses
+
     keys = set(config.LossConfig())
     assert sorted(config.loss_registry()) == sorted(losses.LOSSES)
     for name, spec in losses.LOSSES.items():
@@ -272,14 +319,24 @@ def test_loss_hyperparameters_are_declared_once_as_loss_config_fields():
     """A hyperparameter is one LossConfig field: its default, --help doc and range; each range is enforced, and
     f_divergence's choices are the implemented ones."""
     import losses
+
     read = {key for entry in config.loss_registry().values() for key in entry["reads"]}
     for f in dataclasses.fields(config.LossConfig):
         if f.name in read:
-            assert f"  loss.{f.name}: {type(f.default).__name__} = {f.default!r}  # {f.metadata['doc']}" in help_text(), f.name
+            assert (
+                f"  loss.{f.name}: {type(f.default).__name__} = {f.default!r}  # {f.metadata['doc']}" in help_text()
+            ), f.name
     assert set(config.CHOICES["loss.f_divergence"]) == set(losses.F_DIVERGENCES)
     with pytest.raises(ConfigError) as info:
-        load_config(["loss=dpo", "loss.beta=0", "loss.label_smoothing=0.5", "loss.f_divergence=alpha_divergence",
-                     "loss.f_alpha=1.5"])
+        load_config(
+            [
+                "loss=dpo",
+                "loss.beta=0",
+                "loss.label_smoothing=0.5",
+                "loss.f_divergence=alpha_divergence",
+                "loss.f_alpha=1.5",
+            ]
+        )
     assert sorted(p.split("=")[0] for p in info.value.problems) == ["loss.beta", "loss.f_alpha", "loss.label_smoothing"]
     load_config(["loss=dpo", "loss.label_smoothing=0.49", "loss.f_divergence=alpha_divergence", "loss.f_alpha=1"])
 
@@ -287,6 +344,7 @@ def test_loss_hyperparameters_are_declared_once_as_loss_config_fields():
 def copy_of_the_project(tmp_path) -> Path:
     """The project's Python files, config and toy model in a fresh directory, to edit losses.py there."""
     import shutil
+
     out = tmp_path / "project"
     shutil.copytree(REPO, out, ignore=shutil.ignore_patterns(".git", ".cache", "tests", "benchmarks", "__pycache__"))
     return out
@@ -310,22 +368,37 @@ def test_losses_py_is_ordinary_python(tmp_path):
     project = copy_of_the_project(tmp_path)
     (project / "mylosses.py").write_text(LOSS_IN_MY_FILE)
     source = (project / "losses.py").read_text()
-    edited = source.replace('    "ipo": LossSpec(ipo_loss, needs_reference=True, average_log_prob=True),',
-                            '    "ipo": LossSpec(fn=ipo_loss, needs_reference=bool(1), average_log_prob=True),\n'
-                            '    "margin2_dpo": LossSpec(margin2_dpo_loss, needs_reference=True, average_log_prob=False),')
+    edited = source.replace(
+        '    "ipo": LossSpec(ipo_loss, needs_reference=True, average_log_prob=True),',
+        '    "ipo": LossSpec(fn=ipo_loss, needs_reference=bool(1), average_log_prob=True),\n'
+        '    "margin2_dpo": LossSpec(margin2_dpo_loss, needs_reference=True, average_log_prob=False),',
+    )
     assert edited != source
-    edited = edited.replace("from __future__ import annotations\n", "from __future__ import annotations\n"
-                            "from mylosses import margin2_dpo_loss\n", 1)
+    edited = edited.replace(
+        "from __future__ import annotations\n",
+        "from __future__ import annotations\nfrom mylosses import margin2_dpo_loss\n",
+        1,
+    )
     (project / "losses.py").write_text(edited)
     for args in (["--help"], ["loss=ipo", "--cfg"], ["loss.name=margin2_dpo", "loss.beta=0.2", "--cfg"]):
         result = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, cwd=project)
         assert result.returncode == 0, (args, result.stderr[-2000:])
     (project / "losses.py").write_text(edited.replace("def ipo_loss(", "def ipo_loss(((", 1))  # a syntax error
-    result = subprocess.run([sys.executable, "train.py", "loss=dpo", "--cfg"], capture_output=True, text=True, cwd=project)
-    assert result.returncode == 2 and "losses.py:" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
-    (project / "losses.py").write_text(edited.replace("beta: float) -> LossReturn:\n    \"\"\"Identity",
-                                                      "beta: float, ipo_tau: float) -> LossReturn:\n    \"\"\"Identity"))
-    result = subprocess.run([sys.executable, "train.py", "loss=ipo", "--cfg"], capture_output=True, text=True, cwd=project)
+    result = subprocess.run(
+        [sys.executable, "train.py", "loss=dpo", "--cfg"], capture_output=True, text=True, cwd=project
+    )
+    assert result.returncode == 2 and "losses.py:" in result.stderr and "Traceback" not in result.stderr, result.stderr[
+        -2000:
+    ]
+    (project / "losses.py").write_text(
+        edited.replace(
+            'beta: float\n) -> LossReturn:\n    """Identity',
+            'beta: float, ipo_tau: float\n) -> LossReturn:\n    """Identity',
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "train.py", "loss=ipo", "--cfg"], capture_output=True, text=True, cwd=project
+    )
     assert result.returncode == 2 and "loss 'ipo' (ipo_loss) reads loss.ipo_tau" in result.stderr, result.stderr[-2000:]
 
 
@@ -347,8 +420,10 @@ def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
 
 def test_batch_statistic_losses_refuse_several_ranks():
     cfg, _ = load_config(["loss=bco_pair", "trainer=FSDPTrainer"])  # world size not known yet: train.py re-checks
-    assert any("bco_pair uses statistics of the whole batch" in p and "world size 2" in p
-               for p in config.validate(cfg, world_size=2))
+    assert any(
+        "bco_pair uses statistics of the whole batch" in p and "world size 2" in p
+        for p in config.validate(cfg, world_size=2)
+    )
     assert not config.validate(cfg, world_size=1)
 
 
@@ -356,6 +431,7 @@ def test_the_sweep_example_starts_from_the_sft_checkpoint_and_targets_a_metric_t
     """Each grid point of sweeps/dpo_beta_lr.yaml is a valid run from model.archive (the SFT checkpoint), ranked by
     the toy task's sampled rule rate (rewards_eval/accuracies is 1.0 at every point after a few steps)."""
     import itertools
+
     sweep = yaml.safe_load((REPO / "sweeps" / "dpo_beta_lr.yaml").read_text())
     assert sweep["metric"]["name"] == "samples/policy_rule_rate" and sweep["method"] == "grid"
     fixed = [a for a in sweep["command"] if not str(a).startswith("${") and a not in ("python", "-u")]

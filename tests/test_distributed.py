@@ -6,6 +6,7 @@ As tests/test_fsdp.py, ONE pair of processes (~15 s of imports) runs every scena
 train.py's own distributed_worker (its process group, its run directory) on its own port; each rank saves what
 it saw and the tests read it.
 """
+
 import contextlib
 import io
 import os
@@ -25,10 +26,29 @@ import utils
 from config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = [LOCAL_DIRS, "model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
-        "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
-        "loss=dpo", "do_first_eval=false", "sample_during_eval=false", "minimum_log_interval_secs=0",
-        "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "trainer=FSDPTrainer"]
+FAST = [
+    LOCAL_DIRS,
+    "model=tiny",
+    "datasets=[toy]",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=8",
+    "max_length=64",
+    "max_prompt_length=32",
+    "fsdp.use_torch_compile=false",
+    "wandb.enabled=false",
+    "n_epochs=null",
+    "loss=dpo",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    "minimum_log_interval_secs=0",
+    "optimizer=SGD",
+    "lr=1.0",
+    "n_examples=8",
+    "eval_every=8",
+    "trainer=FSDPTrainer",
+]
 TIMEOUT_SECS, SLOW_SECS = 3, 6  # rank 0's slow work takes twice collective_timeout_secs
 
 
@@ -38,9 +58,13 @@ def helpers(rank: int, world_size: int) -> dict:
     try:
         values = torch.arange(3.0) + 10 * rank
         gathered = utils.all_gather_if_needed(values, rank, world_size)
-        return {"backend": dist.get_backend_config(), "gathered": gathered, "gathered_device": str(gathered.device),
-                "all_true_when_one_false": utils.all_ranks_true(rank == 0, torch.device("cpu")),
-                "all_true_when_all_true": utils.all_ranks_true(True, torch.device("cpu"))}
+        return {
+            "backend": dist.get_backend_config(),
+            "gathered": gathered,
+            "gathered_device": str(gathered.device),
+            "all_true_when_one_false": utils.all_ranks_true(rank == 0, torch.device("cpu")),
+            "all_true_when_all_true": utils.all_ranks_true(True, torch.device("cpu")),
+        }
     finally:
         utils.destroy_distributed()
 
@@ -55,7 +79,9 @@ def slow_rank0(rank: int, run_dir: Path) -> dict:
             if rank == 0:
                 time.sleep(SLOW_SECS)
             return fn(*args, **kwargs)
+
         return run
+
     train_py.load_models, trainers.write_manifest = slow(load_models), slow(write_manifest)
     cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp", f"collective_timeout_secs={TIMEOUT_SECS}", f"run_dir={run_dir}"])
     start = time.time()
@@ -86,6 +112,7 @@ def nan_on_rank1(rank: int, run_dir: Path) -> dict:
         out = train_step(self, batch)
         seen["nonfinite_steps"] = out["nonfinite_steps"]
         return out
+
     trainers.BasicTrainer.batch_metrics, trainers.BasicTrainer.train_step = poisoned, recorded
     cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"])
     start = time.time()
@@ -109,7 +136,10 @@ def node_local_cache(rank: int, out: Path, second_port: int) -> dict:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             train_py.distributed_worker(cfg, None)
-    return {"printed": printed.getvalue(), "tables": sorted(p.name for p in (out / f"local{rank}").rglob("reference_logps/*.pt"))}
+    return {
+        "printed": printed.getvalue(),
+        "tables": sorted(p.name for p in (out / f"local{rank}").rglob("reference_logps/*.pt")),
+    }
 
 
 def node_local_run_dir(rank: int, run_dir: Path) -> dict:
@@ -134,12 +164,14 @@ def hash_once(rank: int, run_dir: Path, second_port: int) -> dict:
     second. Each file a checkpoint holds is hashed once over the ranks when written, and once, by rank 0, when a
     resume checks it (before: rank 0 hashed every file at every save, every rank twice at a resume)."""
     import hashlib
+
     digest, hashed = hashlib.file_digest, []
 
     def counted(f, *args, **kwargs):
         if (path := Path(f.name).resolve()).is_relative_to(run_dir):  # not the data files the cache fingerprints
             hashed.append(str(path.relative_to(run_dir)).replace(".tmp/", "/"))  # LATEST, step-N.tmp
         return digest(f, *args, **kwargs)
+
     args = [*FAST, "fsdp.strategy=fsdp2", f"run_dir={run_dir}"]
     phases = {}
     hashlib.file_digest = counted
@@ -156,15 +188,19 @@ def hash_once(rank: int, run_dir: Path, second_port: int) -> dict:
 
 def worker(rank, world_size, ports, out_dir):
     from datetime import timedelta
+
     utils.RANK0_WORK_TIMEOUT = timedelta(seconds=300)  # a rank left alone by a failed peer ends the test, not CI
     out = Path(out_dir)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     results = {}
-    scenarios = {"helpers": lambda: helpers(rank, world_size), "slow_rank0": lambda: slow_rank0(rank, out / "slow"),
-                 "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan"),
-                 "node_local_run_dir": lambda: node_local_run_dir(rank, out / "node_local_run"),
-                 "hash_once": lambda: hash_once(rank, out / "hash_once", ports[-2]),
-                 "node_local_cache": lambda: node_local_cache(rank, out / "node_local", ports[-1])}
+    scenarios = {
+        "helpers": lambda: helpers(rank, world_size),
+        "slow_rank0": lambda: slow_rank0(rank, out / "slow"),
+        "nan_on_rank1": lambda: nan_on_rank1(rank, out / "nan"),
+        "node_local_run_dir": lambda: node_local_run_dir(rank, out / "node_local_run"),
+        "hash_once": lambda: hash_once(rank, out / "hash_once", ports[-2]),
+        "node_local_cache": lambda: node_local_cache(rank, out / "node_local", ports[-1]),
+    }
     for (name, scenario), port in zip(scenarios.items(), ports):
         os.environ["MASTER_PORT"] = str(port)
         try:
@@ -235,19 +271,24 @@ def test_rank_shares_are_equal_and_never_empty():
     assert trainers.rank_share([], 0, 2) == []
 
 
-
 def test_a_run_dir_that_other_nodes_cannot_see_stops_every_rank_at_startup(distributed_results):
     out, ranks = distributed_results
     for r in ranks:
         assert "ConfigError" in r["node_local_run_dir"].get("error", ""), r["node_local_run_dir"]
-        assert "do not see it" in r["node_local_run_dir"]["error"] and "shared filesystem" in r["node_local_run_dir"]["error"]
+        assert (
+            "do not see it" in r["node_local_run_dir"]["error"]
+            and "shared filesystem" in r["node_local_run_dir"]["error"]
+        )
     assert not list((out / "node_local_run").glob("step-*"))  # stopped before training
 
 
 def test_each_checkpoint_file_is_hashed_once_when_written_and_once_when_resumed(distributed_results):
     out, ranks = distributed_results
-    first = sorted(str(p.relative_to(out / "hash_once")) for p in (out / "hash_once" / "step-8").rglob("*")
-                   if p.is_file() and p.name != "manifest.json")
+    first = sorted(
+        str(p.relative_to(out / "hash_once"))
+        for p in (out / "hash_once" / "step-8").rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    )
     second = [f.replace("step-8", "step-16") for f in first]
     written = [r["hash_once"]["first"] for r in ranks]
     assert sorted(written[0] + written[1]) == first and all(written), written  # shared, each file once

@@ -1,4 +1,5 @@
 """The README's two commands are what CI and a newcomer run: .ci/run must run the test command verbatim."""
+
 import re
 from pathlib import Path
 

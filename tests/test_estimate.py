@@ -1,4 +1,5 @@
 """`train.py --estimate`: from config.json alone (no weights), parameter counts exact for known families."""
+
 import json
 import re
 import shutil
@@ -19,13 +20,19 @@ from test_train import REPO
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("llama", {}), ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 2}),
-    ("llama", {"attention_bias": True, "mlp_bias": True}), ("mistral", {"num_key_value_heads": 1}),
-    ("qwen2", {"num_key_value_heads": 2}), ("qwen3", {"head_dim": 32}),
-    ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}),
-    ("gpt_neox", {"max_position_embeddings": 128}),
-])
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 2}),
+        ("llama", {"attention_bias": True, "mlp_bias": True}),
+        ("mistral", {"num_key_value_heads": 1}),
+        ("qwen2", {"num_key_value_heads": 2}),
+        ("qwen3", {"head_dim": 32}),
+        ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}),
+        ("gpt_neox", {"max_position_embeddings": 128}),
+    ],
+)
 def test_parameter_count_equals_the_real_model(model_type, extra):
     """The count from config.json equals sum(numel) of the model transformers builds from it (on meta: no memory)."""
     cfg = AutoConfig.for_model(model_type, **TINY, **extra)
@@ -67,15 +74,30 @@ def test_estimate_reads_only_config_json(tmp_path):
     model.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "toy" / "tiny-llama" / name, model / name)
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "loss=dpo", "trainer=FSDPTrainer", "n_workers=2",
-                             f"model.name_or_path={model}", "--estimate", "gpu=H100"], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "loss=dpo",
+            "trainer=FSDPTrainer",
+            "n_workers=2",
+            f"model.name_or_path={model}",
+            "--estimate",
+            "gpu=H100",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "FSDPTrainer x 2 rank(s)" in out and "no weights read" in out and "on H100" in out and "fits" in out
     for name in ("weights", "gradients", "optimizer state", "activations", "peak", "FLOPs per step"):
         assert name in out, name
-    bad = subprocess.run([sys.executable, str(REPO / "train.py"), f"model.name_or_path={model}", "--estimate", "gpu=Z80"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"model.name_or_path={model}", "--estimate", "gpu=Z80"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "gpu=Z80: unknown device; expected one of H200, H100" in bad.stderr
 
 
@@ -123,18 +145,28 @@ def test_reshard_after_forward_false_keeps_the_whole_policy_gathered_but_not_the
     kept = est(*args, "fsdp.reshard_after_forward=false", world=2)
     g, default = estimate.geometry(TOY), est(*args, world=2)
     assert kept["FSDP gathered"] == g.params * 2 + g.block_params * 2  # every unit, and one block's gradient
-    assert (kept["phases"]["backward"] - default["phases"]["backward"]
-            == kept["FSDP gathered"] - default["FSDP gathered"])
+    assert (
+        kept["phases"]["backward"] - default["phases"]["backward"] == kept["FSDP gathered"] - default["FSDP gathered"]
+    )
     pre = ["precompute_ref_log_probs=true", *args]  # the reference reshards after its forward whatever the knob
-    assert (est(*pre, "fsdp.reshard_after_forward=false", world=2)["phases"]["reference pass"]
-            == est(*pre, world=2)["phases"]["reference pass"])
+    assert (
+        est(*pre, "fsdp.reshard_after_forward=false", world=2)["phases"]["reference pass"]
+        == est(*pre, world=2)["phases"]["reference pass"]
+    )
 
 
 def test_null_reference_dtype_is_the_policys(tmp_path):
     """config/model/blank_model.yaml sets reference_dtype: null (the policy's dtype), which --estimate must read."""
     shutil.copy(REPO / "toy" / "tiny-llama" / "config.json", tmp_path / "config.json")
-    cfg, _ = config.load_config(["loss=dpo", "model=blank_model", f"model.name_or_path={tmp_path}",
-                                 "model.block_name=LlamaDecoderLayer", "model.policy_dtype=bfloat16"])
+    cfg, _ = config.load_config(
+        [
+            "loss=dpo",
+            "model=blank_model",
+            f"model.name_or_path={tmp_path}",
+            "model.block_name=LlamaDecoderLayer",
+            "model.policy_dtype=bfloat16",
+        ]
+    )
     e = estimate.estimate(cfg, TOY, 1)
     assert e["reference weights"] == e["weights"] == e["parameters"] * 2
     assert "peak" in estimate.report(cfg, str(tmp_path), 1)
@@ -148,8 +180,13 @@ def test_lm_head_backward_workspace():
         e = est(*mp, model=BIG_VOCAB)
         assert e["phases"]["backward"] - static(e) - e["activations"] - e["logits"] == head * 4 + extra
     # the plain path keeps the logits, and beside them the logits' gradient (more than the chunked entropy's work)
-    plain = est("tiled_lm_head=false", "fsdp.entropy_from_logits_with_chunking=true", "max_length=2048",
-                "max_prompt_length=1024", model=BIG_VOCAB)
+    plain = est(
+        "tiled_lm_head=false",
+        "fsdp.entropy_from_logits_with_chunking=true",
+        "max_length=2048",
+        "max_prompt_length=1024",
+        model=BIG_VOCAB,
+    )
     assert plain["logits"] == 2 * plain["micro-batch tokens"] * 128256 * 4
     assert plain["phases"]["backward"] - static(plain) - plain["activations"] == plain["logits"]
 
@@ -166,7 +203,8 @@ def test_fsdp2_root_reduce_scatter_and_the_online_reference_root():
     assert fsdp1["root reduce-scatter"] == 0 and fsdp2["root reduce-scatter"] == root * (4 + 4)
     online = est("trainer=FSDPTrainer", model=BIG_VOCAB, world=2)  # the start dominates
     assert online["phases"]["backward"] - static(online) - online["FSDP gathered"] == (
-        online["activations"] + online["logits"] + root * 4)
+        online["activations"] + online["logits"] + root * 4
+    )
     assert online["reference root"] == root * 4 > online["LM-head backward"]
     assert est("trainer=FSDPTrainer", "precompute_ref_log_probs=true", model=BIG_VOCAB, world=2)["reference root"] == 0
 
@@ -186,8 +224,16 @@ def saved_per_layer(model_type: str, extra: dict, args: list, rows: int = 2, len
         model = model.bfloat16() if config.DTYPES[cfg.fsdp.model_dtype] == "bfloat16" else model
         if cfg.lora.r:
             import peft
-            model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, target_modules=cfg.lora.target_modules,
-                                                               lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM"))
+
+            model = peft.get_peft_model(
+                model,
+                peft.LoraConfig(
+                    r=cfg.lora.r,
+                    target_modules=cfg.lora.target_modules,
+                    lora_dropout=cfg.lora.dropout,
+                    task_type="CAUSAL_LM",
+                ),
+            )
         model = model.bfloat16() if cfg.fsdp.mixed_precision and not autocast else model  # FSDP casts every parameter
         backbone = model.get_base_model().base_model if cfg.lora.r else model.base_model
         mask = torch.ones(length, length, dtype=torch.bool).tril().expand(rows, 1, length, length).clone()
@@ -196,31 +242,53 @@ def saved_per_layer(model_type: str, extra: dict, args: list, rows: int = 2, len
         def pack(t, storages=storages):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-              torch.autocast("cpu", torch.bfloat16, enabled=bool(autocast))):
-            backbone(input_ids=torch.randint(0, 300, (rows, length)), attention_mask=mask if cfg.padding_free else None,
-                     use_cache=False)
+
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", torch.bfloat16, enabled=bool(autocast)),
+        ):
+            backbone(
+                input_ids=torch.randint(0, 300, (rows, length)),
+                attention_mask=mask if cfg.padding_free else None,
+                use_cache=False,
+            )
         kept.append(sum(n for ptr, n in storages.items() if ptr not in params))
     return kept[0] - kept[1]
 
 
 GQA = {"num_key_value_heads": 2}
-BF16, AUTOCAST, FSDP_BF16 = ["model.policy_dtype=bfloat16"], ["fsdp.mixed_precision=bf16"], [
-    "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "fsdp.mixed_precision=bf16", "batch_size=2"]  # a pair per rank
+BF16, AUTOCAST, FSDP_BF16 = (
+    ["model.policy_dtype=bfloat16"],
+    ["fsdp.mixed_precision=bf16"],
+    ["trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "fsdp.mixed_precision=bf16", "batch_size=2"],
+)  # a pair per rank
 GPT2, NEOX = {"n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}, {"max_position_embeddings": 128}
 
 
-@pytest.mark.parametrize("model_type,extra,args,over", [
-    ("llama", GQA, [], 1.0), ("llama", GQA, BF16, 1.0), ("llama", GQA, AUTOCAST, 1.0), ("llama", GQA, FSDP_BF16, 1.0),
-    ("llama", GQA, ["padding_free=true"], 1.0), ("llama", GQA, ["padding_free=true", *BF16], 1.0),
-    ("qwen3", {**GQA, "head_dim": 32}, BF16, 1.0), ("qwen3", {**GQA, "head_dim": 32}, AUTOCAST, 1.0),
-    ("gpt2", GPT2, [], 1.0), ("gpt2", GPT2, BF16, 1.0), ("gpt2", GPT2, AUTOCAST, 1.0),
-    ("gpt_neox", NEOX, BF16, 1.0), ("gpt_neox", NEOX, [], 1.0),
-    # LoRA: exact with all-linear; where lora_A keeps a copy of its input (cast to the fp32 adapters of a bf16 block,
-    # or dropped out), the frozen linears' own inputs are no longer kept, which the estimate still counts
-    ("llama", GQA, ["lora.r=4"], 1.0), ("llama", GQA, ["lora.r=4", *FSDP_BF16], 1.0),
-    ("llama", GQA, ["lora.r=4", *BF16], 1.15), ("llama", GQA, ["lora.r=4", "lora.dropout=0.1"], 1.15),
-])
+@pytest.mark.parametrize(
+    "model_type,extra,args,over",
+    [
+        ("llama", GQA, [], 1.0),
+        ("llama", GQA, BF16, 1.0),
+        ("llama", GQA, AUTOCAST, 1.0),
+        ("llama", GQA, FSDP_BF16, 1.0),
+        ("llama", GQA, ["padding_free=true"], 1.0),
+        ("llama", GQA, ["padding_free=true", *BF16], 1.0),
+        ("qwen3", {**GQA, "head_dim": 32}, BF16, 1.0),
+        ("qwen3", {**GQA, "head_dim": 32}, AUTOCAST, 1.0),
+        ("gpt2", GPT2, [], 1.0),
+        ("gpt2", GPT2, BF16, 1.0),
+        ("gpt2", GPT2, AUTOCAST, 1.0),
+        ("gpt_neox", NEOX, BF16, 1.0),
+        ("gpt_neox", NEOX, [], 1.0),
+        # LoRA: exact with all-linear; where lora_A keeps a copy of its input (cast to the fp32 adapters of a bf16 block,
+        # or dropped out), the frozen linears' own inputs are no longer kept, which the estimate still counts
+        ("llama", GQA, ["lora.r=4"], 1.0),
+        ("llama", GQA, ["lora.r=4", *FSDP_BF16], 1.0),
+        ("llama", GQA, ["lora.r=4", *BF16], 1.15),
+        ("llama", GQA, ["lora.r=4", "lora.dropout=0.1"], 1.15),
+    ],
+)
 def test_saved_activations_are_what_a_real_block_keeps(model_type, extra, args, over):
     """Per layer: the bytes of every tensor autograd saves in a real block, in fp32, bf16 (FSDP's mixed precision
     casts the weights), under autocast (fp32 weights: the norms stay fp32, each linear keeps its own bf16 input and
@@ -230,8 +298,11 @@ def test_saved_activations_are_what_a_real_block_keeps(model_type, extra, args, 
     e = estimate.estimate(cfg, model, 2 if cfg.trainer == "FSDPTrainer" else 1, device="cpu")
     assert e["micro-batch tokens"] == 2 * 64
     g, autocast = estimate.geometry(model), bool(cfg.fsdp.mixed_precision) and cfg.trainer == "BasicTrainer"
-    expected = (e["block activations"] + cfg.padding_free * 2 * 64 ** 2 * e["compute bytes"]
-                + (autocast and (g.block_params + e["adapters"] / g.layers) * 2))
+    expected = (
+        e["block activations"]
+        + cfg.padding_free * 2 * 64**2 * e["compute bytes"]
+        + (autocast and (g.block_params + e["adapters"] / g.layers) * 2)
+    )
     measured = saved_per_layer(model_type, extra, args)
     assert measured * 0.995 <= expected <= measured * over * 1.01, (expected, measured)
 
@@ -242,22 +313,29 @@ def test_dense_masks_only_where_flex_attention_is_not_used():
     checkpointing, the recomputed layer's), beside the bool mask itself."""
     for model_type in estimate.FAMILIES:
         assert (model_type in estimate.FLEX) == AutoModelForCausalLM._model_mapping[
-            AutoConfig.for_model(model_type).__class__]._supports_flex_attn, model_type
+            AutoConfig.for_model(model_type).__class__
+        ]._supports_flex_attn, model_type
     args, rows = ["trainer=FSDPTrainer", "batch_size=4", "gradient_accumulation_steps=2"], 2  # a pair: 2 rows
     for ckpt, layers in ((False, 2), (True, 1)):  # the toy: 2 layers, fp32
         run = [*args, f"activation_checkpointing={ckpt}"]
         packed, padded = est(*run, "padding_free=true", world=2, device="cpu"), est(*run, world=2, device="cpu")
-        assert packed["activations"] - padded["activations"] == rows * 512 ** 2 * (1 + 4 * layers)
+        assert packed["activations"] - padded["activations"] == rows * 512**2 * (1 + 4 * layers)
         assert est(*run, "padding_free=true", world=2)["activations"] == padded["activations"]  # CUDA: block masks
     gpt2 = json.loads(AutoConfig.for_model("gpt2", **{**TINY, **GPT2}).to_json_string())
     assert est("padding_free=true", model=gpt2)["dense mask"] and not est("padding_free=true")["dense mask"]
 
 
-@pytest.mark.parametrize("model_type,extra,targets", [
-    ("llama", GQA, "all-linear"), ("llama", GQA, "[q_proj,self_attn.v_proj]"),
-    ("qwen3", {"head_dim": 32}, "all-linear"),
-    ("gpt2", GPT2, "all-linear"), ("gpt2", GPT2, "[c_proj]"), ("gpt_neox", NEOX, "[dense,query_key_value]"),
-])
+@pytest.mark.parametrize(
+    "model_type,extra,targets",
+    [
+        ("llama", GQA, "all-linear"),
+        ("llama", GQA, "[q_proj,self_attn.v_proj]"),
+        ("qwen3", {"head_dim": 32}, "all-linear"),
+        ("gpt2", GPT2, "all-linear"),
+        ("gpt2", GPT2, "[c_proj]"),
+        ("gpt_neox", NEOX, "[dense,query_key_value]"),
+    ],
+)
 def test_lora_adapters_are_the_ones_peft_adds(model_type, extra, targets):
     """lora.target_modules selects what peft selects ('all-linear': every linear layer of the blocks, not the LM
     head; a name: every module whose path ends with it), each adding r * (in + out) trained parameters."""
@@ -271,8 +349,16 @@ def test_lora_adapters_are_the_ones_peft_adds(model_type, extra, targets):
     assert e["adapters"] == trained and e["parameters"] == sum(p.numel() for p in model.parameters()) - trained
 
 
-LLAMA_7B = dict(TOY, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32, head_dim=128, vocab_size=32000)
+LLAMA_7B = dict(
+    TOY,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    vocab_size=32000,
+)
 
 
 def test_lora_trains_the_adapters_alone_and_the_reference_is_the_policy():
@@ -293,8 +379,10 @@ def test_lora_trains_the_adapters_alone_and_the_reference_is_the_policy():
 def test_lora_target_modules_the_estimate_cannot_read_are_refused():
     """A regular expression, or a module outside the blocks (peft would adapt the LM head or the embeddings): an
     EstimateError naming the key, never figures without those adapters."""
-    for targets, message in (("q_proj|v_proj", "not a regular expression"),
-                             ("[lm_head]", "['lm_head'] name no linear")):
+    for targets, message in (
+        ("q_proj|v_proj", "not a regular expression"),
+        ("[lm_head]", "['lm_head'] name no linear"),
+    ):
         with pytest.raises(estimate.EstimateError, match=re.escape(message)):
             est("lora.r=4", f"lora.target_modules={targets}")
 
@@ -314,8 +402,9 @@ def test_report_names_the_peak_phase():
     checked = [est(*long, *tiled, model=BIG_VOCAB)["phases"]["self check"] for tiled in ([], ["tiled_lm_head=false"])]
     assert checked[0] - checked[1] == self_check.HEAD_LOGITS_BYTES
     assert "self check" not in est("self_check=false")["phases"]
-    cfg = config.load_config(["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32",
-                              "max_prompt_length=16"])[0]
+    cfg = config.load_config(
+        ["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32", "max_prompt_length=16"]
+    )[0]
     out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 1)
     assert re.search(r"peak \(reference pass\) +[\d.]+ MiB", out), out
 
@@ -323,8 +412,9 @@ def test_report_names_the_peak_phase():
 def test_keys_the_estimate_does_not_model_are_printed():
     """Offloading, forward_only and size-based FSDP units are not modelled: the report says what it counts instead
     (a block class named in fsdp.wrap_policy, as the toy model's group does, is what it counts)."""
-    cfg = config.load_config(["loss=dpo", "trainer=FSDPTrainer", "n_workers=2", "fsdp.strategy=fsdp2",
-                              "fsdp.offload_policy=true"])[0]
+    cfg = config.load_config(
+        ["loss=dpo", "trainer=FSDPTrainer", "n_workers=2", "fsdp.strategy=fsdp2", "fsdp.offload_policy=true"]
+    )[0]
     out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 2)
     assert "assumes: parameters, gradients and optimizer state counted on the device (fsdp.offload_policy=True" in out
     assert "assumes" not in estimate.report(config.load_config(["loss=dpo"])[0], str(REPO / "toy" / "tiny-llama"), 1)

@@ -5,6 +5,7 @@ Spawning processes costs ~15 s of imports each time, so ONE pair of workers runs
 settings (not the config's), the optimizer state's device, and the final parameters. The one-process
 baselines run in this process. Checks that need a GPU (nccl, CUDA device_id, pinned memory) are marked.
 """
+
 import contextlib
 import io
 import json
@@ -30,11 +31,26 @@ from utils import get_open_port, seed_everything
 from conftest import LOCAL_DIRS, TEST_LOCAL_DIR  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=16",
-        "max_length=64", "max_prompt_length=32", "max_new_tokens=8", "fsdp.use_torch_compile=false",
-        "wandb.enabled=false", "n_epochs=null", "loss=dpo", "do_first_eval=false", "sample_during_eval=false",
-        "minimum_log_interval_secs=0", LOCAL_DIRS]
-SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]   # parameter change = the gradient
+FAST = [
+    "model=tiny",
+    "datasets=[toy]",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=16",
+    "max_length=64",
+    "max_prompt_length=32",
+    "max_new_tokens=8",
+    "fsdp.use_torch_compile=false",
+    "wandb.enabled=false",
+    "n_epochs=null",
+    "loss=dpo",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    "minimum_log_interval_secs=0",
+    LOCAL_DIRS,
+]
+SGD_ONE_STEP = ["optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8"]  # parameter change = the gradient
 ADAMW_3 = ["optimizer=AdamW", "lr=1e-4", "n_examples=24", "eval_every=8"]
 KTO = ["loss=kto", "pairs_to_unpaired=true"]
 TR_DPO = ["ref_update.tau=1", "ref_update.alpha=0.6"]  # a soft update after every step
@@ -46,9 +62,11 @@ SAMPLES_12 = ["sample_during_eval=true", "n_eval_model_samples=12"]  # two group
 
 def write_skewed_pairs(path: Path) -> str:
     """16 pairs, every 4th one long (78 tokens against 32): balanced shares put one long pair on each rank."""
-    long = lambda i: {"prompt": f"\n\nHuman: Question {i}. Describe rain and snow.\n\nAssistant:",
-                      "chosen": " rain falls and the snow is white and very cold.",
-                      "rejected": " RAIN FALLS AND THE SNOW IS WHITE AND VERY COLD."}
+    long = lambda i: {
+        "prompt": f"\n\nHuman: Question {i}. Describe rain and snow.\n\nAssistant:",
+        "chosen": " rain falls and the snow is white and very cold.",
+        "rejected": " RAIN FALLS AND THE SNOW IS WHITE AND VERY COLD.",
+    }
     short = lambda i: {"prompt": f"\n\nHuman: Cats {i}?\n\nAssistant:", "chosen": " cats.", "rejected": " CATS."}
     path.write_text("".join(json.dumps(long(i) if i % 4 == 1 else short(i)) + "\n" for i in range(16)))
     return str(path)
@@ -80,15 +98,41 @@ SCENARIOS = {
     "fsdp_adamw": (["fsdp.strategy=fsdp", *ADAMW_3], "adamw"),
     "fsdp2_adamw": (["fsdp.strategy=fsdp2", *ADAMW_3, *SAMPLES_12], "adamw"),
     "fsdp_bf16": (["fsdp.strategy=fsdp", *ADAMW_3, "model.fsdp_policy_mp=bfloat16"], None),
-    "fsdp2_bf16": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"], None),
-    "fsdp_knobs": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.reshard_after_forward=false", "fsdp.forward_prefetch=true",
-                    "fsdp.use_orig_params=true", "activation_checkpointing=true", "fsdp.param_offload=true",
-                    "fsdp.optimizer_offload=true"], "adamw"),
-    "fsdp2_knobs": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.reshard_after_forward=false", "fsdp.forward_prefetch=true",
-                     "activation_checkpointing=true", "fsdp.offload_policy=true", "fsdp.optimizer_offload=true"], "adamw"),
+    "fsdp2_bf16": (
+        ["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.mixed_precision={param_dtype: bf16, reduce_dtype: fp32}"],
+        None,
+    ),
+    "fsdp_knobs": (
+        [
+            "fsdp.strategy=fsdp",
+            *ADAMW_3,
+            "fsdp.reshard_after_forward=false",
+            "fsdp.forward_prefetch=true",
+            "fsdp.use_orig_params=true",
+            "activation_checkpointing=true",
+            "fsdp.param_offload=true",
+            "fsdp.optimizer_offload=true",
+        ],
+        "adamw",
+    ),
+    "fsdp2_knobs": (
+        [
+            "fsdp.strategy=fsdp2",
+            *ADAMW_3,
+            "fsdp.reshard_after_forward=false",
+            "fsdp.forward_prefetch=true",
+            "activation_checkpointing=true",
+            "fsdp.offload_policy=true",
+            "fsdp.optimizer_offload=true",
+        ],
+        "adamw",
+    ),
     "fsdp_replicate": (["fsdp.strategy=fsdp", *ADAMW_3, "fsdp.fsdp_size=1"], "adamw"),
     "fsdp2_replicate": (["fsdp.strategy=fsdp2", *ADAMW_3, "fsdp.fsdp_size=1", "fsdp.param_offload=true"], "adamw"),
-    "fsdp2_precomputed_packed": (["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"], "adamw"),
+    "fsdp2_precomputed_packed": (
+        ["fsdp.strategy=fsdp2", *ADAMW_3, "precompute_ref_log_probs=true", "padding_free=true"],
+        "adamw",
+    ),
     # the step's pairs dealt in shares of unequal counts (near-equal FLOPs): one step, with and without micro-batches,
     # equals one process
     "fsdp_skewed": (["fsdp.strategy=fsdp", *SKEWED], "skewed_sgd"),
@@ -96,8 +140,10 @@ SCENARIOS = {
     "fsdp2_skewed_budget": (["fsdp.strategy=fsdp2", *SKEWED, "max_tokens_per_microbatch=100"], "skewed_sgd"),
     "fsdp2_skewed_consecutive": (["fsdp.strategy=fsdp2", *SKEWED, "balance_batch=false"], "skewed_sgd"),
     # opting in to unsynced accumulation (the reduce-scatter after the last micro-batch only) gives the same step
-    "fsdp_skewed_no_sync": (["fsdp.strategy=fsdp", *SKEWED, "gradient_accumulation_steps=2", "no_sync_accumulation=true"],
-                            "skewed_sgd"),
+    "fsdp_skewed_no_sync": (
+        ["fsdp.strategy=fsdp", *SKEWED, "gradient_accumulation_steps=2", "no_sync_accumulation=true"],
+        "skewed_sgd",
+    ),
     "fsdp2_size_policy": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, "fsdp.wrap_policy={min_num_params: 20000}"], "sgd"),
     "fsdp_tied_size_policy": (["fsdp.strategy=fsdp", *TIED, COARSE], "tied_sgd"),
     "fsdp2_tied_size_policy": (["fsdp.strategy=fsdp2", *TIED, COARSE], "tied_sgd"),
@@ -105,10 +151,21 @@ SCENARIOS = {
     "fsdp2_kto": (["fsdp.strategy=fsdp2", *SGD_ONE_STEP, *KTO], "kto_sgd"),
     # TR-DPO with the knobs that broke its update: checkpoint wrappers on the policy's names, a reference that
     # stayed gathered (full shapes against the policy's shards) under reshard_after_forward=false
-    "fsdp_trdpo_knobs": (["fsdp.strategy=fsdp", *SGD_TWO, *TR_DPO, "activation_checkpointing=true", "fsdp.use_orig_params=true",
-                          "fsdp.reshard_after_forward=false"], "trdpo_sgd"),
-    "fsdp2_trdpo_knobs": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO, "activation_checkpointing=true",
-                           "fsdp.reshard_after_forward=false"], "trdpo_sgd"),
+    "fsdp_trdpo_knobs": (
+        [
+            "fsdp.strategy=fsdp",
+            *SGD_TWO,
+            *TR_DPO,
+            "activation_checkpointing=true",
+            "fsdp.use_orig_params=true",
+            "fsdp.reshard_after_forward=false",
+        ],
+        "trdpo_sgd",
+    ),
+    "fsdp2_trdpo_knobs": (
+        ["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO, "activation_checkpointing=true", "fsdp.reshard_after_forward=false"],
+        "trdpo_sgd",
+    ),
     "fsdp_trdpo_hard": (["fsdp.strategy=fsdp", *SGD_TWO, "ref_update.tau=1", "ref_update.alpha=1.0"], None),
     "fsdp_trdpo": (["fsdp.strategy=fsdp", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
     "fsdp2_trdpo": (["fsdp.strategy=fsdp2", *SGD_TWO, *TR_DPO], "trdpo_sgd"),
@@ -133,24 +190,35 @@ def inspect_wrapping(trainer) -> dict:
     """What the wrapped policy really is, read from FSDP's own objects."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     policy = trainer.policy
     info = {"checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in policy.modules())}
     if isinstance(policy, FSDP):
         units = FSDP.fsdp_modules(policy)
-        info.update(strategy=policy.sharding_strategy.name, forward_prefetch=policy.forward_prefetch,
-                    use_orig_params=policy._use_orig_params, offload_params=policy.cpu_offload.offload_params,
-                    units=len(units), mixed_param_dtype=str(policy.mixed_precision.param_dtype))
+        info.update(
+            strategy=policy.sharding_strategy.name,
+            forward_prefetch=policy.forward_prefetch,
+            use_orig_params=policy._use_orig_params,
+            offload_params=policy.cpu_offload.offload_params,
+            units=len(units),
+            mixed_param_dtype=str(policy.mixed_precision.param_dtype),
+        )
     else:
         states = [m._get_fsdp_state() for m in policy.modules() if hasattr(m, "_get_fsdp_state")]
         groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
         param = next(policy.parameters())
-        info.update(strategy="fully_shard", units=len(groups),
-                    reshard_after_forward=[g._reshard_after_forward for g in groups],
-                    forward_prefetch=sum(len(s._states_to_forward_prefetch) for s in states),
-                    offload_policy=[type(g.offload_policy).__name__ for g in groups],
-                    mesh_shape=tuple(param.device_mesh.shape), local_numel=param.to_local().numel(),
-                    full_numel=param.numel(), param_device=str(param.to_local().device),
-                    mixed_param_dtype=str(groups[0].mp_policy.param_dtype))
+        info.update(
+            strategy="fully_shard",
+            units=len(groups),
+            reshard_after_forward=[g._reshard_after_forward for g in groups],
+            forward_prefetch=sum(len(s._states_to_forward_prefetch) for s in states),
+            offload_policy=[type(g.offload_policy).__name__ for g in groups],
+            mesh_shape=tuple(param.device_mesh.shape),
+            local_numel=param.to_local().numel(),
+            full_numel=param.numel(),
+            param_device=str(param.to_local().device),
+            mixed_param_dtype=str(groups[0].mp_policy.param_dtype),
+        )
     return info
 
 
@@ -165,8 +233,16 @@ def run_scenario(name, args, rank, world_size, out_dir):
     seed_everything(cfg.seed)  # as train.worker_main: LoRA's adapters are initialised from the RNG
     tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)
     assert all(p.is_meta for p in policy.parameters()) == (rank != 0)
-    trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
-                                   reference, rank, world_size, tokenizer)
+    trainer = trainers.FSDPTrainer(
+        policy,
+        cfg,
+        cfg.seed,
+        str(resume[0].split("=", 1)[1]) if resume else str(run_dir),
+        reference,
+        rank,
+        world_size,
+        tokenizer,
+    )
     info = inspect_wrapping(trainer)
     if name.endswith("interrupted"):
         save = trainer.checkpoints.save
@@ -174,6 +250,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
         def save_then_die():
             save()
             raise Preempted  # every rank, after the checkpoint's last barrier: a clean "kill"
+
         trainer.checkpoints.save = save_then_die
     # Where fsdp.optimizer_offload sends the optimizer state, call by call (on CPU every device is the CPU, so the
     # devices themselves prove nothing; tests/test_trainers.py checks the placement with a stand-in device).
@@ -182,6 +259,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
     def recording_move(optimizer, device):
         moves.append("parameter's device" if device is None else str(device))
         move(optimizer, device)
+
     sharding.move_optimizer_state = recording_move
     # Gradient syncs skipped, and gradients held unsharded after a micro-batch that is not the step's last
     info["skipped_syncs"], info["unsharded_grads_between_micro_batches"], micro_batches = 0, [], [0]
@@ -193,8 +271,13 @@ def run_scenario(name, args, rank, world_size, out_dir):
         with gradient_sync(model, sync):
             yield
         micro_batches[0] += 1
-        if micro_batches[0] == 1 and trainer.config.gradient_accumulation_steps > 1 or trainer.config.max_tokens_per_microbatch:
+        if (
+            micro_batches[0] == 1
+            and trainer.config.gradient_accumulation_steps > 1
+            or trainer.config.max_tokens_per_microbatch
+        ):
             info["unsharded_grads_between_micro_batches"].append(unsharded_gradient_elements(trainer.policy))
+
     trainer.sharding.gradient_sync = inspected
     # After every reference forward: are the reference's parameters sharded again (FSDP2: every unit; FSDP1: every
     # flat parameter back on its local shard)?
@@ -205,12 +288,14 @@ def run_scenario(name, args, rank, world_size, out_dir):
         out = reference_forward(inputs, *args)
         info["reference_gathered_after_forward"].append(gathered_units(trainer.reference.model))
         return out
+
     trainer.reference.forward = checked_reference
     shares, train_step = [], trainer.train_step  # the pairs this rank trained on at each step
 
     def recording_step(batch):
         shares.append(batch["chosen"])
         return train_step(batch)
+
     trainer.train_step = recording_step
     try:
         trainer.train()
@@ -229,7 +314,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
     info["shares"] = [None] * world_size  # [rank][step]: the chosen texts of the pairs it trained on
     dist.all_gather_object(info["shares"], shares)
     if name.endswith("kto"):  # the KL estimate over both ranks' halves of one global batch's mismatched rows
-        rows = {k: v[rank * 4:(rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
+        rows = {k: v[rank * 4 : (rank + 1) * 4] for k, v in kto_global_batch(tokenizer).items() if k.startswith("kl_")}
         info["kl"] = trainer.reference.kl_point(rows).item()
     return info
 
@@ -256,10 +341,14 @@ def unsharded_gradient_elements(policy) -> int:
     """Elements of whole (unsharded) gradients FSDP2 keeps on this rank between micro-batches (0 under FSDP1:
     counted through its flat parameters' gradient sizes)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     if isinstance(policy, FSDP):
         handles = [u._handle for u in FSDP.fsdp_modules(policy) if u._handle is not None]
-        return sum(h.flat_param.grad.numel() for h in handles
-                   if h.flat_param.grad is not None and h.flat_param.grad.numel() > h.flat_param._local_shard.numel())
+        return sum(
+            h.flat_param.grad.numel()
+            for h in handles
+            if h.flat_param.grad is not None and h.flat_param.grad.numel() > h.flat_param._local_shard.numel()
+        )
     total = 0
     for module in policy.modules():
         group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
@@ -273,10 +362,14 @@ def unsharded_gradient_elements(policy) -> int:
 def gathered_units(model) -> int:
     """Units of `model` whose parameters are gathered (unsharded) right now."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     if isinstance(model, FSDP):
-        handles = [u._handle for u in FSDP.fsdp_modules(model) if u._handle is not None and u._handle.uses_sharded_strategy]
+        handles = [
+            u._handle for u in FSDP.fsdp_modules(model) if u._handle is not None and u._handle.uses_sharded_strategy
+        ]
         return sum(h.flat_param.data_ptr() != h.flat_param._local_shard.data_ptr() for h in handles)
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     return sum(any(p.sharded_state != ShardedState.SHARDED for p in g.fsdp_params) for g in groups if g is not None)
 
@@ -284,15 +377,18 @@ def gathered_units(model) -> int:
 def kto_global_batch(tokenizer) -> dict:
     """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
     import preference_datasets as data
-    examples, _ = data.load_tokenized(["toy"], tokenizer, "train", max_length=64, max_prompt_length=32,
-                                      unpaired=True, pairs_to_unpaired=True)
+
+    examples, _ = data.load_tokenized(
+        ["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, unpaired=True, pairs_to_unpaired=True
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
     return data.collate(examples[:8], pad, kl_rows=True)
 
 
 def worker(rank, world_size, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a rank that failed alone: no long hang
     results = {}
     try:
@@ -333,8 +429,15 @@ def fsdp_results(tmp_path_factory):
 def baselines(tmp_path_factory):
     """BasicTrainer in this process on the full batch: the reference every sharded run must match."""
     out = tmp_path_factory.mktemp("single")
-    for name, args in (("sgd", SGD_ONE_STEP), ("adamw", [*ADAMW_3, *SAMPLES_12]), ("kto_sgd", [*SGD_ONE_STEP, *KTO]), ("skewed_sgd", SKEWED),
-                       ("trdpo_sgd", [*SGD_TWO, *TR_DPO]), ("lora_adamw", [*ADAMW_3, *LORA]), ("tied_sgd", TIED)):
+    for name, args in (
+        ("sgd", SGD_ONE_STEP),
+        ("adamw", [*ADAMW_3, *SAMPLES_12]),
+        ("kto_sgd", [*SGD_ONE_STEP, *KTO]),
+        ("skewed_sgd", SKEWED),
+        ("trdpo_sgd", [*SGD_TWO, *TR_DPO]),
+        ("lora_adamw", [*ADAMW_3, *LORA]),
+        ("tied_sgd", TIED),
+    ):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert train_py.main([*FAST, f"run_dir={out / name}", *args]) == 0
     return out
@@ -346,13 +449,16 @@ def final_state(run_dir: Path) -> dict:
 
 def assert_close_states(a, b, atol):
     assert a.keys() == b.keys()
-    worst = max((x.float() - y.float()).abs().max().item() for x, y in (
-        (a[k], b[k]) for k in a))
+    worst = max((x.float() - y.float()).abs().max().item() for x, y in ((a[k], b[k]) for k in a))
     assert worst <= atol, f"max |difference| {worst:.3g} > {atol}"
 
 
 def loss_trace(run_dir: Path) -> list[float]:
-    return [r["loss/train"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss/train" in r]
+    return [
+        r["loss/train"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss/train" in r
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,21 +474,24 @@ def test_gradients_equal_one_process_on_the_full_batch(fsdp_results, baselines, 
     assert_close_states(grads_sharded, grads_single, atol=1e-6)
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget",
-                                      "fsdp2_skewed_consecutive"])
+@pytest.mark.parametrize(
+    "scenario", ["fsdp_skewed", "fsdp2_skewed_accumulation", "fsdp2_skewed_budget", "fsdp2_skewed_consecutive"]
+)
 def test_balanced_shares_give_the_gradient_of_the_whole_batch(fsdp_results, baselines, scenario):
     """Length-skewed pairs are dealt in equal counts of near-equal tokens (the long pairs spread over the ranks;
     consecutive halves with balance_batch=false, as the original code): one SGD step (lr 1) equals
     one process on the whole batch, alone, in 2 micro-batches per rank or under a token budget; loss/train too."""
     out, results = fsdp_results
-    (rank0, ), (rank1, ) = results[scenario]["shares"]  # one step
+    (rank0,), (rank1,) = results[scenario]["shares"]  # one step
     assert len(rank0) == len(rank1) == 4 and not set(rank0) & set(rank1)
     longs = [sum("snow" in text for text in share) for share in (rank0, rank1)]
     assert scenario.endswith("consecutive") or abs(longs[0] - longs[1]) <= 1  # balanced: the long pairs spread out
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / scenario), final_state(baselines / "skewed_sgd")
     assert max((before[k] - single[k]).abs().max().item() for k in single) > 1e-3  # a real step happened
-    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, atol=1e-6)
+    assert_close_states(
+        {k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, atol=1e-6
+    )
     assert loss_trace(out / scenario) == pytest.approx(loss_trace(baselines / "skewed_sgd"), abs=1e-6)
 
 
@@ -416,10 +525,10 @@ def test_default_wrapping_is_the_seed(fsdp_results):
 def test_fsdp1_knobs_take_effect_and_training_still_matches(fsdp_results, baselines):
     out, results = fsdp_results
     info = results["fsdp_knobs"]
-    assert info["strategy"] == "SHARD_GRAD_OP"        # reshard_after_forward=false
+    assert info["strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward=false
     assert info["forward_prefetch"] is True and info["use_orig_params"] is True
     assert info["offload_params"] is torch.cuda.is_available()  # FSDP1 offload pins memory: GPU only
-    assert info["checkpointed_blocks"] == 2             # NO_REENTRANT wrapper on each block
+    assert info["checkpointed_blocks"] == 2  # NO_REENTRANT wrapper on each block
     # optimizer_offload: at each of the 3 steps the state comes to its parameters, then goes back to CPU
     assert info["optimizer_state_moves"] == ["parameter's device", "cpu"] * 3
     assert results["fsdp_adamw"]["optimizer_state_moves"] == []  # and without the knob it stays put
@@ -430,7 +539,7 @@ def test_fsdp2_knobs_take_effect_and_training_still_matches(fsdp_results, baseli
     out, results = fsdp_results
     info = results["fsdp2_knobs"]
     assert info["reshard_after_forward"] == [False] * 3
-    assert info["forward_prefetch"] == 1                # block 0 prefetches block 1
+    assert info["forward_prefetch"] == 1  # block 0 prefetches block 1
     assert info["checkpointed_blocks"] == 2
     assert info["offload_policy"] == ["CPUOffloadPolicy"] * 3 and info["param_device"] == "cpu"
     assert info["optimizer_state_moves"] == ["parameter's device", "cpu"] * 3
@@ -456,7 +565,9 @@ def test_size_based_wrap_policy(fsdp_results, baselines):
     assert results["fsdp2_size_policy"]["units"] > 3  # finer units than the 2 blocks + root
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / "fsdp2_size_policy"), final_state(baselines / "sgd")
-    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6)
+    assert_close_states(
+        {k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6
+    )
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
@@ -523,10 +634,14 @@ def test_sampling_under_fsdp_does_not_hang_and_is_logged(fsdp_results, baselines
     as one process for the same seed (prompts in groups with seeds of their own, whatever rank generates them;
     before: each rank drew from its own eval batches and stream, so a sweep's samples changed with the world size)."""
     out, results = fsdp_results
-    evals = [r for r in map(json.loads, (out / "fsdp2_adamw" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    evals = [
+        r for r in map(json.loads, (out / "fsdp2_adamw" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r
+    ]
     assert evals and all("samples/policy_rule_rate" in r for r in evals)
     sharded = (out / "fsdp2_adamw" / "samples.jsonl").read_text().splitlines()
-    assert len(sharded) == 12 * len(evals) and sharded == (baselines / "adamw" / "samples.jsonl").read_text().splitlines()
+    assert (
+        len(sharded) == 12 * len(evals) and sharded == (baselines / "adamw" / "samples.jsonl").read_text().splitlines()
+    )
     assert results["fsdp2_adamw"]["seconds"] < 120
 
 
@@ -534,9 +649,26 @@ def test_a_failing_rank_ends_the_whole_torchrun_job_fast(tmp_path):
     """Rank 1 raises at its second step while rank 0 waits in a collective: torchrun must end both, non-zero."""
     script = REPO / "tests" / "data" / "failing_rank.py"
     start = time.time()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(get_open_port()), str(script), *FAST, *ADAMW_3, "trainer=FSDPTrainer",
-                             f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(get_open_port()),
+            str(script),
+            *FAST,
+            *ADAMW_3,
+            "trainer=FSDPTrainer",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     elapsed = time.time() - start
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr + result.stdout
@@ -545,9 +677,23 @@ def test_a_failing_rank_ends_the_whole_torchrun_job_fast(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl)")
 def test_nccl_fsdp2_with_pinned_cpu_offload_on_gpus(tmp_path):
-    result = subprocess.run([sys.executable, "-u", str(REPO / "train.py"), *FAST, *ADAMW_3, "trainer=FSDPTrainer",
-                             "fsdp.strategy=fsdp2", "fsdp.offload_policy=true", f"run_dir={tmp_path / 'run'}"],
-                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-u",
+            str(REPO / "train.py"),
+            *FAST,
+            *ADAMW_3,
+            "trainer=FSDPTrainer",
+            "fsdp.strategy=fsdp2",
+            "fsdp.offload_policy=true",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -557,6 +703,7 @@ def test_kto_under_two_ranks_equals_one_process_and_its_kl_spans_both_ranks(fsdp
     the KL point is 0 both ways). After it, each rank scores half of one batch's mismatched rows and the KL point
     both report is the mean over ALL 8 rows, computed here in one process with plain HF forwards."""
     from transformers import AutoTokenizer
+
     out, results = fsdp_results
     assert_close_states(final_state(out / f"{strategy}_kto"), final_state(baselines / "kto_sgd"), atol=1e-6)
     policy = AutoModelForCausalLM.from_pretrained(out / f"{strategy}_kto" / "LATEST" / "hf")
@@ -569,6 +716,7 @@ def test_kto_under_two_ranks_equals_one_process_and_its_kl_spans_both_ranks(fsdp
         labels = batch["kl_labels"][:, 1:]
         logps = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
         return (logps * (labels != -100)).sum(-1)
+
     log_ratios = sums(policy) - sums(reference)
     assert results[f"{strategy}_kto"]["kl"] == pytest.approx(log_ratios.mean().item(), abs=1e-4)
     assert abs(log_ratios[:4].mean() - log_ratios[4:].mean()) > 1e-3  # a rank-local mean would differ
@@ -604,7 +752,9 @@ def test_lora_under_fsdp_samples_matches_one_process_and_exports_merged_weights(
     name = f"{strategy}_lora"
     results[name]  # noqa: B018 - fails with the scenario's error if it raised
     evals = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
-    assert len(evals) == 4 and all("samples/policy_rule_rate" in r and "samples/reference_rule_rate" in r for r in evals)
+    assert len(evals) == 4 and all(
+        "samples/policy_rule_rate" in r and "samples/reference_rule_rate" in r for r in evals
+    )
     assert_close_states(final_state(out / name), final_state(baselines / "lora_adamw"), atol=1e-5)
     losses_ = loss_trace(out / name)
     assert losses_[0] == pytest.approx(0.6931472, abs=1e-6)  # reference = policy with adapters off, B = 0 at start
@@ -627,11 +777,15 @@ def test_gradients_are_reduce_scattered_after_every_micro_batch_unless_asked(fsd
     assert results["fsdp_skewed_no_sync"]["skipped_syncs"] == 1  # 2 micro-batches: the first one skipped
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
     sharded, single = final_state(out / "fsdp_skewed_no_sync"), final_state(baselines / "skewed_sgd")
-    assert_close_states({k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6)
+    assert_close_states(
+        {k: before[k] - v for k, v in sharded.items()}, {k: before[k] - v for k, v in single.items()}, 1e-6
+    )
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
-def test_the_reference_is_resharded_after_every_forward_and_tr_dpo_updates_it_with_every_knob(fsdp_results, baselines, strategy):
+def test_the_reference_is_resharded_after_every_forward_and_tr_dpo_updates_it_with_every_knob(
+    fsdp_results, baselines, strategy
+):
     """The forward-only reference never stays gathered: not FSDP1's root unit after any forward, not any unit under
     reshard_after_forward=false (before: the whole reference resident on every rank, and TR-DPO under FSDP2 met
     full shapes against the policy's shards). TR-DPO with activation checkpointing (wrapper names on the policy
@@ -650,4 +804,3 @@ def test_under_bf16_the_reference_computes_as_the_policy_so_step_0_is_ln2(fsdp_r
     slower on GPUs without TF32, and unequal to the policy at step 0)."""
     out, _ = fsdp_results
     assert loss_trace(out / f"{strategy}_bf16")[0] == pytest.approx(0.6931472, abs=1e-6)
-

@@ -1,6 +1,7 @@
 """logps.py's kernels against the plain computation: chunked log-probs (values and gradients, fp32 and bf16), the
 entropy, and the tiled LM head (every head variant, memory, autocast, a real tiny Llama). The sequence-level paths
 (padded, packed, tiled, under FSDP and Ulysses) are compared in tests/test_trainers.py and tests/test_ulysses.py."""
+
 import contextlib
 import functools
 import math
@@ -15,7 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import logps
-from logps import DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES, entropy_from_logits, head_tile_rows, linear_token_logps, target_logps
+from logps import (
+    DEFAULT_CHUNK_SIZE,
+    HEAD_TILE_BYTES,
+    entropy_from_logits,
+    head_tile_rows,
+    linear_token_logps,
+    target_logps,
+)
 
 ATOL = 1e-6
 
@@ -24,8 +32,6 @@ def per_token_logps(logits, labels, chunk_size=logps.DEFAULT_CHUNK_SIZE):
     """log p(labels[t+1] | logits[t]) and its mask, (B, T-1) each: target_logps on the labels shifted by one."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     return target_logps(logits, targets, chunk_size)[:, :-1], targets[:, :-1] != -100
-
-
 
 
 def plain_logps(logits, labels, dtype=torch.float32):
@@ -234,11 +240,20 @@ def run_head(fn, params, labels, upstream, **kwargs):
     return logps, entropy, [leaf.grad for leaf in leaves]
 
 
-@pytest.mark.parametrize("vocab,chunk_size,logit_scale,softcap", [
-    (7, 3, 1.0, None), (7, 5, 1.0, None), (7, 1024, 1.0, None), (7, 3, 0.5, 3.0),
-    (50257, 3, 1.0, None), (50257, 5, 1.0, None), (50257, 3, 0.5, None), (50257, 3, 1.0, 2.0),
-    (50257, 5, 0.5, 3.0),
-])
+@pytest.mark.parametrize(
+    "vocab,chunk_size,logit_scale,softcap",
+    [
+        (7, 3, 1.0, None),
+        (7, 5, 1.0, None),
+        (7, 1024, 1.0, None),
+        (7, 3, 0.5, 3.0),
+        (50257, 3, 1.0, None),
+        (50257, 5, 1.0, None),
+        (50257, 3, 0.5, None),
+        (50257, 3, 1.0, 2.0),
+        (50257, 5, 0.5, 3.0),
+    ],
+)
 def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_scale, softcap):
     """10 rows in tiles of 3 (3 + 3 + 3 + 1), 5 (5 + 5) and 1024 (one tile); plain, Cohere-like
     scaling, Gemma-like softcap (small, so that tanh bends) and both. Log-probs and the gradients
@@ -248,12 +263,13 @@ def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_sca
     entropy)."""
     params, labels, upstream = head_inputs(vocab)
     kwargs = dict(logit_scale=logit_scale, softcap=softcap)
-    ours, entropy, grads = run_head(linear_token_logps, params, labels, upstream,
-                                    chunk_size=chunk_size, with_entropy=True, **kwargs)
+    ours, entropy, grads = run_head(
+        linear_token_logps, params, labels, upstream, chunk_size=chunk_size, with_entropy=True, **kwargs
+    )
     plain, _, plain_grads = run_head(
-        functools.partial(plain_head, dtype=torch.float32, **kwargs), params, labels, upstream)
-    exact, exact_entropy, exact_grads = run_head(
-        plain_head, [p.double() for p in params], labels, upstream, **kwargs)
+        functools.partial(plain_head, dtype=torch.float32, **kwargs), params, labels, upstream
+    )
+    exact, exact_entropy, exact_grads = run_head(plain_head, [p.double() for p in params], labels, upstream, **kwargs)
     assert ours.shape == entropy.shape == (10,) and ours.dtype == entropy.dtype == torch.float32
     assert ours[3] == 0 and not entropy.requires_grad
     torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
@@ -275,8 +291,7 @@ def test_linear_token_logps_bf16_within_bf16_rounding():
     largest entry) of the exact ones, and no further from them than the plain bf16 path's."""
     params, labels, upstream = head_inputs(50257, dtype=torch.bfloat16)
     ours, _, grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=4)
-    plain, _, plain_grads = run_head(functools.partial(plain_head, dtype=torch.float32),
-                                     params, labels, upstream)
+    plain, _, plain_grads = run_head(functools.partial(plain_head, dtype=torch.float32), params, labels, upstream)
     exact, _, exact_grads = run_head(plain_head, [p.double() for p in params], labels, upstream)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
@@ -284,8 +299,7 @@ def test_linear_token_logps_bf16_within_bf16_rounding():
     for name, grad, plain_grad, exact_grad in zip(HEAD_PARAMS, grads, plain_grads, exact_grads):
         assert grad.dtype == torch.bfloat16, name
         bound = 2**-7 * exact_grad.abs().max().item()
-        torch.testing.assert_close(grad.double(), exact_grad, atol=bound, rtol=2**-7,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad.double(), exact_grad, atol=bound, rtol=2**-7, msg=lambda m: f"{name}: {m}")
         ours_err = (grad.double() - exact_grad).abs().max()
         assert ours_err <= (plain_grad.double() - exact_grad).abs().max() * 1.01, name
 
@@ -320,7 +334,7 @@ def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else [out]):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor):
                     LargestOutput.largest = max(LargestOutput.largest, t.numel() * t.element_size())
             return out
@@ -372,8 +386,9 @@ def test_linear_token_logps_with_only_some_inputs_requiring_grad(needs):
     with torch.no_grad():
         torch.testing.assert_close(linear_token_logps(*params[:2], labels, params[2]), out.detach())
     no_bias = linear_token_logps(params[0], params[1], labels)  # bias=None
-    torch.testing.assert_close(no_bias, plain_head(params[0], params[1], labels, dtype=torch.float32)[0],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        no_bias, plain_head(params[0], params[1], labels, dtype=torch.float32)[0], atol=1e-5, rtol=0
+    )
 
 
 def test_linear_token_logps_shape_errors_name_every_shape():
@@ -403,9 +418,15 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-        tie_word_embeddings=tied, attn_implementation="eager",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
     )
     model = transformers.LlamaForCausalLM(config)
     input_ids = torch.randint(0, 64, (2, 9))
@@ -435,8 +456,6 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
         torch.testing.assert_close(grad, plain_grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # forward_logps on real tiny models: the tiled head as the model's own head, autocast, padded rows
 # ---------------------------------------------------------------------------------------------
@@ -445,8 +464,14 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
 def tiny(config_class, **kwargs):
     """A random 2-layer model of `config_class` (vocab 256, hidden 64), fp32, in eval mode."""
     transformers = pytest.importorskip("transformers")
-    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+    sizes = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**sizes, **kwargs})
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -466,18 +491,31 @@ def own_token_logps(model, inputs):
     """Each labelled token's log-prob from log_softmax(model(...).logits), 0 elsewhere, (N, T): each row alone."""
     out = torch.zeros(inputs["labels"].shape)
     for i, n in enumerate(inputs["attention_mask"].sum(1).tolist()):
-        ids = inputs["input_ids"][i:i + 1, :n]
+        ids = inputs["input_ids"][i : i + 1, :n]
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
         out[i, 1:n] = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0] * (inputs["labels"][i, 1:n] != -100)
     return out
 
 
-@pytest.mark.parametrize("config_class,head", [
-    ("GraniteConfig", dict(logits_scaling=4.0)), ("HyperCLOVAXConfig", dict(logits_scaling=0.25)),
-    ("FalconH1Config", dict(lm_head_multiplier=0.25)), ("CohereConfig", dict(logit_scale=0.25)),
-    ("RecurrentGemmaConfig", dict(logits_soft_cap=2.0, num_hidden_layers=3, attention_window_size=16, lru_width=64,
-                                  block_types=["recurrent", "recurrent", "attention"])),
-])
+@pytest.mark.parametrize(
+    "config_class,head",
+    [
+        ("GraniteConfig", dict(logits_scaling=4.0)),
+        ("HyperCLOVAXConfig", dict(logits_scaling=0.25)),
+        ("FalconH1Config", dict(lm_head_multiplier=0.25)),
+        ("CohereConfig", dict(logit_scale=0.25)),
+        (
+            "RecurrentGemmaConfig",
+            dict(
+                logits_soft_cap=2.0,
+                num_hidden_layers=3,
+                attention_window_size=16,
+                lru_width=64,
+                block_types=["recurrent", "recurrent", "attention"],
+            ),
+        ),
+    ],
+)
 def test_tiled_head_gives_the_log_probs_of_the_models_own_logits(config_class, head):
     """The tiled head redoes each head's post-processing, by model type: Granite divides by logits_scaling,
     HyperCLOVAX multiplies by it, Falcon-H1 multiplies by lm_head_multiplier, Cohere by logit_scale, RecurrentGemma
@@ -502,10 +540,12 @@ def test_tiled_head_refuses_heads_it_does_not_reproduce():
     assert logps.tiled_head(transformers.LlamaConfig()) == (1.0, None)
     assert logps.tiled_head(transformers.GraniteConfig(logits_scaling=4.0)) == (0.25, None)
     assert logps.tiled_head(transformers.Gemma2Config(final_logit_softcapping=30.0)) == (1.0, 30.0)
-    for config, found in ((transformers.LlamaConfig(logits_scaling=2.0), "'llama' has logits_scaling=2.0"),
-                          (transformers.MptConfig(logit_scale=0.5), "'mpt' has logit_scale=0.5"),
-                          (transformers.AutoConfig.for_model("inkling_text"), "logits_mup_width_multiplier=24.0"),
-                          (transformers.LlamaConfig(auto_map={"AutoModelForCausalLM": "my.Model"}), "its own code")):
+    for config, found in (
+        (transformers.LlamaConfig(logits_scaling=2.0), "'llama' has logits_scaling=2.0"),
+        (transformers.MptConfig(logit_scale=0.5), "'mpt' has logit_scale=0.5"),
+        (transformers.AutoConfig.for_model("inkling_text"), "logits_mup_width_multiplier=24.0"),
+        (transformers.LlamaConfig(auto_map={"AutoModelForCausalLM": "my.Model"}), "its own code"),
+    ):
         with pytest.raises(ValueError, match=f"{re.escape(found)}.*set tiled_lm_head=false"):
             logps.tiled_head(config)
     llama = tiny("LlamaConfig")
@@ -532,6 +572,7 @@ def test_tiled_head_under_autocast_multiplies_in_the_autocast_dtype():
         if weight.shape == head.weight.shape:
             seen.append((x.dtype, weight.dtype))
         return linear(x, weight, bias)
+
     results = {}
     for tiled in (True, False):
         model.zero_grad()
@@ -555,6 +596,7 @@ def test_padded_rows_reach_the_model_without_a_mask(arch):
     alone (1e-5), for every family of tests/architectures.py, Gemma2 eager with its sliding window and softcap,
     Mistral also with a window (8) shorter than the rows."""
     import architectures
+
     transformers = pytest.importorskip("transformers")
     cls, kwargs, _ = architectures.ARCHITECTURES[arch.split("-")[0]]
     kwargs = {**architectures.COMMON, **kwargs, **({"sliding_window": 8} if arch == "mistral-window" else {})}

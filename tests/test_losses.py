@@ -51,11 +51,16 @@ def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def run(name, policy_chosen=POLICY_CHOSEN, policy_rejected=POLICY_REJECTED,
-        reference_chosen=REF_CHOSEN, reference_rejected=REF_REJECTED, **hparams):
+def run(
+    name,
+    policy_chosen=POLICY_CHOSEN,
+    policy_rejected=POLICY_REJECTED,
+    reference_chosen=REF_CHOSEN,
+    reference_rejected=REF_REJECTED,
+    **hparams,
+):
     """Call a registered loss function directly on the shared batch."""
-    return LOSSES[name].fn(t(policy_chosen), t(policy_rejected), t(reference_chosen),
-                           t(reference_rejected), **hparams)
+    return LOSSES[name].fn(t(policy_chosen), t(policy_rejected), t(reference_chosen), t(reference_rejected), **hparams)
 
 
 def close(tensor, expected, atol=ATOL):
@@ -80,8 +85,9 @@ def test_dpo_policy_equals_reference_is_ln2_with_zero_rewards():
     """policy = reference -> every log-ratio 0 -> loss -log sigma(0) = ln 2, rewards 0, for every
     f-divergence (each transform is shifted so that g(0) = 0)."""
     for divergence in losses.F_DIVERGENCES:
-        out, chosen, rejected = run("dpo", POLICY_CHOSEN, POLICY_REJECTED, POLICY_CHOSEN,
-                                    POLICY_REJECTED, beta=0.1, f_divergence=divergence)
+        out, chosen, rejected = run(
+            "dpo", POLICY_CHOSEN, POLICY_REJECTED, POLICY_CHOSEN, POLICY_REJECTED, beta=0.1, f_divergence=divergence
+        )
         close(out, [math.log(2)] * 3)
         close(chosen, [0.0] * 3)
         close(rejected, [0.0] * 3)
@@ -135,8 +141,9 @@ def test_dpo_label_smoothing_is_cdpo_as_in_the_original_code():
     close(run("cdpo", beta=0.1, label_smoothing=0.3)[0], expected)
 
 
-@pytest.mark.parametrize("divergence,f_alpha", [("forward_kl", 0.5), ("alpha_divergence", 1.0),
-                                                ("alpha_divergence", 0.5)])
+@pytest.mark.parametrize(
+    "divergence,f_alpha", [("forward_kl", 0.5), ("alpha_divergence", 1.0), ("alpha_divergence", 0.5)]
+)
 def test_f_divergences_stay_finite_in_fp32_far_from_the_reference(divergence, f_alpha):
     """forward_kl's beta (1 - e^-a) at a = -90 needs e^90 = 1.2e39 > fp32's 3.4e38: written as
     beta * exp(-a) it overflowed to inf and the gradient was NaN. In the form beta - exp(log beta - a)
@@ -151,8 +158,13 @@ def test_f_divergences_stay_finite_in_fp32_far_from_the_reference(divergence, f_
         zeros = torch.zeros(4, dtype=dtype)
         out, chosen, rejected = losses.dpo_loss(policy_chosen, policy_rejected, zeros, zeros, **hp)
         out.sum().backward()
-        for name, x in [("loss", out), ("chosen_rewards", chosen), ("rejected_rewards", rejected),
-                        ("grad chosen", policy_chosen.grad), ("grad rejected", policy_rejected.grad)]:
+        for name, x in [
+            ("loss", out),
+            ("chosen_rewards", chosen),
+            ("rejected_rewards", rejected),
+            ("grad chosen", policy_chosen.grad),
+            ("grad rejected", policy_rejected.grad),
+        ]:
             assert torch.isfinite(x).all(), f"{dtype} {name}: {x}"
         if dtype is torch.float32:
             fp32 = (out.detach(), policy_chosen.grad.clone(), policy_rejected.grad.clone())
@@ -186,8 +198,10 @@ def test_batch_statistics_flag_is_true_exactly_when_splitting_the_batch_changes_
     hp = dict(ALL_HPARAMS, beta=1.0)
     inputs = dict(pair_inputs(), reference_chosen_sum=t([-10.0, -30.0, -25.0]))
     whole = compute_loss(name, None, hp, **inputs, kl=KL).losses
-    parts = [compute_loss(name, None, hp, **{k: v[rows] for k, v in inputs.items()}, kl=KL).losses
-             for rows in (slice(0, 1), slice(1, 3))]
+    parts = [
+        compute_loss(name, None, hp, **{k: v[rows] for k, v in inputs.items()}, kl=KL).losses
+        for rows in (slice(0, 1), slice(1, 3))
+    ]
     if LOSSES[name].unpaired:  # kto lists chosen completions then rejected ones: compare in one order
         whole, parts = whole.sort().values, [torch.cat(parts).sort().values]
     split_equal = torch.allclose(whole, torch.cat(parts), atol=1e-9)
@@ -223,8 +237,7 @@ def test_simpo_hand_worked():
     """Per-token mean log-probs chosen [-0.5, -0.5], rejected [-0.75, -1.5]; beta = 2, gamma = 1:
     beta (w - l) - gamma = [2 * 0.25 - 1, 2 * 1.0 - 1] = [-0.5, 1] -> loss [0.9741, 0.3133].
     Rewards beta * logp: [-1, -1] and [-1.5, -3]; no reference is read (None is fine)."""
-    out, chosen, rejected = LOSSES["simpo"].fn(t([-0.5, -0.5]), t([-0.75, -1.5]), None, None,
-                                                beta=2.0, gamma=1.0)
+    out, chosen, rejected = LOSSES["simpo"].fn(t([-0.5, -0.5]), t([-0.75, -1.5]), None, None, beta=2.0, gamma=1.0)
     close(out, [neg_log_sigmoid(-0.5), neg_log_sigmoid(1.0)])
     close(chosen, [-1.0, -1.0])
     close(rejected, [-1.5, -3.0])
@@ -235,8 +248,7 @@ def test_orpo_hand_worked():
     chosen -0.5 + 0.9328 = 0.4328, rejected -1.0 + 0.4587 = -0.5413, log odds ratio 0.9741;
     loss = nll 0.5 + 0.1 * (-log sigma(0.9741)) = 0.5 + 0.1 * 0.3216 = 0.5320."""
     log_odds = lambda lp: lp - math.log(1 - math.exp(lp))  # noqa: E731
-    out, chosen, rejected = LOSSES["orpo"].fn(t([-0.5]), t([-1.0]), None, None, orpo_lambda=0.1,
-                                               chosen_nll=t([0.5]))
+    out, chosen, rejected = LOSSES["orpo"].fn(t([-0.5]), t([-1.0]), None, None, orpo_lambda=0.1, chosen_nll=t([0.5]))
     close(out, [0.5 + 0.1 * neg_log_sigmoid(log_odds(-0.5) - log_odds(-1.0))])
     close(chosen, [log_odds(-0.5)])
     close(rejected, [log_odds(-1.0)])
@@ -255,8 +267,7 @@ def test_exo_pair_hand_worked():
     at z = 0: 0.5 (ln 0.5 - ln 0.999) + 0.5 (ln 0.5 - ln 0.001) = 2.7612; z=1: 1.2763; z=2: 0.4590."""
     eps = 1e-3
     expected = [
-        sigmoid(z) * (-neg_log_sigmoid(z) - math.log(1 - eps))
-        + sigmoid(-z) * (-neg_log_sigmoid(-z) - math.log(eps))
+        sigmoid(z) * (-neg_log_sigmoid(z) - math.log(1 - eps)) + sigmoid(-z) * (-neg_log_sigmoid(-z) - math.log(eps))
         for z in (0.0, 1.0, 2.0)
     ]
     out, *_ = run("exo_pair", beta=0.1, label_smoothing=eps)
@@ -269,8 +280,13 @@ def test_nca_pair_hand_worked():
     """beta = 0.1: r_w = beta a = [0, 0.5, 1], r_l = beta b = [0, -0.5, -1];
     loss = -log sigma(r_w) - 0.5 log sigma(-r_w) - 0.5 log sigma(-r_l) = [2 ln 2, 1.1982, 1.1265]."""
     out, chosen, rejected = run("nca_pair", beta=0.1)
-    close(out, [neg_log_sigmoid(w) + 0.5 * neg_log_sigmoid(-w) + 0.5 * neg_log_sigmoid(-l)
-                for w, l in ((0.0, 0.0), (0.5, -0.5), (1.0, -1.0))])
+    close(
+        out,
+        [
+            neg_log_sigmoid(w) + 0.5 * neg_log_sigmoid(-w) + 0.5 * neg_log_sigmoid(-l)
+            for w, l in ((0.0, 0.0), (0.5, -0.5), (1.0, -1.0))
+        ],
+    )
     close(chosen, [0.0, 0.5, 1.0])
     close(rejected, [0.0, -0.5, -1.0])
 
@@ -311,16 +327,24 @@ def test_discopop_hand_worked():
     loss = (1 - rho) (-log sigma(z)) + rho e^-z = [0.5 ln 2 + 0.5, ~e^-1, ~e^-2]; and no NaN at
     z = -1000, where rho underflows to 0 and e^-z overflows."""
     out, *_ = run("discopop", beta=0.1, discopop_tau=0.05)
-    close(out, [(1 - sigmoid(z / 0.05)) * neg_log_sigmoid(z) + sigmoid(z / 0.05) * math.exp(-z)
-                for z in (0.0, 1.0, 2.0)])
+    close(
+        out, [(1 - sigmoid(z / 0.05)) * neg_log_sigmoid(z) + sigmoid(z / 0.05) * math.exp(-z) for z in (0.0, 1.0, 2.0)]
+    )
     extreme, *_ = run("discopop", [0.0], [10000.0], [0.0], [0.0], beta=0.1, discopop_tau=0.05)
     assert torch.isfinite(extreme).all()
     close(extreme, [1000.0], atol=1e-4)
 
 
 def kto(policy, reference, desirable, kl, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
-    return LOSSES["kto"].fn(t(policy), t(reference), torch.tensor(desirable), t(kl), beta=beta,
-                            desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    return LOSSES["kto"].fn(
+        t(policy),
+        t(reference),
+        torch.tensor(desirable),
+        t(kl),
+        beta=beta,
+        desirable_weight=desirable_weight,
+        undesirable_weight=undesirable_weight,
+    )
 
 
 def test_kto_hand_worked():
@@ -329,8 +353,9 @@ def test_kto_hand_worked():
     desirable  loss = 2 (1 - sigma(0.1 (r - 2))): r = 0 -> 2 (1 - sigma(-0.2)), r = 10 -> 2 (1 - sigma(0.8));
     undesirable loss = 1 (1 - sigma(0.1 (2 - r))): r = -10 -> 1 - sigma(1.2), r = 10 -> 1 - sigma(-0.8).
     Rewards are beta r = [0, 1, -1, 1], whatever the label."""
-    losses_, rewards = kto([-10.0, 0.0, -30.0, -10.0], [-10.0, -10.0, -20.0, -20.0], [True, True, False, False],
-                           2.0, desirable_weight=2.0)
+    losses_, rewards = kto(
+        [-10.0, 0.0, -30.0, -10.0], [-10.0, -10.0, -20.0, -20.0], [True, True, False, False], 2.0, desirable_weight=2.0
+    )
     close(losses_, [2 * (1 - sigmoid(-0.2)), 2 * (1 - sigmoid(0.8)), 1 - sigmoid(1.2), 1 - sigmoid(-0.8)])
     close(rewards, [0.0, 1.0, -1.0, 1.0])
     assert not rewards.requires_grad
@@ -340,14 +365,22 @@ def test_kto_negative_kl_is_clamped_to_zero_and_carries_no_gradient():
     """z0 = max(0, KL): a KL estimate of -5 gives the losses of KL 0: 1 - sigma(0.1 r) for r = [10] (D),
     1 - sigma(-0.1 r) for r = [-10] (U), i.e. 1 - sigma(1) both. The reference point is detached."""
     kl = t(-5.0).requires_grad_()
-    losses_, _ = LOSSES["kto"].fn(t([0.0, -20.0]), t([-10.0, -10.0]), torch.tensor([True, False]), kl, beta=0.1,
-                                  desirable_weight=1.0, undesirable_weight=1.0)
+    losses_, _ = LOSSES["kto"].fn(
+        t([0.0, -20.0]),
+        t([-10.0, -10.0]),
+        torch.tensor([True, False]),
+        kl,
+        beta=0.1,
+        desirable_weight=1.0,
+        undesirable_weight=1.0,
+    )
     close(losses_, [1 - sigmoid(1.0), 1 - sigmoid(1.0)])
     assert kl.grad is None and not losses_.requires_grad  # nothing upstream of the losses but the detached kl
     positive = t(3.0).requires_grad_()
     policy = t([0.0]).requires_grad_()
-    LOSSES["kto"].fn(policy, t([0.0]), torch.tensor([True]), positive, beta=0.1, desirable_weight=1.0,
-                     undesirable_weight=1.0)[0].sum().backward()
+    LOSSES["kto"].fn(
+        policy, t([0.0]), torch.tensor([True]), positive, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0
+    )[0].sum().backward()
     assert positive.grad is None and policy.grad is not None
 
 
@@ -357,8 +390,9 @@ def test_kto_at_policy_equals_reference_is_half_the_weight(weights):
     being 0 too) KL = 0, so every loss is lambda (1 - sigma(0)) = lambda / 2 and every reward 0."""
     lambda_d, lambda_u = weights
     logps = [-12.5, -3.0, -40.0, -7.25]
-    losses_, rewards = kto(logps, logps, [True, False, True, False], 0.0, desirable_weight=lambda_d,
-                           undesirable_weight=lambda_u)
+    losses_, rewards = kto(
+        logps, logps, [True, False, True, False], 0.0, desirable_weight=lambda_d, undesirable_weight=lambda_u
+    )
     close(losses_, [lambda_d / 2, lambda_u / 2, lambda_d / 2, lambda_u / 2])
     close(rewards, [0.0] * 4)
 
@@ -368,11 +402,15 @@ def test_kto_matches_the_papers_value_function_written_independently():
     v = lambda_D sigma(beta (r - z0)) for desirable y, lambda_U sigma(beta (z0 - r)) for undesirable y,
     r = log pi/pi_ref, z0 = KL(pi || pi_ref) >= 0; computed here per example with math, on random inputs."""
     gen = torch.Generator().manual_seed(0)
-    policy, reference = torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30, torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30
+    policy, reference = (
+        torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30,
+        torch.randn(16, generator=gen, dtype=torch.float64) * 20 - 30,
+    )
     desirable = torch.rand(16, generator=gen) < 0.5
     beta, lambda_d, lambda_u, kl = 0.3, 1.2, 0.8, 1.7
-    losses_, _ = LOSSES["kto"].fn(policy, reference, desirable, t(kl), beta=beta, desirable_weight=lambda_d,
-                                  undesirable_weight=lambda_u)
+    losses_, _ = LOSSES["kto"].fn(
+        policy, reference, desirable, t(kl), beta=beta, desirable_weight=lambda_d, undesirable_weight=lambda_u
+    )
     expected = []
     for p_, r_, d in zip(policy.tolist(), reference.tolist(), desirable.tolist()):
         reward = p_ - r_
@@ -387,17 +425,31 @@ def test_kto_through_the_dispatcher_unpaired_and_paired():
     chosen = desirable, rejected = undesirable, so the 3 pairs are 6 completions, and accuracies/margins compare
     each pair as DPO does: rewards
     [0, .5, 1] vs [0, -.5, -1] -> accuracies [0, 1, 1], margins [0, 1, 2]."""
-    unpaired = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
-                            policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
-                            desirable=torch.tensor([True, False]), kl=t(0.0))
+    unpaired = compute_loss(
+        "kto",
+        None,
+        dict(ALL_HPARAMS),
+        policy_chosen_sum=t([-10.0, -20.0]),
+        policy_chosen_len=torch.tensor([3, 4]),
+        reference_chosen_sum=t([-20.0, -10.0]),
+        desirable=torch.tensor([True, False]),
+        kl=t(0.0),
+    )
     close(unpaired.losses, [1 - sigmoid(1.0), 1 - sigmoid(1.0)])
     m = unpaired.metrics
     assert m["rewards/chosen"][0].item() == pytest.approx(1.0) and m["rewards/chosen"][1].isnan()
     assert m["rewards/rejected"][1].item() == pytest.approx(-1.0) and m["rewards/rejected"][0].isnan()
     assert m["kl"].shape == (2,) and "rewards/accuracies" not in m  # per completion, as every metric
-    clamped = compute_loss("kto", None, dict(ALL_HPARAMS), policy_chosen_sum=t([-10.0, -20.0]),
-                           policy_chosen_len=torch.tensor([3, 4]), reference_chosen_sum=t([-20.0, -10.0]),
-                           desirable=torch.tensor([True, False]), kl=t(-0.5))
+    clamped = compute_loss(
+        "kto",
+        None,
+        dict(ALL_HPARAMS),
+        policy_chosen_sum=t([-10.0, -20.0]),
+        policy_chosen_len=torch.tensor([3, 4]),
+        reference_chosen_sum=t([-20.0, -10.0]),
+        desirable=torch.tensor([True, False]),
+        kl=t(-0.5),
+    )
     assert clamped.metrics["kl"].tolist() == [-0.5, -0.5]  # logged as estimated, negative too
     assert clamped.metrics["kl_clamped"].tolist() == [0.0, 0.0]  # z0 = max(0, kl): what the loss used
     paired = compute_loss("kto", None, dict(ALL_HPARAMS), **pair_inputs(), kl=t(0.0))
@@ -433,8 +485,18 @@ def test_every_loss_runs_through_dispatcher_and_rewards_carry_no_grad(name):
     policy_chosen = t(POLICY_CHOSEN).requires_grad_()
     policy_rejected = t(POLICY_REJECTED).requires_grad_()
     hparams = dict(ALL_HPARAMS, label_smoothing=1e-3)
-    out = compute_loss([name], None, hparams, policy_chosen, t([4, 5, 6]), policy_rejected,
-                       t([5, 6, 7]), t(REF_CHOSEN), t(REF_REJECTED), kl=KL)
+    out = compute_loss(
+        [name],
+        None,
+        hparams,
+        policy_chosen,
+        t([4, 5, 6]),
+        policy_rejected,
+        t([5, 6, 7]),
+        t(REF_CHOSEN),
+        t(REF_REJECTED),
+        kl=KL,
+    )
     # kto scores the 3 pairs as 6 labelled completions (chosen desirable, rejected undesirable)
     assert out.losses.shape == ((6,) if LOSSES[name].unpaired else (3,)) and out.losses.requires_grad
     assert torch.isfinite(out.losses).all()
@@ -455,14 +517,18 @@ def test_every_loss_is_documented(name):
     words = ["Shape", "Intuition"] + ["Typical", "loss = "] * (name != "sft")  # sft: no hyperparameter to range
     missing = [f"'{word}'" for word in words if word not in doc]
     missing += ["a paper's arXiv:NNNN.NNNNN"] * (not re.search(r"arXiv:\d{4}\.\d{5}|ericmitchell\.ai", doc))
-    assert not missing, (f"{fn.__name__}'s docstring lacks {', '.join(missing)} (loss {name!r}; README, Adding a "
-                         "loss: the paper, the 'loss = ' equation, 'Shape', 'Intuition', the 'Typical' range)")
+    assert not missing, (
+        f"{fn.__name__}'s docstring lacks {', '.join(missing)} (loss {name!r}; README, Adding a "
+        "loss: the paper, the 'loss = ' equation, 'Shape', 'Intuition', the 'Typical' range)"
+    )
 
 
 def test_a_loss_docstring_failure_names_the_function_and_what_it_lacks(monkeypatch):
-    def margin_dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
-                        reference_rejected_logps, *, beta: float):
+    def margin_dpo_loss(
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, *, beta: float
+    ):
         """DPO, offset (arXiv:2402.10571). loss = -log sigma(beta h - 1). Intuition: a margin. Typical beta 0.1."""
+
     spec = losses.LossSpec(margin_dpo_loss, needs_reference=True, average_log_prob=False)
     monkeypatch.setitem(LOSSES, "margin_dpo", spec)
     with pytest.raises(AssertionError, match="margin_dpo_loss's docstring lacks 'Shape' \\(loss 'margin_dpo'"):
@@ -495,8 +561,16 @@ def test_dispatcher_dpo_sums_and_metrics():
     logps are the policy sums; nll/chosen = -sum/len = [5, 3, 2]."""
     out = compute_loss(["dpo"], None, {"beta": 0.1}, **pair_inputs())
     close(out.losses, [neg_log_sigmoid(z) for z in (0.0, 1.0, 2.0)])
-    assert set(out.metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
-                                "rewards/margins", "logps/chosen", "logps/rejected", "nll/chosen", "loss"}
+    assert set(out.metrics) == {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "nll/chosen",
+        "loss",
+    }
     close(out.metrics["rewards/accuracies"], [0.0, 1.0, 1.0])
     close(out.metrics["rewards/margins"], [0.0, 1.0, 2.0])
     close(out.metrics["logps/chosen"], POLICY_CHOSEN)
@@ -538,14 +612,25 @@ def test_dispatcher_weighted_sum_equals_hand_sum():
 def test_dispatcher_reference_free_equals_zero_reference():
     inputs = pair_inputs()
     free = compute_loss(["dpo"], None, {"beta": 0.1, "reference_free": True}, **inputs)
-    zeros = compute_loss(["dpo"], None, {"beta": 0.1}, **dict(
-        inputs, reference_chosen_sum=torch.zeros(3, dtype=torch.float64),
-        reference_rejected_sum=torch.zeros(3, dtype=torch.float64)))
+    zeros = compute_loss(
+        ["dpo"],
+        None,
+        {"beta": 0.1},
+        **dict(
+            inputs,
+            reference_chosen_sum=torch.zeros(3, dtype=torch.float64),
+            reference_rejected_sum=torch.zeros(3, dtype=torch.float64),
+        ),
+    )
     for key in zeros.metrics:
         torch.testing.assert_close(free.metrics[key], zeros.metrics[key])
     # and no reference log-probs are needed at all when reference_free
-    no_ref = compute_loss(["dpo"], None, {"beta": 0.1, "reference_free": True}, **dict(
-        inputs, reference_chosen_sum=None, reference_rejected_sum=None))
+    no_ref = compute_loss(
+        ["dpo"],
+        None,
+        {"beta": 0.1, "reference_free": True},
+        **dict(inputs, reference_chosen_sum=None, reference_rejected_sum=None),
+    )
     torch.testing.assert_close(no_ref.losses, zeros.losses)
     # h = (pc - pr) = [5, 15, 25] -> loss -log sigma(0.1 h)
     close(free.losses, [neg_log_sigmoid(0.1 * (c - r)) for c, r in zip(POLICY_CHOSEN, POLICY_REJECTED)])
@@ -572,8 +657,9 @@ def test_dispatcher_errors():
 
 def test_dispatcher_passes_only_declared_hyperparameters():
     """Every config key in hparams, plus unknown extras, is fine: each fn gets only its own."""
-    hparams = dict(ALL_HPARAMS, name="simpo", weights=None, reference_free=False,
-                   average_log_prob=None, something_else=1)
+    hparams = dict(
+        ALL_HPARAMS, name="simpo", weights=None, reference_free=False, average_log_prob=None, something_else=1
+    )
     out = compute_loss("simpo", None, hparams, **pair_inputs())
     assert out.losses.shape == (3,)
 
@@ -592,7 +678,6 @@ def test_sequence_logps_sum_or_mean():
     sums, lengths = t([-6.0, -3.0]), torch.tensor([3, 0])
     close(sequence_logps(sums, lengths, average_log_prob=False), [-6.0, -3.0])
     close(sequence_logps(sums, lengths, average_log_prob=True), [-2.0, -3.0])
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,8 +719,18 @@ def test_every_config_names_registered_losses():
 # ---------------------------------------------------------------------------------------------
 def pairs_loss(hparams, policy_chosen, policy_rejected, reference_chosen, reference_rejected, lengths=(1, 1), **kwargs):
     ones = torch.ones(len(policy_chosen), dtype=torch.float64)
-    return compute_loss(["dpo"], None, dict(LossConfig(), **hparams), t(policy_chosen), ones * lengths[0],
-                        t(policy_rejected), ones * lengths[1], t(reference_chosen), t(reference_rejected), **kwargs)
+    return compute_loss(
+        ["dpo"],
+        None,
+        dict(LossConfig(), **hparams),
+        t(policy_chosen),
+        ones * lengths[0],
+        t(policy_rejected),
+        ones * lengths[1],
+        t(reference_chosen),
+        t(reference_rejected),
+        **kwargs,
+    )
 
 
 def test_dpop_hand_worked():
@@ -653,7 +748,7 @@ def ld_batch():
     rejected 1 [-1, -4, -2]. Public lengths 2 and 1."""
     tokens = torch.zeros(4, 5, dtype=torch.float64)
     for row, values in enumerate(([-1, -2, -3], [-2], [-1, -1], [-1, -4, -2])):
-        tokens[row, 1:1 + len(values)] = t(values)
+        tokens[row, 1 : 1 + len(values)] = t(values)
     scored = tokens != 0
     return tokens, scored
 
@@ -664,8 +759,16 @@ def test_ld_dpo_hand_worked():
     tokens, scored = ld_batch()
     close(losses.length_desensitized_logps(tokens, scored, 0.5), [-4.5, -2, -2, -4])
     sums = tokens.sum(1)
-    out = pairs_loss(dict(beta=0.1, ld_alpha=0.5), sums[:2].tolist(), sums[2:].tolist(), [0, 0], [0, 0],
-                     policy_tokens=tokens, reference_tokens=torch.zeros_like(tokens), scored=scored)
+    out = pairs_loss(
+        dict(beta=0.1, ld_alpha=0.5),
+        sums[:2].tolist(),
+        sums[2:].tolist(),
+        [0, 0],
+        [0, 0],
+        policy_tokens=tokens,
+        reference_tokens=torch.zeros_like(tokens),
+        scored=scored,
+    )
     close(out.losses, [neg_log_sigmoid(-0.25), neg_log_sigmoid(0.2)])
     close(out.metrics["logps/chosen"], sums[:2].tolist())  # logged: the plain sums
 
@@ -678,8 +781,18 @@ def test_wpo_hand_worked():
     close(w, [math.exp(-0.5), math.exp(-1)])
     close(losses.wpo_weights(t([-1]), t([-1]), t([-2]), t([-2]), t([1]), t([1])), [1.0])  # exp(2), clamped
     ones = torch.ones(2, dtype=torch.float64)
-    out = compute_loss(["dpo"], None, dict(LossConfig(), beta=0.1, wpo=True), t([-2, -4]), ones * t([2, 4]), t([-3, -1]),
-                       ones * t([3, 1]), t([-2, -5]), t([-2, -1]), policy_sum_sq=t([-1, -2, -3, -0.5]))
+    out = compute_loss(
+        ["dpo"],
+        None,
+        dict(LossConfig(), beta=0.1, wpo=True),
+        t([-2, -4]),
+        ones * t([2, 4]),
+        t([-3, -1]),
+        ones * t([3, 1]),
+        t([-2, -5]),
+        t([-2, -1]),
+        policy_sum_sq=t([-1, -2, -3, -0.5]),
+    )
     close(out.losses, [math.exp(-0.5) * neg_log_sigmoid(0.1 * (0 + 1)), math.exp(-1) * neg_log_sigmoid(0.1 * (1 - 0))])
     close(out.metrics["wpo/weights"], [math.exp(-0.5), math.exp(-1)])
 
@@ -695,7 +808,7 @@ def test_modifiers_equal_an_independent_per_token_implementation():
     scored = torch.zeros(2 * n, width, dtype=torch.bool)
     for row in range(2 * n):
         start, length = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g))
-        scored[row, start:start + length] = True
+        scored[row, start : start + length] = True
     tokens, ref_tokens, sq = tokens * scored, ref_tokens * scored, sq * scored
     lengths = scored.sum(1).double()
 
@@ -703,6 +816,7 @@ def test_modifiers_equal_an_independent_per_token_implementation():
         public = min(int(lengths[row % n]), int(lengths[row % n + n]))
         picked = values[row][scored[row]].tolist()
         return sum(picked[:public]) + alpha * sum(picked[public:])
+
     pol = [ld(tokens, r) for r in range(2 * n)]
     ref = [ld(ref_tokens, r) for r in range(2 * n)]
     mean = [((tokens[r] - sq[r]) * scored[r]).sum().item() / lengths[r].item() for r in range(2 * n)]
@@ -712,9 +826,21 @@ def test_modifiers_equal_an_independent_per_token_implementation():
         weight = min(1.0, math.exp(mean[i] + mean[n + i]))
         expected.append(weight * neg_log_sigmoid(beta * (a - b - lam * max(0.0, -a))))
     sums, ref_sums = tokens.sum(1), ref_tokens.sum(1)
-    out = compute_loss(["dpo"], None, dict(LossConfig(), beta=beta, ld_alpha=alpha, dpop_lambda=lam, wpo=True),
-                       sums[:n], lengths[:n], sums[n:], lengths[n:], ref_sums[:n], ref_sums[n:], policy_tokens=tokens,
-                       reference_tokens=ref_tokens, scored=scored, policy_sum_sq=sq.sum(1))
+    out = compute_loss(
+        ["dpo"],
+        None,
+        dict(LossConfig(), beta=beta, ld_alpha=alpha, dpop_lambda=lam, wpo=True),
+        sums[:n],
+        lengths[:n],
+        sums[n:],
+        lengths[n:],
+        ref_sums[:n],
+        ref_sums[n:],
+        policy_tokens=tokens,
+        reference_tokens=ref_tokens,
+        scored=scored,
+        policy_sum_sq=sq.sum(1),
+    )
     close(out.losses, expected, atol=1e-9)
 
 
@@ -726,12 +852,26 @@ def test_modifiers_at_their_defaults_change_nothing():
     for name, spec in LOSSES.items():
         if spec.unpaired:
             continue
-        args = (sums[:2], torch.tensor([3.0, 1.0], dtype=torch.float64), sums[2:], torch.tensor([2.0, 3.0], dtype=torch.float64),
-                sums[:2] - 1, sums[2:] + 1)
+        args = (
+            sums[:2],
+            torch.tensor([3.0, 1.0], dtype=torch.float64),
+            sums[2:],
+            torch.tensor([2.0, 3.0], dtype=torch.float64),
+            sums[:2] - 1,
+            sums[2:] + 1,
+        )
         without = {k: v for k, v in ALL_HPARAMS.items() if k not in ("wpo", "ld_alpha", "dpop_lambda")}
         plain = compute_loss([name], None, without, *args)
-        defaults = compute_loss([name], None, ALL_HPARAMS, *args, policy_tokens=tokens, reference_tokens=tokens,
-                                scored=scored, policy_sum_sq=sums)
+        defaults = compute_loss(
+            [name],
+            None,
+            ALL_HPARAMS,
+            *args,
+            policy_tokens=tokens,
+            reference_tokens=tokens,
+            scored=scored,
+            policy_sum_sq=sums,
+        )
         assert torch.equal(plain.losses, defaults.losses), name
 
 
@@ -783,6 +923,8 @@ def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_mea
 def test_beta_dpo_skips_non_finite_margins():
     """A batch with a NaN margin (its step will be skipped) leaves the running statistics as they were and gets the
     configured beta; the next finite batch continues from them."""
-    beta, keep, running = losses.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(0))
+    beta, keep, running = losses.beta_dpo(
+        t([1.0, float("nan")]), 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(0)
+    )
     assert beta == 0.1 and keep.all() and running == (1.0, 1.0)
     assert losses.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, None)[2] is None

@@ -1,5 +1,6 @@
 """Semi-online DPO (online.py) as a user runs it: train.py on the toy model, rounds of 16 prompts x 4 samples scored
 by the functions below (`online.scorer=python=test_online:<name>`: this directory is on the path), 8 pairs a step."""
+
 import contextlib
 import io
 import json
@@ -21,10 +22,27 @@ from config import ConfigError, load_config
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = ["model=tiny", "datasets=[toy]", "loss=dpo", "optimizer=AdamW", "warmup_steps=0", "lr=1e-4", "batch_size=8",
-        "eval_batch_size=8", "n_eval_examples=16", "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32",
-        "max_new_tokens=8", "wandb.enabled=false", "eval_every=8", "online.rounds=2", "online.prompts_per_round=16",
-        "online.max_new_tokens=8", LOCAL_DIRS]
+FAST = [
+    "model=tiny",
+    "datasets=[toy]",
+    "loss=dpo",
+    "optimizer=AdamW",
+    "warmup_steps=0",
+    "lr=1e-4",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=16",
+    "n_eval_model_samples=4",
+    "max_length=64",
+    "max_prompt_length=32",
+    "max_new_tokens=8",
+    "wandb.enabled=false",
+    "eval_every=8",
+    "online.rounds=2",
+    "online.prompts_per_round=16",
+    "online.max_new_tokens=8",
+    LOCAL_DIRS,
+]
 SCORER = "online.scorer=python=test_online:by_length"
 
 
@@ -53,8 +71,9 @@ def train(run_dir, *args, code: int = 0) -> subprocess.CompletedProcess:
     """train.py in this process (its imports cost ~10 s per subprocess), what it prints captured."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        result = subprocess.CompletedProcess(args, train_py.main([*FAST, f"run_dir={run_dir}", *args]), out.getvalue(),
-                                             err.getvalue())
+        result = subprocess.CompletedProcess(
+            args, train_py.main([*FAST, f"run_dir={run_dir}", *args]), out.getvalue(), err.getvalue()
+        )
     assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -91,8 +110,13 @@ def test_two_rounds_write_their_pair_files_and_train_on_them(online_run):
     assert sum("loss/train" in rec for rec in logged) == steps == 4  # one pass over each round, 8 pairs a step
     rounds = [rec for rec in logged if "online/round" in rec]
     assert [rec["online/round"] for rec in rounds] == [0, 1] and [rec["step"] for rec in rounds] == [0, 16]
-    for key in ("online/mean_score", "online/pairs_kept_per_prompt", "online/mean_score_gap", "online/length_ratio",
-                "throughput/generated_tokens_per_second"):
+    for key in (
+        "online/mean_score",
+        "online/pairs_kept_per_prompt",
+        "online/mean_score_gap",
+        "online/length_ratio",
+        "throughput/generated_tokens_per_second",
+    ):
         assert all(rec[key] > 0 for rec in rounds), key
     assert sum("throughput/generation_share" in rec for rec in logged) == 2
     scorer = json.loads((run_dir / "run_manifest.json").read_text())["online"]["scorer"]
@@ -101,8 +125,9 @@ def test_two_rounds_write_their_pair_files_and_train_on_them(online_run):
 
 def test_a_round_of_ties_is_skipped_with_a_line_and_prompt_only_rows_are_read(tmp_path):
     prompts = tmp_path / "prompts.jsonl"  # prompt-only rows: no pairs anywhere
-    prompts.write_text("".join(json.dumps({"prompt": f"\n\nHuman: Tell me about cats {i}.\n\nAssistant:"}) + "\n"
-                               for i in range(20)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"\n\nHuman: Tell me about cats {i}.\n\nAssistant:"}) + "\n" for i in range(20))
+    )
     result = train(tmp_path / "run", "online.scorer=python=test_online:tied", f"online.prompts={prompts}")
     assert "0 pairs of 16 prompts" in result.stdout  # every score 0.5, less the penalty for no EOS
     assert "round 0: skipped: 0 pairs over online.min_score_gap, fewer than a batch" in result.stdout
@@ -176,8 +201,16 @@ def test_each_scorer(tmp_path):
     assert online.make_scorer(cfg("python=test_online:by_length")) is by_length
     tokenizer = transformers.AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
     torch.manual_seed(0)
-    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_labels=1))
+    model = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_labels=1,
+        )
+    )
     model.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     score = online.make_scorer(cfg(f"reward_model={tmp_path / 'rm'}"), torch.device("cpu"))
@@ -198,7 +231,7 @@ def test_shared_prefix_sampling_draws_the_tokens_plain_sampling_draws():
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     sampling = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, pad_token_id=0)
     torch.manual_seed(3)
-    plain = model.generate(**batch, do_sample=True, num_return_sequences=3, **sampling)[:, batch["input_ids"].size(1):]
+    plain = model.generate(**batch, do_sample=True, num_return_sequences=3, **sampling)[:, batch["input_ids"].size(1) :]
     torch.manual_seed(3)
     sharding = type("OneProcess", (), {"generate": staticmethod(lambda m, **kwargs: m.generate(**kwargs))})()
     shared = online.shared_prefix_generate(sharding, model, batch["input_ids"], batch["attention_mask"], 3, **sampling)
@@ -206,9 +239,12 @@ def test_shared_prefix_sampling_draws_the_tokens_plain_sampling_draws():
 
 
 def test_online_settings_are_checked_before_anything_loads(tmp_path):
-    bad = {"loss=sft": "does not train on pairs", "precompute_ref_log_probs=true": "do not exist before training",
-           "online.prompts_per_round=4": "fewer than batch_size=8",
-           "online.max_new_tokens=40": "would be cut in training"}
+    bad = {
+        "loss=sft": "does not train on pairs",
+        "precompute_ref_log_probs=true": "do not exist before training",
+        "online.prompts_per_round=4": "fewer than batch_size=8",
+        "online.max_new_tokens=40": "would be cut in training",
+    }
     for arg, message in bad.items():
         with pytest.raises(ConfigError, match=message):
             load_config([*FAST, arg])
@@ -216,4 +252,7 @@ def test_online_settings_are_checked_before_anything_loads(tmp_path):
         load_config([*FAST, "online.rounds=null", "online.samples_per_prompt=8"])
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "a"}\n{"question": "b"}\n')
     result = train(tmp_path / "run", SCORER, f"online.prompts={tmp_path / 'prompts.jsonl'}", code=2)
-    assert "prompts.jsonl, line 2: expected {\"prompt\": a string or messages}" in result.stderr and not (tmp_path / "run").exists()
+    assert (
+        'prompts.jsonl, line 2: expected {"prompt": a string or messages}' in result.stderr
+        and not (tmp_path / "run").exists()
+    )

@@ -4,6 +4,7 @@ Real components throughout: byte-level BPE tokenizers trained here with the `tok
 transformers.PreTrainedTokenizerFast (one GPT-2-like, one Llama-like that adds BOS), real files, a real
 datasets.Dataset for the hub path.
 """
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,31 +41,39 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
     "def reverse(xs): return xs[::-1]  # Python lists reverse in place with .reverse()",
 ] * 20
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def train_bpe(specials: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return tok
 
 
 @pytest.fixture(scope="module")
 def gpt2_tok():
     """GPT-2-like: no BOS, EOS '<|endoftext|>', a separate pad token."""
-    return PreTrainedTokenizerFast(tokenizer_object=train_bpe(["<|endoftext|>", "<pad>"]),
-                                   eos_token="<|endoftext|>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(["<|endoftext|>", "<pad>"]), eos_token="<|endoftext|>", pad_token="<pad>"
+    )
 
 
 def make_llama_tok(chat_template=None):
     """Llama-like: the post-processor puts BOS '<s>' first by default; EOS '</s>'; no pad token."""
     tok = train_bpe(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     if chat_template:
         out.chat_template = chat_template
@@ -87,8 +96,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def numbered_rows(n: int) -> list[dict]:
-    return [{"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "chosen": f" good answer {i}.",
-             "rejected": f" bad {i}"} for i in range(n)]
+    return [
+        {"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "chosen": f" good answer {i}.", "rejected": f" bad {i}"}
+        for i in range(n)
+    ]
 
 
 def hh_row(history: str, chosen: str, rejected: str) -> dict:
@@ -106,11 +117,13 @@ def batch_iterator(path: str, tok, *, split: str = "train", **kw):
 # Converters on hand-written raw rows
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_hh_multiturn_history_stays_in_prompt():
-    history = ("\n\nHuman: Hi\n\nAssistant: Hello! How can I help?\n\nHuman: What does 'Assistant:' mean?"
-               "\n\nAssistant:")
-    rows = [hh_row(history, " It names the speaker.", " No idea."),
-            hh_row(history, " A label.", " It names the speaker.")]
+    history = "\n\nHuman: Hi\n\nAssistant: Hello! How can I help?\n\nHuman: What does 'Assistant:' mean?\n\nAssistant:"
+    rows = [
+        hh_row(history, " It names the speaker.", " No idea."),
+        hh_row(history, " A label.", " It names the speaker."),
+    ]
     data, dropped = pd.convert_hh(rows)
     assert list(data) == [history] and not dropped
     entry = data[history]
@@ -134,15 +147,23 @@ def test_hh_rows_with_different_histories_are_dropped_and_counted():
 
 
 def shp_row(history, a, b, label, score_a, score_b):
-    return {"history": history, "human_ref_A": a, "human_ref_B": b, "labels": label,
-            "score_A": score_a, "score_B": score_b}
+    return {
+        "history": history,
+        "human_ref_A": a,
+        "human_ref_B": b,
+        "labels": label,
+        "score_A": score_a,
+        "score_B": score_b,
+    }
 
 
 def test_shp_ratio_filter_label_direction_sft_target_and_pair_cap():
-    rows = [shp_row("post", "A1", "B1", 1, 10, 3),   # kept, A preferred
-            shp_row("post", "A2", "B2", 0, 2, 30),   # kept, B preferred, best score -> SFT target
-            shp_row("post", "A3", "B3", 1, 3, 2),    # ratio 1.5 < 2: dropped
-            shp_row("post", "A4", "B4", 1, 0, 0)]    # 0 vs 0: no preference, dropped
+    rows = [
+        shp_row("post", "A1", "B1", 1, 10, 3),  # kept, A preferred
+        shp_row("post", "A2", "B2", 0, 2, 30),  # kept, B preferred, best score -> SFT target
+        shp_row("post", "A3", "B3", 1, 3, 2),  # ratio 1.5 < 2: dropped
+        shp_row("post", "A4", "B4", 1, 0, 0),
+    ]  # 0 vs 0: no preference, dropped
     rows += [shp_row("busy", f"a{i}", f"b{i}", 1, 4, 1) for i in range(pd.MAX_PAIRS_PER_PROMPT + 2)]
     data, dropped = pd.convert_shp(rows)
     post = data["\n\nHuman: post\n\nAssistant:"]
@@ -153,12 +174,16 @@ def test_shp_ratio_filter_label_direction_sft_target_and_pair_cap():
 
 
 def test_se_html_stripped_no_ties_best_answer_and_cap():
-    row = {"question": "<p>How do I <b>reverse</b> a list?</p>\n<pre><code>xs = [1, 2]\n</code></pre>",
-           "answers": [{"text": "<p>Use <code>xs[::-1]</code> &amp; done.</p>", "pm_score": 5},
-                       {"text": "<p>You can't.</p>", "pm_score": 1},
-                       {"text": "<p>Loop backwards.</p>", "pm_score": 1}]}
+    row = {
+        "question": "<p>How do I <b>reverse</b> a list?</p>\n<pre><code>xs = [1, 2]\n</code></pre>",
+        "answers": [
+            {"text": "<p>Use <code>xs[::-1]</code> &amp; done.</p>", "pm_score": 5},
+            {"text": "<p>You can't.</p>", "pm_score": 1},
+            {"text": "<p>Loop backwards.</p>", "pm_score": 1},
+        ],
+    }
     data, dropped = pd.convert_se([row])
-    (prompt, entry), = data.items()
+    ((prompt, entry),) = data.items()
     assert prompt == "\n\nHuman: How do I reverse a list?\n\nxs = [1, 2]\n\nAssistant:"
     assert entry.responses == [" Use xs[::-1] & done.", " You can't.", " Loop backwards."]
     assert entry.pairs == [(0, 1), (0, 2)] and dropped == {"se_tie": 1}
@@ -171,12 +196,19 @@ def test_se_html_stripped_no_ties_best_answer_and_cap():
 
 def test_ultrafeedback_rendered_with_chat_template(chat_tok):
     user = {"role": "user", "content": "Name a prime."}
-    row = {"prompt": "Name a prime.", "chosen": [user, {"role": "assistant", "content": "7"}],
-           "rejected": [user, {"role": "assistant", "content": "8"}], "score_chosen": 9.0, "score_rejected": 2.0}
-    odd = {"chosen": [user, {"role": "assistant", "content": "7"}],
-           "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}]}
+    row = {
+        "prompt": "Name a prime.",
+        "chosen": [user, {"role": "assistant", "content": "7"}],
+        "rejected": [user, {"role": "assistant", "content": "8"}],
+        "score_chosen": 9.0,
+        "score_rejected": 2.0,
+    }
+    odd = {
+        "chosen": [user, {"role": "assistant", "content": "7"}],
+        "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}],
+    }
     data, dropped = pd.convert_ultrafeedback([row, odd], chat_tok)
-    (prompt, entry), = data.items()
+    ((prompt, entry),) = data.items()
     assert prompt == "<s><|user|>\nName a prime.</s>\n<|assistant|>\n"
     assert entry.responses == ["7", "8"] and entry.pairs == [(0, 1)] and entry.chat  # template's EOS stripped
     assert dropped == {"ultrafeedback_prompt_mismatch": 1}
@@ -185,6 +217,7 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
 # ---------------------------------------------------------------------------------------------------------
 # Local exports of hub sources in their raw shapes: detected, converted by the hub converter
 # ---------------------------------------------------------------------------------------------------------
+
 
 def load_one(path, tok, **kw):
     (examples, (stats,)) = pd.load_tokenized([path], tok, "train", **kw)
@@ -195,10 +228,16 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
     """A user's export of Anthropic/hh-rlhf ({chosen, rejected} transcripts) loads, with the HH converter's
     split, drops and counts, and keep_end by default: exactly what `datasets=[hh]` gives on the same rows."""
     import datasets
+
     history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
-    rows = [hh_row(history, " fine.", " bad."), hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no."),
-            {"chosen": "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y",
-             "rejected": "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w"}]  # histories differ
+    rows = [
+        hh_row(history, " fine.", " bad."),
+        hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no."),
+        {
+            "chosen": "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y",
+            "rejected": "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w",
+        },
+    ]  # histories differ
     path = write_jsonl(tmp_path / "hh_export.jsonl", rows)
     pd.validate_sources([path])
     local, local_stats = load_one(path, gpt2_tok, max_length=40, max_prompt_length=20)
@@ -207,8 +246,9 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
     hub, hub_stats = load_one("hh", gpt2_tok, max_length=40, max_prompt_length=20)
     assert local_stats.dropped == hub_stats.dropped == {"hh_prompt_mismatch": 1}
     assert local_stats.truncation_mode == "keep_end" and local_stats.kept == 2
-    assert [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in local] == \
-        [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in hub]
+    assert [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in local] == [
+        (e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in hub
+    ]
     long_prompt = next(e for e in local if e.prompt == history)
     assert long_prompt.prompt_ids.tolist() == gpt2_tok(history)["input_ids"][-20:]  # ends in "\n\nAssistant:"
 
@@ -216,20 +256,39 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
 def test_local_raw_shp_and_ultrafeedback_files_use_their_converters(tmp_path, chat_tok):
     """SHP rows (the SHP fields) and UltraFeedback rows (prompt string, whole conversations in chosen/rejected,
     as ultrafeedback_binarized exports them) give what their converters give, drops counted."""
-    shp = [shp_row("post", "A1", "B1", 1, 10, 3), shp_row("post", "A2", "B2", 0, 2, 30),
-           shp_row("post", "A3", "B3", 1, 3, 2)]
+    shp = [
+        shp_row("post", "A1", "B1", 1, 10, 3),
+        shp_row("post", "A2", "B2", 0, 2, 30),
+        shp_row("post", "A3", "B3", 1, 3, 2),
+    ]
     examples, stats = load_one(write_jsonl(tmp_path / "shp.jsonl", shp), chat_tok)
     assert [(e.prompt, e.chosen, e.rejected) for e in examples] == [
-        ("\n\nHuman: post\n\nAssistant:", " A1", " B1"), ("\n\nHuman: post\n\nAssistant:", " B2", " A2")]
+        ("\n\nHuman: post\n\nAssistant:", " A1", " B1"),
+        ("\n\nHuman: post\n\nAssistant:", " B2", " A2"),
+    ]
     assert stats.dropped == {"shp_score_ratio_below_2": 1} and stats.truncation_mode == "keep_start"  # as hub shp
     user = {"role": "user", "content": "Name a prime."}
-    uf = [{"prompt": "Name a prime.", "prompt_id": "x1", "chosen": [user, {"role": "assistant", "content": "7"}],
-           "rejected": [user, {"role": "assistant", "content": "8"}], "score_chosen": 9.0, "score_rejected": 2.0},
-          {"prompt": "other", "chosen": [user, {"role": "assistant", "content": "7"}],
-           "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}]}]
+    uf = [
+        {
+            "prompt": "Name a prime.",
+            "prompt_id": "x1",
+            "chosen": [user, {"role": "assistant", "content": "7"}],
+            "rejected": [user, {"role": "assistant", "content": "8"}],
+            "score_chosen": 9.0,
+            "score_rejected": 2.0,
+        },
+        {
+            "prompt": "other",
+            "chosen": [user, {"role": "assistant", "content": "7"}],
+            "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}],
+        },
+    ]
     (example,), stats = load_one(write_jsonl(tmp_path / "uf.jsonl", uf), chat_tok)
     assert (example.prompt, example.chosen, example.rejected) == (
-        "<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "7", "8")
+        "<s><|user|>\nName a prime.</s>\n<|assistant|>\n",
+        "7",
+        "8",
+    )
     assert stats.dropped == {"ultrafeedback_prompt_mismatch": 1} and stats.truncation_mode == "keep_end"
 
 
@@ -240,41 +299,49 @@ def test_conversation_prompts_in_local_files_keep_their_end_by_default(tmp_path,
     prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
     rows = [{"prompt": prompt, "chosen": " cats purr.", "rejected": " no."}]
     full = llama_tok(prompt)["input_ids"]
-    (ex,), stats = load_one(write_jsonl(tmp_path / "conv.jsonl", rows), llama_tok, max_length=48,
-                            max_prompt_length=16)
+    (ex,), stats = load_one(write_jsonl(tmp_path / "conv.jsonl", rows), llama_tok, max_length=48, max_prompt_length=16)
     assert stats.truncation_mode == "keep_end" and ex.prompt_ids.tolist() == full[:1] + full[-15:]
     assert stats.reply_cues_cut == 0
-    plain = [{"prompt": prompt[len("\n\nHuman: "):-len("\n\nAssistant:")], "chosen": " a.", "rejected": " b."}]
-    assert load_one(write_jsonl(tmp_path / "plain.jsonl", plain), llama_tok, max_length=48,
-                    max_prompt_length=16)[1].truncation_mode == "keep_start"
-    (_,), stats = load_one(str(tmp_path / "conv.jsonl"), llama_tok, max_length=48, max_prompt_length=16,
-                           truncation_mode="keep_start")
+    plain = [{"prompt": prompt[len("\n\nHuman: ") : -len("\n\nAssistant:")], "chosen": " a.", "rejected": " b."}]
+    assert (
+        load_one(write_jsonl(tmp_path / "plain.jsonl", plain), llama_tok, max_length=48, max_prompt_length=16)[
+            1
+        ].truncation_mode
+        == "keep_start"
+    )
+    (_,), stats = load_one(
+        str(tmp_path / "conv.jsonl"), llama_tok, max_length=48, max_prompt_length=16, truncation_mode="keep_start"
+    )
     assert stats.reply_cues_cut == 1
     assert "warning: reply_cues_cut=1" in pd.dataset_summary([stats])
 
 
 def test_strip_html_keeps_text_and_code():
-    assert pd.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>") == \
-        "a < b\n\none\n\ntwo\n\nx\n  y"
+    assert (
+        pd.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>")
+        == "a < b\n\none\n\ntwo\n\nx\n  y"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Tokenization invariants
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tmp_path, gpt2_tok):
-    rows = [{"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
-            {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.",
-             "rejected": " cats nap."}]
+    rows = [
+        {"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
+        {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.", "rejected": " cats nap."},
+    ]
     examples, _ = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train")
     for ex in examples:
         prompt_alone = gpt2_tok(ex.prompt, add_special_tokens=True)["input_ids"]
         for response in (ex.chosen_ids, ex.rejected_ids):
             sequence = np.concatenate([ex.prompt_ids, response]).tolist()
-            assert sequence[:len(prompt_alone)] == prompt_alone  # prefix, checked in token space
+            assert sequence[: len(prompt_alone)] == prompt_alone  # prefix, checked in token space
             assert response[-1] == gpt2_tok.eos_token_id
     joint = gpt2_tok(rows[0]["prompt"] + rows[0]["chosen"])["input_ids"]
-    assert joint[:len(examples[0].prompt_ids)] != examples[0].prompt_ids.tolist()  # it would have merged
+    assert joint[: len(examples[0].prompt_ids)] != examples[0].prompt_ids.tolist()  # it would have merged
 
 
 def test_bos_exactly_once_for_llama_style_tokenizer(tmp_path, llama_tok):
@@ -290,10 +357,15 @@ def test_bos_exactly_once_for_llama_style_tokenizer(tmp_path, llama_tok):
 
 
 def test_chat_file_bos_once_and_eos_once(tmp_path, chat_tok):
-    row = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-           "chosen": [{"role": "assistant", "content": "Hello"}],
-           "rejected": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                        {"role": "assistant", "content": "Go away"}]}  # may repeat the prompt's messages
+    row = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "Hello"}],
+        "rejected": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Go away"},
+        ],
+    }  # may repeat the prompt's messages
     (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train")
     assert ex.prompt.startswith("<s><|system|>") and ex.prompt.endswith("<|assistant|>\n")
     assert ex.chosen == "Hello" and ex.rejected == "Go away"
@@ -304,18 +376,27 @@ def test_chat_file_bos_once_and_eos_once(tmp_path, chat_tok):
 
 
 def test_chat_rows_need_a_chat_template(tmp_path, llama_tok):
-    row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "a"}],
-           "rejected": [{"role": "assistant", "content": "b"}]}
+    row = {
+        "prompt": [{"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "a"}],
+        "rejected": [{"role": "assistant", "content": "b"}],
+    }
     with pytest.raises(pd.DataError, match="chat template"):
         pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train")
 
 
 def test_a_file_mixing_string_and_chat_rows_warns_naming_it_and_each_kinds_first_line(tmp_path, chat_tok):
-    chat = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "a"}],
-            "rejected": [{"role": "assistant", "content": "b"}]}
+    chat = {
+        "prompt": [{"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "a"}],
+        "rejected": [{"role": "assistant", "content": "b"}],
+    }
     path = write_jsonl(tmp_path / "mixed.jsonl", [*numbered_rows(2), chat, *numbered_rows(1)])
-    with pytest.warns(UserWarning, match=re.escape(path) + r": mixes plain-string rows \(first: line 1\) and "
-                      r"chat-message rows \(first: line 3\)"):
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(path) + r": mixes plain-string rows \(first: line 1\) and "
+        r"chat-message rows \(first: line 3\)",
+    ):
         examples, _ = load_one(path, chat_tok)
     assert len(examples) == 4  # valid rows: trained as written
 
@@ -355,8 +436,14 @@ def test_truncate_keep_start_and_keep_end_keep_bos():
 def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
     prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
     rows = [{"prompt": prompt, "chosen": " cats purr and nap " * 10, "rejected": " no."}]
-    (ex,), (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "t.jsonl", rows)], llama_tok, "train",
-                                        max_length=48, max_prompt_length=16, truncation_mode=mode)
+    (ex,), (stats,) = pd.load_tokenized(
+        [write_jsonl(tmp_path / "t.jsonl", rows)],
+        llama_tok,
+        "train",
+        max_length=48,
+        max_prompt_length=16,
+        truncation_mode=mode,
+    )
     full = llama_tok(prompt)["input_ids"]
     assert len(ex.prompt_ids) == 16 and ex.prompt_ids[0] == llama_tok.bos_token_id
     expected = full[:16] if mode == "keep_start" else full[:1] + full[-15:]
@@ -368,31 +455,39 @@ def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
 
 def test_pairs_dropped_by_reason(tmp_path, gpt2_tok):
     same = " cats purr and nap and chase mice" * 4
-    rows = [{"prompt": "Q:", "chosen": "", "rejected": " no"},                       # empty_response
-            {"prompt": "Q:", "chosen": " same", "rejected": " same"},                # chosen_equals_rejected
-            {"prompt": "Q:", "chosen": same + " yes", "rejected": same + " no"},     # identical once cut
-            {"prompt": "Q:", "chosen": " ok", "rejected": " not ok"}]                # kept
-    examples, (stats,) = pd.load_tokenized([write_jsonl(tmp_path / "d.jsonl", rows)], gpt2_tok, "train",
-                                           max_length=16, max_prompt_length=8)
+    rows = [
+        {"prompt": "Q:", "chosen": "", "rejected": " no"},  # empty_response
+        {"prompt": "Q:", "chosen": " same", "rejected": " same"},  # chosen_equals_rejected
+        {"prompt": "Q:", "chosen": same + " yes", "rejected": same + " no"},  # identical once cut
+        {"prompt": "Q:", "chosen": " ok", "rejected": " not ok"},
+    ]  # kept
+    examples, (stats,) = pd.load_tokenized(
+        [write_jsonl(tmp_path / "d.jsonl", rows)], gpt2_tok, "train", max_length=16, max_prompt_length=8
+    )
     assert [ex.chosen for ex in examples] == [" ok"]
     assert stats.dropped == {"chosen_equals_rejected": 1, "empty_response": 1, "identical_after_truncation": 1}
     assert (stats.kept, stats.prompts) == (1, 1)
+
 
 def test_pairs_without_signal_and_cut_prompts_are_counted_exactly_and_dropped_or_kept_as_configured(tmp_path, gpt2_tok):
     """Rows 1 and 4: chosen == rejected; row 3: identical once cut to max_length 16; rows 2 and 4: prompts over
     max_length, cut to 8 tokens. Dropped by default, kept with drop_identical_pairs=False; counted and listed by
     row either way, with the chosen/rejected mean length ratio (length bias) of what is kept."""
     long, same = "\n\nHuman: " + "hello there " * 20 + "\n\nAssistant:", " cats purr and nap and chase mice" * 4
-    rows = [{"prompt": "Q1:", "chosen": " same", "rejected": " same"},
-            {"prompt": long, "chosen": " fine.", "rejected": " bad."},
-            {"prompt": "Q3:", "chosen": same + " yes", "rejected": same + " no"},
-            {"prompt": long + " two", "chosen": " same", "rejected": " same"},
-            {"prompt": "Q5:", "chosen": " cats purr.", "rejected": " no"},
-            {"prompt": "Q6:", "chosen": " ok", "rejected": " not ok"}]
+    rows = [
+        {"prompt": "Q1:", "chosen": " same", "rejected": " same"},
+        {"prompt": long, "chosen": " fine.", "rejected": " bad."},
+        {"prompt": "Q3:", "chosen": same + " yes", "rejected": same + " no"},
+        {"prompt": long + " two", "chosen": " same", "rejected": " same"},
+        {"prompt": "Q5:", "chosen": " cats purr.", "rejected": " no"},
+        {"prompt": "Q6:", "chosen": " ok", "rejected": " not ok"},
+    ]
     path = write_jsonl(tmp_path / "signal.jsonl", rows)
     no_signal = {"chosen_equals_rejected": [2, [1, 4]], "identical_after_truncation": [1, [3]]}
-    for drop, kept, dropped, cut in ((True, 3, {"chosen_equals_rejected": 2, "identical_after_truncation": 1}, 1),
-                                     (False, 6, {}, 2)):
+    for drop, kept, dropped, cut in (
+        (True, 3, {"chosen_equals_rejected": 2, "identical_after_truncation": 1}, 1),
+        (False, 6, {}, 2),
+    ):
         examples, stats = load_one(path, gpt2_tok, max_length=16, max_prompt_length=8, drop_identical_pairs=drop)
         assert (stats.kept, stats.dropped, stats.no_signal, stats.prompts_truncated) == (kept, dropped, no_signal, cut)
         assert [e.chosen for e in examples] == [rows[n]["chosen"] for n in ((1, 4, 5) if drop else range(6))]
@@ -400,20 +495,25 @@ def test_pairs_without_signal_and_cut_prompts_are_counted_exactly_and_dropped_or
         ratio = sum(c for c, _ in lengths) / sum(r for _, r in lengths)
         assert stats.tokens["chosen_rejected_length_ratio"] == round(ratio, 3) == (0.588 if drop else 0.833)
         fate = "dropped" if drop else "kept (drop_identical_pairs=false)"
-        assert ("       no signal (chosen == rejected): chosen_equals_rejected=2 (first rows [1, 4]), "
-                f"identical_after_truncation=1 (first rows [3]): {fate}") in pd.dataset_summary([stats]).splitlines()
+        assert (
+            "       no signal (chosen == rejected): chosen_equals_rejected=2 (first rows [1, 4]), "
+            f"identical_after_truncation=1 (first rows [3]): {fate}"
+        ) in pd.dataset_summary([stats]).splitlines()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Collate: exact label masks
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_collate_exact_padding_and_labels():
     """Prompt [5, 6] + chosen [7, E] and prompt [5] + chosen [7, 8, 9, E]; pad 0, E = 2.
     Labels are the input ids on the response (EOS included) and -100 on prompt and padding."""
     a = np.array
-    examples = [pd.TokenizedExample("P1", " c1", " r1", a([5, 6]), a([7, 2]), a([8, 9, 2])),
-                pd.TokenizedExample("P2", " c2", " r2", a([5]), a([7, 8, 9, 2]), a([2]))]
+    examples = [
+        pd.TokenizedExample("P1", " c1", " r1", a([5, 6]), a([7, 2]), a([8, 9, 2])),
+        pd.TokenizedExample("P2", " c2", " r2", a([5]), a([7, 8, 9, 2]), a([2])),
+    ]
     b = pd.collate(examples, pad_token_id=0)
     t = torch.tensor
     assert torch.equal(b["prompt_input_ids"], t([[5, 6], [0, 5]]))  # left-padded, for generation
@@ -428,10 +528,22 @@ def test_collate_exact_padding_and_labels():
     assert b["chosen_response_only"] == [" c1", " c2"] and b["rejected_response_only"] == [" r1", " r2"]
 
 
-PAIR_KEYS = {"prompt", "chosen", "rejected", "chosen_response_only", "rejected_response_only",
-             "prompt_input_ids", "prompt_attention_mask", "chosen_input_ids", "chosen_attention_mask",
-             "chosen_labels", "rejected_input_ids", "rejected_attention_mask", "rejected_labels",
-             "example_index"}  # position of each pair in the tokenized split (precomputed reference lookup)
+PAIR_KEYS = {
+    "prompt",
+    "chosen",
+    "rejected",
+    "chosen_response_only",
+    "rejected_response_only",
+    "prompt_input_ids",
+    "prompt_attention_mask",
+    "chosen_input_ids",
+    "chosen_attention_mask",
+    "chosen_labels",
+    "rejected_input_ids",
+    "rejected_attention_mask",
+    "rejected_labels",
+    "example_index",
+}  # position of each pair in the tokenized split (precomputed reference lookup)
 
 
 def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):
@@ -452,17 +564,29 @@ def test_batch_from_tokenizer_labels_mask_prompt_and_padding(gpt2_tok):
 def test_sft_mode_yields_sft_targets_only(tmp_path, gpt2_tok):
     rows = numbered_rows(4)
     rows[1]["sft_target"] = " the sft answer."
-    it = batch_iterator(write_jsonl(tmp_path / "s.jsonl", rows), gpt2_tok, split="train", batch_size=4,
-                        shuffle=False, n_epochs=1, sft_mode=True)
+    it = batch_iterator(
+        write_jsonl(tmp_path / "s.jsonl", rows),
+        gpt2_tok,
+        split="train",
+        batch_size=4,
+        shuffle=False,
+        n_epochs=1,
+        sft_mode=True,
+    )
     (batch,) = list(it)
     assert set(batch) == {k for k in PAIR_KEYS if "rejected" not in k}
-    assert batch["chosen_response_only"] == [" good answer 0.", " the sft answer.", " good answer 2.",
-                                             " good answer 3."]
+    assert batch["chosen_response_only"] == [
+        " good answer 0.",
+        " the sft answer.",
+        " good answer 2.",
+        " good answer 3.",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Order: seeds, epochs, ranks, resume, eval
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_same_seed_same_order_other_seed_other_order_fresh_each_epoch():
     run = lambda seed: list(pd.iter_batch_indices(40, batch_size=8, seed=seed, n_epochs=2))
@@ -474,8 +598,9 @@ def test_same_seed_same_order_other_seed_other_order_fresh_each_epoch():
 
 def test_seed_changes_batches_end_to_end(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(32))
-    texts = lambda seed: [b["chosen"] for b in batch_iterator(
-        path, gpt2_tok, split="train", batch_size=8, n_epochs=1, seed=seed)]
+    texts = lambda seed: [
+        b["chosen"] for b in batch_iterator(path, gpt2_tok, split="train", batch_size=8, n_epochs=1, seed=seed)
+    ]
     assert texts(3) == texts(3) and texts(3) != texts(4)
 
 
@@ -483,8 +608,7 @@ def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_to
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(24))
     kw = dict(split="train", batch_size=8, n_epochs=1, seed=7)
     whole = [b["chosen"] for b in batch_iterator(path, gpt2_tok, **kw)]
-    shares = [[b["chosen"] for b in batch_iterator(path, gpt2_tok, rank=r, world_size=2, **kw)]
-              for r in (0, 1)]
+    shares = [[b["chosen"] for b in batch_iterator(path, gpt2_tok, rank=r, world_size=2, **kw)] for r in (0, 1)]
     for step, global_batch in enumerate(whole):
         r0, r1 = shares[0][step], shares[1][step]
         assert len(r0) == len(r1) == 4 and not set(r0) & set(r1) and r0 + r1 == global_batch
@@ -494,20 +618,27 @@ def test_ranks_get_disjoint_shares_that_cover_the_global_batch(tmp_path, gpt2_to
 def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens(tmp_path, gpt2_tok):
     # one long pair per global batch of 8 among short ones, as in benchmarks/bench_dpo.py: consecutive shares put
     # the long pair and 3 other pairs on one rank; balanced shares give it the 3 shortest
-    rows = [{"prompt": f"question {i}" + " more" * (60 if i % 8 == 3 else i % 5), "chosen": f" yes {i}" + " so" * (i % 7),
-             "rejected": f" no {i}"} for i in range(32)]
+    rows = [
+        {
+            "prompt": f"question {i}" + " more" * (60 if i % 8 == 3 else i % 5),
+            "chosen": f" yes {i}" + " so" * (i % 7),
+            "rejected": f" no {i}",
+        }
+        for i in range(32)
+    ]
     path = write_jsonl(tmp_path / "skew.jsonl", rows)
     kw = dict(split="train", batch_size=8, n_epochs=2, seed=5)
     whole = list(batch_iterator(path, gpt2_tok, **kw))
     tokens = lambda b: int(b["chosen_attention_mask"].sum() + b["rejected_attention_mask"].sum())
     worst = {}  # balance -> per step: the heaviest share's tokens / an even share's
     for balance in (False, True):
-        shares = [list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, balance=balance, **kw))
-                  for r in (0, 1)]
+        shares = [list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, balance=balance, **kw)) for r in (0, 1)]
         worst[balance] = []
         for step, batch in enumerate(whole):
             r0, r1 = shares[0][step], shares[1][step]
-            assert not set(r0["chosen"]) & set(r1["chosen"]) and sorted(r0["chosen"] + r1["chosen"]) == sorted(batch["chosen"])
+            assert not set(r0["chosen"]) & set(r1["chosen"]) and sorted(r0["chosen"] + r1["chosen"]) == sorted(
+                batch["chosen"]
+            )
             assert len(r0["chosen"]) == len(r1["chosen"]) == 4  # every rank exactly batch_size // world_size pairs
             for r in (r0, r1):  # each share keeps the global batch's order
                 positions = [batch["chosen"].index(c) for c in r["chosen"]]
@@ -525,20 +656,31 @@ def test_balanced_shares_cover_the_batch_in_equal_counts_and_even_out_the_tokens
 def test_balanced_shares_with_prefix_sharing_count_each_prompt_once(tmp_path, gpt2_tok):
     # prefix_sharing makes a pair one row, prompt + chosen + rejected: the deal must weigh that row, not two
     rng = np.random.default_rng(0)
-    rows = [{"prompt": f"question {i}" + " more" * int(rng.integers(0, 80)), "chosen": f" yes {i}" + " so" * int(rng.integers(0, 40)),
-             "rejected": f" no {i}" + " not" * int(rng.integers(0, 40))} for i in range(64)]
+    rows = [
+        {
+            "prompt": f"question {i}" + " more" * int(rng.integers(0, 80)),
+            "chosen": f" yes {i}" + " so" * int(rng.integers(0, 40)),
+            "rejected": f" no {i}" + " not" * int(rng.integers(0, 40)),
+        }
+        for i in range(64)
+    ]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     kw = dict(split="train", batch_size=8, n_epochs=1, seed=3, balance=True)
     whole = list(batch_iterator(path, gpt2_tok, **kw))
     differ = 0
     for shared in (False, True):
-        shares = [list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw))
-                  for r in (0, 1)]
+        shares = [
+            list(batch_iterator(path, gpt2_tok, rank=r, world_size=2, shared_prompt=shared, **kw)) for r in (0, 1)
+        ]
         for step, batch in enumerate(whole):
             # the tokens of the rows logps lays each pair out in: two sequences, or one shared-prefix unit per row
             inputs = logps.concatenated_inputs(batch)
-            owner = logps.packed_inputs(inputs, None, shared_prefix=True)[2] if shared else logps.padded_inputs(inputs)[2]
-            sizes = torch.zeros(len(inputs["input_ids"]), dtype=torch.long).index_add_(0, owner[owner >= 0], torch.ones_like(owner[owner >= 0]))
+            owner = (
+                logps.packed_inputs(inputs, None, shared_prefix=True)[2] if shared else logps.padded_inputs(inputs)[2]
+            )
+            sizes = torch.zeros(len(inputs["input_ids"]), dtype=torch.long).index_add_(
+                0, owner[owner >= 0], torch.ones_like(owner[owner >= 0])
+            )
             sizes = (sizes[:8] + sizes[8:]).tolist()  # each pair's chosen and rejected rows
             expected = pd.balance_shares(batch["example_index"].tolist(), sizes, 2)
             assert [shares[r][step]["example_index"].tolist() for r in (0, 1)] == expected
@@ -559,6 +701,7 @@ def test_balance_shares_is_near_optimal_and_never_heavier_than_consecutive_slice
     """Random batches with a few long pairs among short ones: the heaviest share is never heavier than consecutive
     slices' and within 15% of the best equal-count split (found by trying every split of 2 shares)."""
     import itertools
+
     rng = np.random.default_rng(0)
     for _ in range(300):
         k = int(rng.integers(2, 5))
@@ -567,7 +710,9 @@ def test_balance_shares_is_near_optimal_and_never_heavier_than_consecutive_slice
         shares = pd.balance_shares(list(range(2 * k)), sizes, 2)
         assert [len(s) for s in shares] == [k, k] and sorted(sum(shares, [])) == list(range(2 * k))
         assert heaviest(shares) <= heaviest([range(k), range(k, 2 * k)])
-        best = min(heaviest([c, [i for i in range(2 * k) if i not in c]]) for c in itertools.combinations(range(2 * k), k))
+        best = min(
+            heaviest([c, [i for i in range(2 * k) if i not in c]]) for c in itertools.combinations(range(2 * k), k)
+        )
         assert heaviest(shares) <= 1.15 * best
 
 
@@ -584,11 +729,12 @@ def test_resume_from_the_middle_yields_the_remaining_batches(tmp_path, gpt2_tok)
 
 def test_n_examples_rounds_up_to_whole_batches_and_eval_takes_the_first_n(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(10))
-    batches = list(batch_iterator(path, gpt2_tok, split="test", batch_size=2, shuffle=False,
-                                         n_epochs=1, n_examples=5))
-    assert [b["chosen_response_only"] for b in batches] == [[" good answer 0.", " good answer 1."],
-                                                             [" good answer 2.", " good answer 3."],
-                                                             [" good answer 4.", " good answer 5."]]
+    batches = list(batch_iterator(path, gpt2_tok, split="test", batch_size=2, shuffle=False, n_epochs=1, n_examples=5))
+    assert [b["chosen_response_only"] for b in batches] == [
+        [" good answer 0.", " good answer 1."],
+        [" good answer 2.", " good answer 3."],
+        [" good answer 4.", " good answer 5."],
+    ]
     endless = batch_iterator(path, gpt2_tok, split="train", batch_size=4, n_examples=40)
     assert len(list(endless)) == 10  # n_examples alone runs as many epochs as it takes
 
@@ -636,11 +782,11 @@ def test_bad_iterator_arguments(tmp_path, gpt2_tok):
 # Cache
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_path, gpt2_tok):
     path = tmp_path / "n.jsonl"
     write_jsonl(path, numbered_rows(6))
-    load = lambda **kw: pd.load_tokenized([str(path)], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"),
-                                          **kw)
+    load = lambda **kw: pd.load_tokenized([str(path)], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"), **kw)
     first, (s1,) = load()
     second, (s2,) = load()
     assert s1.cache.startswith("written") and s2.cache.startswith("hit")
@@ -656,23 +802,33 @@ def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_
 # The previous implementation's tokenized rows (the pickled cache, before Arrow) of PINNED_ROWS with make_llama_tok(),
 # max_length=24, max_prompt_length=10: (prompt_ids, chosen_ids, rejected_ids) each. Row 1: a cueing prompt cut keep_end
 # (BOS kept); row 2: a chosen response cut to the room left (no EOS); row 3: 'hel' + 'lo' not merged across the cut.
-PINNED_ROWS = [{"prompt": "\n\nHuman: " + " ".join(f"word{i}" for i in range(12)) + "\n\nAssistant:",
-                "chosen": " cats purr and nap.", "rejected": " no."},
-               {"prompt": "Tell me about cats.", "chosen": " cats purr and nap and chase mice" * 3,
-                "rejected": " hello there!"},
-               {"prompt": "Q: say hel", "chosen": "lo there", "rejected": " bye"}]
-PINNED_IDS = [([0, 83, 86, 72, 21, 21, 203, 203, 307, 30], [302, 385, 306, 359, 18, 1], [225, 82, 83, 18, 1]),
-              ([0, 313, 267, 380, 399, 302, 18], [302, 385, 306, 359, 306, 366, 381, 302, 385, 306, 359, 306, 366, 381,
-                                                  302, 385, 306], [282, 371, 5, 1]),
-              ([0, 53, 30, 225, 87, 319, 276, 80], [80, 83, 371, 1], [225, 70, 93, 73, 1])]
+PINNED_ROWS = [
+    {
+        "prompt": "\n\nHuman: " + " ".join(f"word{i}" for i in range(12)) + "\n\nAssistant:",
+        "chosen": " cats purr and nap.",
+        "rejected": " no.",
+    },
+    {"prompt": "Tell me about cats.", "chosen": " cats purr and nap and chase mice" * 3, "rejected": " hello there!"},
+    {"prompt": "Q: say hel", "chosen": "lo there", "rejected": " bye"},
+]
+PINNED_IDS = [
+    ([0, 83, 86, 72, 21, 21, 203, 203, 307, 30], [302, 385, 306, 359, 18, 1], [225, 82, 83, 18, 1]),
+    (
+        [0, 313, 267, 380, 399, 302, 18],
+        [302, 385, 306, 359, 306, 366, 381, 302, 385, 306, 359, 306, 366, 381, 302, 385, 306],
+        [282, 371, 5, 1],
+    ),
+    ([0, 53, 30, 225, 87, 319, 276, 80], [80, 83, 371, 1], [225, 70, 93, 73, 1]),
+]
 
 
 def test_tokenized_rows_equal_the_previous_implementations_through_the_arrow_cache(tmp_path, llama_tok):
     """Written and read back: the same ids, the same prompt/response boundary, hence the same labels."""
     path = write_jsonl(tmp_path / "rows.jsonl", PINNED_ROWS)
     for cache in ("written", "hit"):
-        examples, (stats,) = pd.load_tokenized([path], llama_tok, "train", cache_dir=str(tmp_path / "cache"),
-                                               max_length=24, max_prompt_length=10)
+        examples, (stats,) = pd.load_tokenized(
+            [path], llama_tok, "train", cache_dir=str(tmp_path / "cache"), max_length=24, max_prompt_length=10
+        )
         assert stats.cache.startswith(cache) and (stats.prompts_truncated, stats.responses_truncated) == (1, 1)
         assert [(e.prompt_ids.tolist(), e.chosen_ids.tolist(), e.rejected_ids.tolist()) for e in examples] == PINNED_IDS
         batch = pd.collate(examples.rows([0, 1, 2]), llama_tok.eos_token_id)
@@ -696,6 +852,7 @@ def test_a_cache_entry_changed_on_disk_is_rebuilt_and_no_cache_file_is_ever_exec
     class Payload:
         def __reduce__(self):
             return os.mkdir, (str(marker),)
+
     (entry.parent / f"{entry.name}.pkl").write_bytes(pickle.dumps(Payload()))  # as the previous version named them
     time.sleep(0.05)  # an edit comes after the write: the filesystem's clock moves in steps of a few milliseconds
     with open(entry / "examples.arrow", "r+b") as f:
@@ -731,9 +888,14 @@ def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path,
     rows = [dict(r, prompt=r["prompt"] + " more" * (i % 7)) for i, r in enumerate(numbered_rows(40))]
     path, cache, tok = write_jsonl(tmp_path / "n.jsonl", rows), str(tmp_path / "cache"), str(tmp_path / "tok")
     gpt2_tok.save_pretrained(tok)
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK.format(repo=str(REPO), tok=tok, path=path, cache=cache,
-                                                                 rank=rank)], stdout=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK.format(repo=str(REPO), tok=tok, path=path, cache=cache, rank=rank)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [json.loads(p.communicate()[0].splitlines()[-1]) for p in ranks]
     assert sorted(cache for cache, _ in outputs) == ["hit", "written"]
     examples, _ = pd.load_tokenized([path], gpt2_tok, "train", cache_dir=cache)
@@ -742,7 +904,7 @@ def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path,
         mine = pd.get_batch_iterator(examples, gpt2_tok.pad_token_id, rank=rank, **kw)
         assert batches == [[b["example_index"].tolist(), b["chosen_input_ids"].tolist()] for b in mine]
     whole = pd.iter_batch_indices(40, batch_size=8, n_epochs=2, seed=3)
-    assert [sorted(a + b) for (a, _), (b, _), in zip(outputs[0][1], outputs[1][1])] == [sorted(w) for w in whole]
+    assert [sorted(a + b) for (a, _), (b, _) in zip(outputs[0][1], outputs[1][1])] == [sorted(w) for w in whole]
 
 
 def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_tokenizer_once(tmp_path, monkeypatch):
@@ -750,6 +912,7 @@ def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_t
     7 times per run, a file parsed 11 times, the tokenizer hashed 9 times). Cold, each file is hashed (streamed) and
     parsed once; warm, hashed once and parsed never. What loading counted is in run_manifest.json."""
     from test_train import train
+
     for split in ("train", "test"):
         lines = (REPO / "toy" / "data" / f"{split}.jsonl").read_text().splitlines()[:48]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
@@ -759,8 +922,13 @@ def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_t
         monkeypatch.setattr(pd, name, lambda *a, _f=getattr(pd, name), _n=name, **k: calls.update([_n]) or _f(*a, **k))
     monkeypatch.setattr(Path, "read_bytes", lambda self: reads.update([self.name]) or read_bytes(self))
     monkeypatch.setattr(hashlib, "file_digest", lambda f, *a: hashed.update([Path(f.name).name]) or file_digest(f, *a))
-    args = ["loss=dpo", f"datasets=[{tmp_path}/{{split}}.jsonl]", "n_examples=16", "sample_during_eval=false",
-            f"local_dirs=[{tmp_path / 'cache'}]"]
+    args = [
+        "loss=dpo",
+        f"datasets=[{tmp_path}/{{split}}.jsonl]",
+        "n_examples=16",
+        "sample_during_eval=false",
+        f"local_dirs=[{tmp_path / 'cache'}]",
+    ]
     for run, parsed in (("cold", 1), ("warm", 0)):
         calls.clear(), reads.clear(), hashed.clear()
         train(tmp_path / run, *args)
@@ -775,14 +943,17 @@ def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_t
 # Sources: hub path (with a real datasets.Dataset), offline failure, toy, the example file, summary
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2_tok, monkeypatch):
     import datasets
+
     history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
     rows = [hh_row(history, " fine.", " bad."), hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no.")]
     dataset = datasets.Dataset.from_list(rows)
     monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
-    load = lambda: pd.load_tokenized(["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20,
-                                     cache_dir=str(tmp_path))
+    load = lambda: pd.load_tokenized(
+        ["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20, cache_dir=str(tmp_path)
+    )
     examples, (stats,) = load()
     assert stats.truncation_mode == "keep_end" and stats.origin == "hub:" + dataset._fingerprint
     long_prompt = next(e for e in examples if e.prompt == history)
@@ -818,8 +989,16 @@ def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok):
     examples, (stats,) = pd.load_tokenized([path], gpt2_tok, "train")
     out = pd.dataset_summary([stats])  # what the trainer prints on rank 0
     assert len(examples) == stats.kept == 6 and stats.prompts == 5  # one prompt has two pairs
-    for name in ("pairs_kept=6", "prompts=5", "dropped: none", "prompts_truncated=", "prompt_tokens_mean=",
-                 "prompt_tokens_max=", "response_tokens_mean=", "response_tokens_max="):
+    for name in (
+        "pairs_kept=6",
+        "prompts=5",
+        "dropped: none",
+        "prompts_truncated=",
+        "prompt_tokens_mean=",
+        "prompt_tokens_max=",
+        "response_tokens_mean=",
+        "response_tokens_max=",
+    ):
         assert name in out
 
 
@@ -836,8 +1015,12 @@ BAD_CASES = {
     "missing_chosen.jsonl": ["line 3", "missing field 'chosen'"],
     "missing_rejected.jsonl": ["line 1", "missing field 'rejected'"],
     "misspelled_field.jsonl": ["missing field 'chosen'", "'choosen' looks like a misspelling of 'chosen'"],
-    "chosen_number.jsonl": ["line 1", "field 'chosen'", "expected a string or a list of {role, content}",
-                            "got number 42"],
+    "chosen_number.jsonl": [
+        "line 1",
+        "field 'chosen'",
+        "expected a string or a list of {role, content}",
+        "got number 42",
+    ],
     "chosen_boolean.jsonl": ["field 'chosen'", "got boolean true"],
     "prompt_null.jsonl": ["field 'prompt'", "got null"],
     "prompt_nan.jsonl": ["field 'prompt'", "got number nan"],
@@ -911,15 +1094,20 @@ def test_missing_path_and_unknown_names(tmp_path):
 # Unpaired (KTO) data: {prompt, completion, label} rows, the kto-mix hub shape, pairs turned unpaired
 # ---------------------------------------------------------------------------------------------------------
 
+
 def unpaired_rows(n: int) -> list[dict]:
-    return [{"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "completion": f" answer {i}.", "label": i % 3 != 0}
-            for i in range(n)]
+    return [
+        {"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "completion": f" answer {i}.", "label": i % 3 != 0}
+        for i in range(n)
+    ]
 
 
 def test_unpaired_local_file_gives_labelled_completions_and_counts(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "kto.jsonl", unpaired_rows(6))
     examples, stats = load_one(path, gpt2_tok, unpaired=True)
-    assert [(e.chosen, e.rejected, e.desirable) for e in examples] == [(f" answer {i}.", None, i % 3 != 0) for i in range(6)]
+    assert [(e.chosen, e.rejected, e.desirable) for e in examples] == [
+        (f" answer {i}.", None, i % 3 != 0) for i in range(6)
+    ]
     assert examples[0].chosen_ids.tolist() == gpt2_tok(" answer 0.")["input_ids"] + [gpt2_tok.eos_token_id]
     assert (stats.unit, stats.desirable, stats.undesirable) == ("completions", 4, 2)
     assert "desirable=4 undesirable=2" in pd.dataset_summary([stats])
@@ -929,13 +1117,16 @@ def test_unpaired_local_file_gives_labelled_completions_and_counts(tmp_path, gpt
 
 def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, chat_tok):
     user = {"role": "user", "content": "Name a prime."}
-    rows = [{"prompt": [user], "completion": [{"role": "assistant", "content": "7"}], "label": True},
-            {"prompt": [user], "completion": [user, {"role": "assistant", "content": "8"}], "label": False}]
+    rows = [
+        {"prompt": [user], "completion": [{"role": "assistant", "content": "7"}], "label": True},
+        {"prompt": [user], "completion": [user, {"role": "assistant", "content": "8"}], "label": False},
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     examples, stats = load_one(path, chat_tok, unpaired=True)
     assert [(e.prompt, e.chosen, e.desirable) for e in examples] == [
         ("<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "7", True),
-        ("<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "8", False)]
+        ("<s><|user|>\nName a prime.</s>\n<|assistant|>\n", "8", False),
+    ]
     assert stats.truncation_mode == "keep_end"  # a conversation prompt keeps its cue to reply
     bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[0], label="yes")])
     with pytest.raises(pd.DataError, match=r"bad.jsonl, line 2: field 'label': expected a boolean, got string"):
@@ -948,7 +1139,8 @@ def test_pairs_to_unpaired_gives_a_desirable_and_an_undesirable_completion_per_p
         load_one(path, gpt2_tok, unpaired=True)
     examples, stats = load_one(path, gpt2_tok, unpaired=True, pairs_to_unpaired=True)
     assert [(e.chosen, e.desirable) for e in examples] == [
-        (r, d) for i in range(3) for r, d in ((f" good answer {i}.", True), (f" bad {i}", False))]
+        (r, d) for i in range(3) for r, d in ((f" good answer {i}.", True), (f" bad {i}", False))
+    ]
     assert (stats.kept, stats.desirable, stats.undesirable) == (6, 3, 3)
 
 
@@ -956,14 +1148,21 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
     """trl-lib/kto-mix-14k rows {prompt: [messages], completion: [assistant message], label}: the hub source's
     fetch is datasets.load_dataset; here it reads a local directory holding that shape (no network)."""
     user = {"role": "user", "content": "Say hi."}
-    rows = [{"prompt": [user], "completion": [{"role": "assistant", "content": c}], "label": label}
-            for c, label in (("hi", True), ("HI", False), ("hello", True))]
+    rows = [
+        {"prompt": [user], "completion": [{"role": "assistant", "content": c}], "label": label}
+        for c, label in (("hi", True), ("HI", False), ("hello", True))
+    ]
     copy = tmp_path / "kto-mix-14k"
     copy.mkdir()
     write_jsonl(copy / "train.jsonl", rows)
     write_jsonl(copy / "test.jsonl", rows[:2])
-    monkeypatch.setitem(pd.SOURCES, "kto_mix", dataclasses.replace(
-        pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)))
+    monkeypatch.setitem(
+        pd.SOURCES,
+        "kto_mix",
+        dataclasses.replace(
+            pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)
+        ),
+    )
     examples, (stats,) = pd.load_tokenized(["kto_mix"], chat_tok, "train", unpaired=True)
     assert [(e.chosen, e.desirable) for e in examples] == [("hi", True), ("HI", False), ("hello", True)]
     assert stats.origin.startswith("hub:") and (stats.desirable, stats.undesirable) == (2, 1)
@@ -975,6 +1174,7 @@ def test_se_holds_out_the_first_percent_of_its_shuffled_train_split_as_test(tmp_
     """stack-exchange-preferences has only a train split: as the original, shuffled with seed 42, its first 1% is
     'test' and the rest 'train' (fetch_hub's held_out, the SE source's fetch); here on a local copy, no network."""
     import datasets
+
     rows = [{"question": f"q{i}", "answers": [{"text": "a", "pm_score": 1}]} for i in range(300)]
     copy = tmp_path / "se"
     copy.mkdir()
@@ -998,7 +1198,9 @@ def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok
         row = batch["kl_input_ids"][k][batch["kl_attention_mask"][k].bool()].tolist()
         assert row == prompt.tolist() + completions[k - 1][1].tolist()
         labels = batch["kl_labels"][k]
-        assert (labels[:len(prompt)] == -100).all() and labels[len(prompt):len(row)].tolist() == completions[k - 1][1].tolist()
+        assert (labels[: len(prompt)] == -100).all() and labels[len(prompt) : len(row)].tolist() == completions[k - 1][
+            1
+        ].tolist()
 
 
 def test_an_unterminated_string_says_where_it_starts_once(tmp_path):
@@ -1007,4 +1209,3 @@ def test_an_unterminated_string_says_where_it_starts_once(tmp_path):
     with pytest.raises(pd.DataError) as error:
         pd.read_rows(path)
     assert "(Unterminated string starting at column 27)" in str(error.value), str(error.value)
-

@@ -18,6 +18,7 @@ R7  Checkpoints load with weights_only=True, exports are safetensors, trust_remo
 Every subprocess runs with OMP_NUM_THREADS=1: two runs share the two cores of a CI machine without
 oversubscription (which makes a step ~10x slower), and bit-identity does not depend on the core count.
 """
+
 import copy
 import json
 import math
@@ -48,11 +49,32 @@ BAD_CONFIGS = REPO / "tests" / "data" / "bad_configs.tsv"
 SLOW = REPO / "tests" / "data" / "slow_checkpoint.py"  # train.py with a large model's slow checkpoint and step
 
 # 12 steps of 8 pairs; evaluation (with sampling) and a checkpoint every 2 steps: 6 checkpoints to kill around.
-RUN = ["loss=dpo", "model=tiny", "datasets=[toy]", "n_epochs=null", "n_examples=96", "batch_size=8",
-       "eval_batch_size=8", "eval_every=16", "lr=1e-4", "warmup_steps=2", "n_eval_examples=16",
-       "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8", "sample_during_eval=true",
-       "minimum_log_interval_secs=0", "wandb.enabled=false", "fsdp.use_torch_compile=false", LOCAL_DIRS]
-SECRETS = {"WANDB_API_KEY": "wandbkey-3f9c1e7a5b2d4c6e8a0b1c2d3e4f5a6b7c8d9e0f", "HF_TOKEN": "hf_SeCrEtToKeN9271xQzLpWv"}
+RUN = [
+    "loss=dpo",
+    "model=tiny",
+    "datasets=[toy]",
+    "n_epochs=null",
+    "n_examples=96",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "eval_every=16",
+    "lr=1e-4",
+    "warmup_steps=2",
+    "n_eval_examples=16",
+    "n_eval_model_samples=4",
+    "max_length=64",
+    "max_prompt_length=32",
+    "max_new_tokens=8",
+    "sample_during_eval=true",
+    "minimum_log_interval_secs=0",
+    "wandb.enabled=false",
+    "fsdp.use_torch_compile=false",
+    LOCAL_DIRS,
+]
+SECRETS = {
+    "WANDB_API_KEY": "wandbkey-3f9c1e7a5b2d4c6e8a0b1c2d3e4f5a6b7c8d9e0f",
+    "HF_TOKEN": "hf_SeCrEtToKeN9271xQzLpWv",
+}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", **SECRETS}
 STATE_FILES = ("policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-0.pt")
 
@@ -63,8 +85,14 @@ def train_cmd(run_dir, *extra) -> list[str]:
 
 def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -u train.py <args>` to completion, its output captured."""
-    return subprocess.run([sys.executable, "-u", str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          cwd=REPO, env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-u", str(REPO / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=timeout,
+    )
 
 
 def run_resumed(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -152,11 +180,16 @@ def test_every_bad_config_fails_with_its_message_through_train_py_before_a_model
         results = list(pool.map(attempt, cases))
     failures = []
     for args, fragment, result, seconds in results:
-        problems = [p for p, bad in [
-            (f"exit {result.returncode}, expected 2", result.returncode != 2),
-            (f"{fragment!r} not on stderr", fragment not in result.stderr),
-            ("a Traceback", "Traceback" in result.stderr + result.stdout),
-            ("a model was loaded", "loading policy" in result.stdout)] if bad]
+        problems = [
+            p
+            for p, bad in [
+                (f"exit {result.returncode}, expected 2", result.returncode != 2),
+                (f"{fragment!r} not on stderr", fragment not in result.stderr),
+                ("a Traceback", "Traceback" in result.stderr + result.stdout),
+                ("a model was loaded", "loading policy" in result.stdout),
+            ]
+            if bad
+        ]
         if problems:
             failures.append(f"{args}: {', '.join(problems)}\n    stderr: {result.stderr.strip()[-400:]}")
     print(f"\nR4: {len(cases)} bad configs tried, slowest {max(r[3] for r in results):.2f} s")
@@ -167,8 +200,13 @@ def test_every_bad_config_fails_with_its_message_through_train_py_before_a_model
 # R3: bad data through train.py (the full set of 42 is tested in-process in test_preference_datasets.py)
 # ---------------------------------------------------------------------------------------------------------
 # One of each kind: broken JSON, a missing field, a wrongly typed field, bad bytes, a broken chat message.
-BAD_DATA_THROUGH_TRAIN = ["not_json.jsonl", "missing_chosen.jsonl", "chosen_number.jsonl", "invalid_utf8.jsonl",
-                          "chat_reply_not_assistant.jsonl"]
+BAD_DATA_THROUGH_TRAIN = [
+    "not_json.jsonl",
+    "missing_chosen.jsonl",
+    "chosen_number.jsonl",
+    "invalid_utf8.jsonl",
+    "chat_reply_not_assistant.jsonl",
+]
 
 
 def test_bad_data_fails_through_train_py_naming_file_line_and_field(tmp_path):
@@ -187,8 +225,10 @@ def test_bad_data_fails_through_train_py_naming_file_line_and_field(tmp_path):
         for fragment in BAD_CASES[name]:
             assert fragment in result.stderr, (name, fragment, result.stderr)
         assert "loading policy" not in result.stdout and not (tmp_path / name).exists()  # before any model or run dir
-    print(f"\nR3: {len(BAD_CASES)} bad data files in-process (test_preference_datasets.py), "
-          f"{len(BAD_DATA_THROUGH_TRAIN)} through train.py")
+    print(
+        f"\nR3: {len(BAD_CASES)} bad data files in-process (test_preference_datasets.py), "
+        f"{len(BAD_DATA_THROUGH_TRAIN)} through train.py"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,8 +313,13 @@ def kill_somewhere(watched: Watched, run_dir: Path, aim: str, delay: float) -> b
 
 def where_it_died(lines: list[str], run_dir: Path) -> str:
     """Which phase the kill landed in, read from the last progress markers the run printed."""
-    markers = [line for line in lines if line.startswith(("batch geometry", "Running evaluation after", "eval after",
-                                                          "checkpoint written:", "resumed from"))]
+    markers = [
+        line
+        for line in lines
+        if line.startswith(
+            ("batch geometry", "Running evaluation after", "eval after", "checkpoint written:", "resumed from")
+        )
+    ]
     if not any(line.startswith("batch geometry") for line in markers):
         return "loading"
     last = markers[-1]
@@ -305,12 +350,15 @@ def test_sigkill_at_ten_seeded_points_then_resume_is_bit_identical(reference, tm
         code = watched.finish(kill=killed)
         assert killed and code == -signal.SIGKILL, (
             f"kill {i} ({aim}) never landed: exit {code}\n{''.join(watched.lines[-20:])}"
-            f"{(tmp_path / f'err-{i}').read_text()[-2000:]}")
+            f"{(tmp_path / f'err-{i}').read_text()[-2000:]}"
+        )
         phase = where_it_died(watched.lines, run_dir)
         after = os.readlink(run_dir / "LATEST") if (run_dir / "LATEST").is_symlink() else "none"
         resumed_at = next((line.strip() for line in watched.lines if line.startswith("resumed from")), "")
-        log.append(f"kill {i}: aimed at {aim:5s} +{delay:.3f}s, landed in {phase:17s} "
-                   f"({'resumed' if resume else 'from scratch'}; LATEST after kill: {after}) {resumed_at}")
+        log.append(
+            f"kill {i}: aimed at {aim:5s} +{delay:.3f}s, landed in {phase:17s} "
+            f"({'resumed' if resume else 'from scratch'}; LATEST after kill: {after}) {resumed_at}"
+        )
         survived += 1
         # Whatever the kill interrupted, LATEST names a complete checkpoint (or there is none yet).
         if (run_dir / "LATEST").exists():
@@ -372,11 +420,19 @@ def test_a_truncated_file_in_latest_is_refused_through_train_py_and_nothing_runs
     before = sorted(p.name for p in run.iterdir()), (run / "metrics.jsonl").read_bytes()
     result = run_resumed(run)
     assert result.returncode == 2 and "resumed from" not in result.stdout and "Traceback" not in result.stderr
-    for fragment in ("cannot resume", "is damaged, nothing was loaded", "earlier checkpoints",
-                     f"optimizer.pt: {size - 100} bytes, the manifest says {size}", f"ln -sfn step-80 {run / 'LATEST'}"):
+    for fragment in (
+        "cannot resume",
+        "is damaged, nothing was loaded",
+        "earlier checkpoints",
+        f"optimizer.pt: {size - 100} bytes, the manifest says {size}",
+        f"ln -sfn step-80 {run / 'LATEST'}",
+    ):
         assert fragment in result.stderr, (fragment, result.stderr[-2000:])
     assert "step skipped" not in result.stdout and "Running evaluation" not in result.stdout
-    after = sorted(p.name for p in run.iterdir() if p.name != "config.resumed.yaml"), (run / "metrics.jsonl").read_bytes()
+    after = (
+        sorted(p.name for p in run.iterdir() if p.name != "config.resumed.yaml"),
+        (run / "metrics.jsonl").read_bytes(),
+    )
     assert after == before and os.readlink(run / "LATEST") == "step-96"
 
 
@@ -390,9 +446,15 @@ def _flip_a_byte(ckpt: Path) -> None:
 DAMAGES = {  # what is done to LATEST's checkpoint -> what the refusal must say
     "flipped byte": (_flip_a_byte, ["policy.pt: sha256 differs from the manifest"]),
     "missing file": (lambda c: (c / "rng-0.pt").unlink(), ["rng-0.pt: missing"]),
-    "truncated safetensors": (lambda c: os.truncate(c / "hf" / "model.safetensors", 10), ["hf/model.safetensors: 10 bytes"]),
+    "truncated safetensors": (
+        lambda c: os.truncate(c / "hf" / "model.safetensors", 10),
+        ["hf/model.safetensors: 10 bytes"],
+    ),
     "no manifest": (lambda c: (c / "manifest.json").unlink(), ["has no manifest.json"]),
-    "garbled manifest": (lambda c: (c / "manifest.json").write_text('{"format": 1, "fil'), ["manifest.json is unreadable"]),
+    "garbled manifest": (
+        lambda c: (c / "manifest.json").write_text('{"format": 1, "fil'),
+        ["manifest.json is unreadable"],
+    ),
     "dangling LATEST": (lambda c: shutil.rmtree(c), ["LATEST -> step-96 is not a checkpoint directory"]),
 }
 
@@ -400,6 +462,7 @@ DAMAGES = {  # what is done to LATEST's checkpoint -> what the refusal must say
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_a_damaged_checkpoint_is_refused_naming_the_file(reference, tmp_path, damage):
     import trainers
+
     ref = reference.wait()
     run = tmp_path / "run"
     run.mkdir()
@@ -424,16 +487,22 @@ def build_trainer(run_dir: Path, *overrides: str):
     import train
     import trainers
     from utils import seed_everything
+
     cfg, _ = config.load_config([*RUN, f"run_dir={run_dir}", *overrides])
     run_dir, _ = train.prepare_run_dir(cfg)
     seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     tokenizer, policy, reference_model = train.load_models(cfg)
-    return trainers.BasicTrainer(policy, cfg, cfg.seed, str(run_dir), reference_model=reference_model, tokenizer=tokenizer)
+    return trainers.BasicTrainer(
+        policy, cfg, cfg.seed, str(run_dir), reference_model=reference_model, tokenizer=tokenizer
+    )
 
 
 def snapshot(trainer) -> tuple:
-    return ({k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
-            copy.deepcopy(trainer.optimizer.state_dict()), copy.deepcopy(trainer.scheduler.state_dict()))
+    return (
+        {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
+        copy.deepcopy(trainer.optimizer.state_dict()),
+        copy.deepcopy(trainer.scheduler.state_dict()),
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -479,6 +548,7 @@ def test_a_nonfinite_loss_or_gradient_skips_the_step_and_changes_nothing(tmp_pat
 
 def test_more_than_max_nonfinite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     import trainers
+
     monkeypatch.chdir(REPO)
     trainer = build_trainer(tmp_path / "run", "max_nonfinite_steps=2", "do_first_eval=false", "eval_every=96")
     initial = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
@@ -497,8 +567,17 @@ def test_more_than_max_nonfinite_steps_in_a_row_stop_the_run_with_a_checkpoint(t
 def test_a_diverging_run_stops_through_train_py_with_a_checkpoint_and_a_message(tmp_path):
     """lr=1e30: the first step is finite, then the weights overflow and every loss is NaN."""
     run = tmp_path / "run"
-    result = run_train([*RUN, f"run_dir={run}", "lr=1e30", "warmup_steps=0", "max_nonfinite_steps=2",
-                        "do_first_eval=false", "eval_every=96"])
+    result = run_train(
+        [
+            *RUN,
+            f"run_dir={run}",
+            "lr=1e30",
+            "warmup_steps=0",
+            "max_nonfinite_steps=2",
+            "do_first_eval=false",
+            "eval_every=96",
+        ]
+    )
     assert result.returncode == 3 and "Traceback" not in result.stderr
     assert "non-finite loss or gradient at step 1: step skipped (1 in a row, 1 in total)" in result.stdout
     assert "3 non-finite steps in a row (max_nonfinite_steps=2); checkpoint saved" in result.stderr
@@ -511,6 +590,7 @@ def test_a_diverging_run_stops_through_train_py_with_a_checkpoint_and_a_message(
 # ---------------------------------------------------------------------------------------------------------
 def test_checkpoints_load_weights_only_and_exports_are_safetensors(reference):
     from safetensors.torch import load_file
+
     ref = reference.wait()
     steps = sorted(ref.glob("step-*"))
     assert len(steps) == 6
@@ -535,6 +615,7 @@ class Payload:
 
 def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, tmp_path, monkeypatch):
     import train
+
     monkeypatch.chdir(REPO)
     marker = tmp_path / "payload-ran"
     archive = tmp_path / "policy.pt"
@@ -544,6 +625,7 @@ def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, 
     assert not marker.exists()
     # A checkpoint whose manifest vouches for a hostile trainer_state.pt (an attacker rewrites both).
     import trainers
+
     run = copy_run(reference.wait(), tmp_path / "run")
     torch.save({"format": 1, "payload": Payload(marker)}, run / "step-96" / "trainer_state.pt")
     trainers.write_manifest(run / "step-96", 0, 1)
@@ -558,6 +640,7 @@ def test_trust_remote_code_is_off_unless_asked():
     import ast
     import config
     import yaml
+
     assert config.ModelConfig().trust_remote_code is False
     for path in [REPO / "config" / "config.yaml", *sorted((REPO / "config" / "model").glob("*.yaml"))]:
         text = yaml.safe_load(path.read_text()) or {}
@@ -574,17 +657,23 @@ def test_trust_remote_code_is_off_unless_asked():
                 calls.append(f"{source.name}:{node.lineno}")
                 assert "trust_remote_code" in given, f"{calls[-1]} calls from_pretrained without trust_remote_code"
                 value = given["trust_remote_code"]
-                assert not (isinstance(value, ast.Constant) and value.value), f"{calls[-1]} hard-codes trust_remote_code"
+                assert not (isinstance(value, ast.Constant) and value.value), (
+                    f"{calls[-1]} hard-codes trust_remote_code"
+                )
     assert len(calls) >= 2, calls  # the tokenizer and the model in train.py
 
 
 def test_no_secret_from_the_environment_is_printed_or_saved(reference):
     ref = reference.wait()
     cfg_output = run_train([*RUN, "--cfg"], timeout=60)
-    seen = [("stdout+stderr", reference.out.read_bytes() + reference.err.read_bytes()),
-            ("--cfg output", (cfg_output.stdout + cfg_output.stderr).encode())]
+    seen = [
+        ("stdout+stderr", reference.out.read_bytes() + reference.err.read_bytes()),
+        ("--cfg output", (cfg_output.stdout + cfg_output.stderr).encode()),
+    ]
     seen += [(str(p), p.read_bytes()) for p in ref.rglob("*") if p.is_file()]
-    assert any(name.endswith("config.yaml") for name, _ in seen) and any(name.endswith("metrics.jsonl") for name, _ in seen)
+    assert any(name.endswith("config.yaml") for name, _ in seen) and any(
+        name.endswith("metrics.jsonl") for name, _ in seen
+    )
     for name, content in seen:
         for key, secret in SECRETS.items():
             assert secret.encode() not in content, f"{key} leaked into {name}"
@@ -599,25 +688,39 @@ def resumable(reference, tmp_path_factory):
 def other_architecture(tmp_path: Path) -> Path:
     """A 1-layer, 64-wide Llama with the toy tokenizer: loads fine on its own, fits nothing of the toy model."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     out = tmp_path / "other-llama"
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "toy" / "tiny-llama" / name, out / name)
     return out
 
 
-@pytest.mark.parametrize("change, message", [
-    ("batch_size=16", "batch_size: checkpoint has 8, this run has 16"),
-    ("seed=1", "seed: checkpoint has 0, this run has 1"),
-    # the same toy files under another name (quoted: unquoted, YAML reads `[.../{split}.jsonl]` as a string)
-    ("datasets=['{repo}/toy/data/{{split}}.jsonl']", "datasets: checkpoint has ['toy'], this run has"),
-    ("model.name_or_path={other}", "model: checkpoint has 'toy/tiny-llama', this run has"),
-    ("loss.beta=0.5", "loss.beta: the run was started with 0.1"),
-    ("model.archive={sft}", "model.archive: the run was started with None"),
-])
-def test_a_checkpoint_of_another_run_is_refused_before_anything_is_loaded(resumable, tmp_path, monkeypatch, change, message):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("batch_size=16", "batch_size: checkpoint has 8, this run has 16"),
+        ("seed=1", "seed: checkpoint has 0, this run has 1"),
+        # the same toy files under another name (quoted: unquoted, YAML reads `[.../{split}.jsonl]` as a string)
+        ("datasets=['{repo}/toy/data/{{split}}.jsonl']", "datasets: checkpoint has ['toy'], this run has"),
+        ("model.name_or_path={other}", "model: checkpoint has 'toy/tiny-llama', this run has"),
+        ("loss.beta=0.5", "loss.beta: the run was started with 0.1"),
+        ("model.archive={sft}", "model.archive: the run was started with None"),
+    ],
+)
+def test_a_checkpoint_of_another_run_is_refused_before_anything_is_loaded(
+    resumable, tmp_path, monkeypatch, change, message
+):
     monkeypatch.chdir(REPO)
     other = other_architecture(tmp_path) if "{other}" in change else None
     change = change.format(repo=REPO, other=other, sft=resumable / "step-16" / "policy.pt")
@@ -637,13 +740,16 @@ def test_the_same_run_is_accepted_by_the_checks_that_refuse_others(resumable, tm
     trainer.build_optimizer()
     trainer.checkpoints.resume()  # lr and eval_every may change on resume
     assert trainer.example_counter == 96
-    assert_bit_identical(latest(resumable, "policy.pt")["state"], {k: v for k, v in trainer.policy.state_dict().items()})
+    assert_bit_identical(
+        latest(resumable, "policy.pt")["state"], {k: v for k, v in trainer.policy.state_dict().items()}
+    )
 
 
 def test_an_archive_of_another_architecture_is_refused_with_a_clear_message(tmp_path, monkeypatch):
     import config
     import train
     from transformers import AutoModelForCausalLM
+
     monkeypatch.chdir(REPO)
     archive = tmp_path / "policy.pt"
     model = AutoModelForCausalLM.from_pretrained(other_architecture(tmp_path))
@@ -652,28 +758,54 @@ def test_an_archive_of_another_architecture_is_refused_with_a_clear_message(tmp_
     with pytest.raises(ValueError) as refused:
         train.load_models(cfg)
     message = str(refused.value)
-    for fragment in (f"model.archive={archive} does not fit model LlamaForCausalLM", "missing ['model.layers.1.",
-                     "shape mismatches ['model.embed_tokens.weight: (512, 64) vs (512, 128)"):
+    for fragment in (
+        f"model.archive={archive} does not fit model LlamaForCausalLM",
+        "missing ['model.layers.1.",
+        "shape mismatches ['model.embed_tokens.weight: (512, 64) vs (512, 128)",
+    ):
         assert fragment in message, (fragment, message)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Interrupts: SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop after the step with a checkpoint
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("trainer, sig, to_group", [("BasicTrainer", signal.SIGINT, True), ("BasicTrainer", signal.SIGTERM, False),
-                                                   ("FSDPTrainer", signal.SIGTERM, False), ("FSDPTrainer", signal.SIGINT, True)])
+@pytest.mark.parametrize(
+    "trainer, sig, to_group",
+    [
+        ("BasicTrainer", signal.SIGINT, True),
+        ("BasicTrainer", signal.SIGTERM, False),
+        ("FSDPTrainer", signal.SIGTERM, False),
+        ("FSDPTrainer", signal.SIGINT, True),
+    ],
+)
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(tmp_path, trainer, sig, to_group):
     """A real signal mid-run: to train.py alone (SIGTERM: a scheduler's `kill`; under FSDP the launcher passes it to
     its ranks) or to the whole process group (SIGINT: Ctrl-C in a terminal). Every rank finishes the step, one
     checkpoint is written, the exit is 128 + the signal, and stderr prints the command that resumes, which runs
     (before: a raw KeyboardInterrupt traceback, or a silent exit 143 with no checkpoint)."""
     run_dir = tmp_path / "run"
-    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
-            f"trainer={trainer}", f"run_dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-u", str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV, start_new_session=True)
+    args = [
+        *RUN,
+        "n_examples=4000",
+        "eval_every=4000",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+        f"trainer={trainer}",
+        f"run_dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(REPO / "train.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and "loss/train" in (run_dir / "metrics.jsonl").read_text()):
+    while time.time() < deadline and not (
+        (run_dir / "metrics.jsonl").exists() and "loss/train" in (run_dir / "metrics.jsonl").read_text()
+    ):
         time.sleep(0.2)
     (os.killpg if to_group else os.kill)(proc.pid, sig)
     out, err = proc.communicate(timeout=240)
@@ -684,8 +816,14 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_says_how_to_resume(
     assert f"interrupted at step {examples // 8} ({examples} pairs, {signal.Signals(sig).name})" in stopped
     command = stopped.split("resume with: ", 1)[1]
     assert command.endswith(f"resume_from={run_dir}")
-    resumed = subprocess.run([sys.executable, *shlex.split(command)[1:], f"n_examples={examples + 8}"],
-                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:], f"n_examples={examples + 8}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at {examples} examples" in resumed.stdout
 
@@ -706,10 +844,24 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_not_a_traceback(tmp_path, t
     exit 130, and says so in one line with the command that continues from the latest checkpoint or starts again
     (before: a KeyboardInterrupt traceback, one per rank under FSDP)."""
     run_dir = tmp_path / "run"
-    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
-            f"trainer={trainer}", f"run_dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-u", str(SLOW), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO, env={**ENV, "SLOW_STEP_SECS": "4"}, start_new_session=True)
+    args = [
+        *RUN,
+        "n_examples=4000",
+        "eval_every=4000",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+        f"trainer={trainer}",
+        f"run_dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(SLOW), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**ENV, "SLOW_STEP_SECS": "4"},
+        start_new_session=True,
+    )
     started(run_dir, proc)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(1)
@@ -727,11 +879,25 @@ def test_under_torchrun_a_sigterm_stop_writes_a_lean_checkpoint_before_the_shutd
     an HF export that take 90 s each (a large model's), it is still written in time, and the run resumes from it
     (before: the ranks were killed mid-checkpoint and the work since the last checkpoint was lost)."""
     run_dir = tmp_path / "run"
-    args = [*RUN, "n_examples=4000", "eval_every=4000", "sample_during_eval=false", "do_first_eval=false",
-            "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", f"run_dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(SLOW), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**ENV, "SLOW_CHECKPOINT_SECS": "90"}, start_new_session=True)
+    args = [
+        *RUN,
+        "n_examples=4000",
+        "eval_every=4000",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+        "trainer=FSDPTrainer",
+        "fsdp.strategy=fsdp2",
+        f"run_dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SLOW), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**ENV, "SLOW_CHECKPOINT_SECS": "90"},
+        start_new_session=True,
+    )
     started(run_dir, proc)
     os.kill(proc.pid, signal.SIGTERM)
     start = time.time()
@@ -740,7 +906,9 @@ def test_under_torchrun_a_sigterm_stop_writes_a_lean_checkpoint_before_the_shutd
     assert "interrupted at step" in err and "lean" in out, out[-2000:] + err[-3000:]
     ckpt = (run_dir / "LATEST").resolve()
     record = json.loads((ckpt / "manifest.json").read_text())
-    assert record["sha256"] == {} and "policy.pt" not in record["files"] and "hf" not in {p.name for p in ckpt.iterdir()}
+    assert (
+        record["sha256"] == {} and "policy.pt" not in record["files"] and "hf" not in {p.name for p in ckpt.iterdir()}
+    )
     examples = int(ckpt.name.split("-")[1])
     resumed = run_train([*args, "n_workers=2", f"resume_from={run_dir}", f"n_examples={examples + 8}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,4 +1,5 @@
 """run_dir/run_manifest.json and `train.py --replay`: written at the start, checked on resume, a replay that matches."""
+
 import contextlib
 import io
 import json
@@ -73,12 +74,17 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
     assert {"loss/train", "loss/eval", "grad_norm", "logps_train/chosen"} <= set(exact)
     assert all(d == 0.0 and compared > 0 and only == 0 for d, compared, only in exact.values()), exact
     assert len(metrics(replay)) == len(metrics(original))
-    assert json.loads((replay / "run_manifest.json").read_text())["data"] == json.loads((original / "run_manifest.json").read_text())["data"]
+    assert (
+        json.loads((replay / "run_manifest.json").read_text())["data"]
+        == json.loads((original / "run_manifest.json").read_text())["data"]
+    )
 
     # a step one run logged and the other did not (another log_every_steps) is counted apart, not a difference
     records = metrics(original)
     dropped = next(i for i, r in enumerate(records) if "loss/train" in r)
-    (original / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(records) if i != dropped))
+    (original / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for i, r in enumerate(records) if i != dropped)
+    )
     table = run_manifest.report(original, replay)
     assert "replay identical" in table and "replay differs" not in table, table
 
@@ -100,6 +106,7 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
 
 def test_data_fingerprint_is_the_cache_key_of_what_tokenization_depends_on(tmp_path):
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
     keys = lambda **kw: data.load_tokenized(["toy"], tokenizer, "train", max_prompt_length=32, **kw)[0].keys
     a = keys(max_length=64)

@@ -5,6 +5,7 @@ packed or shared-prefix mask, a corrupted reference cache, a fault on one FSDP r
 start as the policy (another archive, another dtype) is no fault. The architecture matrix (test_architectures.py,
 test_every_matrix_run_checked_itself) runs the checks under BasicTrainer, FSDP1 and FSDP2 without a false alarm.
 """
+
 import contextlib
 import io
 import json
@@ -30,9 +31,26 @@ from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "toy" / "tiny-llama"
-FAST = ["model=tiny", "datasets=[toy]", "loss=dpo", "optimizer=SGD", "lr=0.1", "warmup_steps=0", "batch_size=8",
-        "eval_batch_size=8", "n_eval_examples=8", "n_epochs=null", "n_examples=8", "eval_every=8", "max_length=64",
-        "max_prompt_length=32", "do_first_eval=false", "sample_during_eval=false", "wandb.enabled=false", LOCAL_DIRS]
+FAST = [
+    "model=tiny",
+    "datasets=[toy]",
+    "loss=dpo",
+    "optimizer=SGD",
+    "lr=0.1",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=8",
+    "n_epochs=null",
+    "n_examples=8",
+    "eval_every=8",
+    "max_length=64",
+    "max_prompt_length=32",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    "wandb.enabled=false",
+    LOCAL_DIRS,
+]
 
 
 def run(run_dir: Path, *args) -> tuple[int, str, dict]:
@@ -58,6 +76,7 @@ def scaled_head(monkeypatch, factor: float = 1.25):
         for model in filter(None, (policy, reference)):
             model.get_output_embeddings().register_forward_hook(lambda module, inputs, out: out * factor)
         return tokenizer, policy, reference
+
     monkeypatch.setattr(train_py, "load_models", load_models)
 
 
@@ -69,6 +88,7 @@ def leaky_masks(monkeypatch):
     def packed_attention_mask(mask, config, positions=None):
         causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
         return build(causal.expand_as(mask).clone(), config, positions)
+
     monkeypatch.setattr(logps, "packed_attention_mask", packed_attention_mask)
 
 
@@ -147,6 +167,7 @@ def test_a_reference_that_is_not_the_policy_raises_no_false_alarm(tmp_path, monk
             tokenizer, policy, ref = load(*a, **k)
             ref.load_state_dict(AutoModelForCausalLM.from_pretrained(TOY).state_dict())
             return tokenizer, policy, ref
+
         monkeypatch.setattr(train_py, "load_models", load_models)
     else:
         args.append(reference)
@@ -182,6 +203,7 @@ def test_the_launcher_of_several_processes_exits_4_with_the_ranks_message(tmp_pa
 
         def pids(self):
             return []
+
     monkeypatch.setattr(mp, "start_processes", Ranks)
     code, printed, _ = run(run_dir, "trainer=FSDPTrainer", "n_workers=2")
     assert code == 4 and "error: self-check failed: layout (...)" in printed and run_dir.is_dir()
@@ -189,15 +211,17 @@ def test_the_launcher_of_several_processes_exits_4_with_the_ranks_message(tmp_pa
 
 # --- under FSDP: every rank agrees, whichever rank saw the fault ---
 def worker(rank: int, world_size: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     verdicts = {}
     try:
         for strategy in ("fsdp", "fsdp2"):
             run_dir = Path(out) / strategy
-            cfg, _ = load_config([*FAST, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", f"run_dir={run_dir}"],
-                                 world_size=world_size)
+            cfg, _ = load_config(
+                [*FAST, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", f"run_dir={run_dir}"], world_size=world_size
+            )
             run_dir.mkdir(exist_ok=True)
             tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)
             trainer = trainers.FSDPTrainer(policy, cfg, cfg.seed, str(run_dir), reference, rank, world_size, tokenizer)
@@ -205,6 +229,7 @@ def worker(rank: int, world_size: int, port: int, out: str):
             def shifted(inputs, per_token=False, forward=trainer.reference.forward):
                 out = forward(inputs, per_token)
                 return out._replace(sums=out.sums + 1.0)
+
             if rank == 1:  # the fault on one rank only: its reference scores one nat more per sequence
                 trainer.reference.forward = shifted
             try:

@@ -1,4 +1,5 @@
 """train.py end to end, as a user runs it: subprocesses on the project's 2-layer toy model (vocab 512)."""
+
 import contextlib
 import io
 import json
@@ -18,9 +19,23 @@ from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 
 REPO = Path(__file__).resolve().parent.parent
 # Small and fast: 8-pair steps, short sequences, no torch.compile warm-up, no W&B.
-FAST = ["model=tiny", "datasets=[toy]", "optimizer=AdamW", "warmup_steps=0", "batch_size=8", "eval_batch_size=8",
-        "n_eval_examples=16", "n_eval_model_samples=4", "max_length=64", "max_prompt_length=32", "max_new_tokens=8",
-        "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null", LOCAL_DIRS]
+FAST = [
+    "model=tiny",
+    "datasets=[toy]",
+    "optimizer=AdamW",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=16",
+    "n_eval_model_samples=4",
+    "max_length=64",
+    "max_prompt_length=32",
+    "max_new_tokens=8",
+    "fsdp.use_torch_compile=false",
+    "wandb.enabled=false",
+    "n_epochs=null",
+    LOCAL_DIRS,
+]
 
 
 def train(run_dir, *args, check=True) -> subprocess.CompletedProcess:
@@ -65,7 +80,9 @@ def test_step0_dpo_loss_is_ln2_when_policy_equals_reference(dpo_run):
     first_eval = next(r for r in records if "loss/eval" in r)
     first_train = next(r for r in records if "loss/train" in r)
     assert first_eval["step"] == 0 and abs(first_eval["loss/eval"] - math.log(2)) < 1e-4
-    assert first_train["step"] == 8 and abs(first_train["loss/train"] - math.log(2)) < 1e-4  # computed before the update
+    assert (
+        first_train["step"] == 8 and abs(first_train["loss/train"] - math.log(2)) < 1e-4
+    )  # computed before the update
     assert first_eval["rewards_eval/margins"] == 0.0
 
 
@@ -76,15 +93,34 @@ def test_documented_files_are_written(dpo_run):
     assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-16", "step-32"]
     assert (run_dir / "LATEST").resolve() == (run_dir / "step-32").resolve()
-    for name in ("policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rng-0.pt", "manifest.json",
-                 "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"):
+    for name in (
+        "policy.pt",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.pt",
+        "rng-0.pt",
+        "manifest.json",
+        "hf/config.json",
+        "hf/model.safetensors",
+        "hf/tokenizer.json",
+    ):
         assert (run_dir / "step-32" / name).exists(), name
     records = metrics(run_dir)
-    for key in ("rewards_train/chosen", "rewards_train/accuracies", "logps_train/rejected", "grad_norm", "lr",
-                "examples_per_second"):
+    for key in (
+        "rewards_train/chosen",
+        "rewards_train/accuracies",
+        "logps_train/rejected",
+        "grad_norm",
+        "lr",
+        "examples_per_second",
+    ):
         assert any(key in r for r in records), key
     last_eval = [r for r in records if "loss/eval" in r][-1]
-    assert last_eval["step"] == 32 and "samples/policy_rule_rate" in last_eval and "samples/reference_rule_rate" in last_eval
+    assert (
+        last_eval["step"] == 32
+        and "samples/policy_rule_rate" in last_eval
+        and "samples/reference_rule_rate" in last_eval
+    )
 
 
 def test_policy_pt_is_the_original_format_and_loads_weights_only(dpo_run):
@@ -113,8 +149,16 @@ def test_loss_falls_when_overfitting_eight_pairs(tmp_path):
     rows = [json.loads(line) for line in (REPO / "toy" / "data" / "train.jsonl").read_text().splitlines()[:8]]
     pairs.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    train(run_dir, "loss=dpo", f"datasets=[{pairs}]", "lr=1e-3", "n_examples=80", "eval_every=80",
-          "sample_during_eval=false", "minimum_log_interval_secs=0")
+    train(
+        run_dir,
+        "loss=dpo",
+        f"datasets=[{pairs}]",
+        "lr=1e-3",
+        "n_examples=80",
+        "eval_every=80",
+        "sample_during_eval=false",
+        "minimum_log_interval_secs=0",
+    )
     losses = [r["loss/train"] for r in metrics(run_dir) if "loss/train" in r]
     assert len(losses) == 10 and abs(losses[0] - math.log(2)) < 1e-4
     assert losses[-1] < 0.05 < losses[0]
@@ -153,7 +197,14 @@ def test_a_resume_applies_a_changed_lr_and_refuses_other_changes_by_name(tmp_pat
     """Resuming with lr=5e-5 (the run had 1e-3) trains on at 5e-5 from the checkpoint, says so, and logs it (before:
     the loaded optimizer and scheduler state overwrote it silently); a key a resume may not change is refused by
     name before anything loads."""
-    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "minimum_log_interval_secs=0", "sample_during_eval=false"]
+    args = [
+        "loss=dpo",
+        "lr=1e-3",
+        "n_examples=32",
+        "eval_every=16",
+        "minimum_log_interval_secs=0",
+        "sample_during_eval=false",
+    ]
     kill_after_first_checkpoint(tmp_path / "run", *args)
     refused = train(tmp_path / "x", *args, "max_grad_norm=1.0", f"resume_from={tmp_path / 'run'}", check=False)
     assert refused.returncode == 2 and "max_grad_norm: the run was started with 10.0" in refused.stderr, refused.stderr
@@ -179,9 +230,14 @@ def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template
     """The toy tokenizer has no chat template: chat-form rows are refused with the key that fixes it (before: advice
     to set tokenizer.chat_template, which no command-line key could follow); model.chat_template=chatml trains."""
     rows = [json.loads(line) for line in (REPO / "toy" / "data" / "test.jsonl").read_text().splitlines()[:32]]
-    chat = [{"prompt": [{"role": "user", "content": r["prompt"].split("Human:")[-1].split("Assistant:")[0].strip()}],
-             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
-             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in rows]
+    chat = [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"].split("Human:")[-1].split("Assistant:")[0].strip()}],
+            "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+            "rejected": [{"role": "assistant", "content": r["rejected"].strip()}],
+        }
+        for r in rows
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in chat))
     args = ["loss=dpo", f"datasets=[{path}]", "n_examples=8", "sample_during_eval=false"]
@@ -191,6 +247,7 @@ def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template
     template.write_text(train_py.CHAT_TEMPLATES["chatml"])
     import config
     import preference_datasets as data
+
     for given in ("chatml", str(template)):
         train(tmp_path / given.replace("/", "_"), *args, f"model.chat_template={given}")
         cfg, _ = config.load_config([*FAST, *args, f"model.chat_template={given}"])
@@ -203,14 +260,24 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path):
     trained); the check runs with every command, --cfg too."""
     result = train(tmp_path / "run", "loss=sft", "batch_size=4", "n_examples=200", "warmup_steps=150", "--cfg")
     assert "warning: warmup_steps=150 >= the run's 50 steps" in result.stderr, result.stderr
-    assert "warning: warmup" not in train(tmp_path / "run", "loss=sft", "batch_size=4", "n_examples=200", "--cfg").stderr
+    assert (
+        "warning: warmup" not in train(tmp_path / "run", "loss=sft", "batch_size=4", "n_examples=200", "--cfg").stderr
+    )
 
 
 def test_batch_8_accumulation_1_equals_batch_8_accumulation_4_after_one_step(tmp_path):
     """One step over the same 8 pairs: one micro-batch of 8, or 4 micro-batches of 2 with summed gradients.
     SGD with lr 1 makes the parameter change the gradient itself (Adam's first step, lr * g / |g|, would
     amplify float noise wherever g is near 0)."""
-    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "sample_during_eval=false", "do_first_eval=false"]
+    common = [
+        "loss=dpo",
+        "optimizer=SGD",
+        "lr=1.0",
+        "n_examples=8",
+        "eval_every=8",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+    ]
     train(tmp_path / "a", *common, "gradient_accumulation_steps=1")
     train(tmp_path / "b", *common, "gradient_accumulation_steps=4")
     before = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
@@ -220,8 +287,15 @@ def test_batch_8_accumulation_1_equals_batch_8_accumulation_4_after_one_step(tmp
 
 
 def test_debug_writes_no_checkpoint(tmp_path):
-    result = train(tmp_path / "run", "loss=sft", "lr=1e-3", "n_examples=16", "eval_every=8", "debug=true",
-                   "sample_during_eval=false")
+    result = train(
+        tmp_path / "run",
+        "loss=sft",
+        "lr=1e-3",
+        "n_examples=16",
+        "eval_every=8",
+        "debug=true",
+        "sample_during_eval=false",
+    )
     assert "debug=true: skipping checkpoint" in result.stdout
     assert not list((tmp_path / "run").glob("step-*")) and not (tmp_path / "run" / "LATEST").exists()
 
@@ -234,13 +308,20 @@ def test_sft_then_dpo_from_the_archive(tmp_path):
     pairs.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in rows))
     common = [f"datasets=[{pairs}]", "sample_during_eval=false"]
     train(tmp_path / "sft", *common, "loss=sft", "lr=1e-3", "n_examples=16", "eval_every=16")
-    train(tmp_path / "dpo", *common, "loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8",
-          f"model.archive={tmp_path / 'sft' / 'LATEST' / 'policy.pt'}")
+    train(
+        tmp_path / "dpo",
+        *common,
+        "loss=dpo",
+        "lr=1e-4",
+        "n_examples=8",
+        "eval_every=8",
+        f"model.archive={tmp_path / 'sft' / 'LATEST' / 'policy.pt'}",
+    )
     first = next(r for r in metrics(tmp_path / "dpo") if "loss/eval" in r)
     assert abs(first["loss/eval"] - math.log(2)) < 1e-4
     sft_evals = [r for r in metrics(tmp_path / "sft") if "logps_eval/chosen" in r]
     assert abs(first["logps_eval/chosen"] - sft_evals[-1]["logps_eval/chosen"]) < 1e-4  # the archive was loaded
-    assert abs(first["logps_eval/chosen"] - sft_evals[0]["logps_eval/chosen"]) > 0.1   # and it is not the base model
+    assert abs(first["logps_eval/chosen"] - sft_evals[0]["logps_eval/chosen"]) > 0.1  # and it is not the base model
 
 
 def test_run_dir_with_a_run_is_not_overwritten(tmp_path):
@@ -250,8 +331,15 @@ def test_run_dir_with_a_run_is_not_overwritten(tmp_path):
 
 
 def test_activation_checkpointing_in_one_process_gives_the_same_step(tmp_path):
-    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=8", "eval_every=8", "sample_during_eval=false",
-              "do_first_eval=false"]
+    common = [
+        "loss=dpo",
+        "optimizer=SGD",
+        "lr=1.0",
+        "n_examples=8",
+        "eval_every=8",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+    ]
     train(tmp_path / "plain", *common)
     result = train(tmp_path / "checkpointed", *common, "activation_checkpointing=true")
     assert "activation checkpointing (NO_REENTRANT) on 2 blocks of LlamaDecoderLayer" in result.stdout
@@ -259,8 +347,14 @@ def test_activation_checkpointing_in_one_process_gives_the_same_step(tmp_path):
 
 
 def test_forward_only_evaluates_once_and_trains_nothing(tmp_path):
-    result = train(tmp_path / "run", "loss=dpo", "n_examples=16", "eval_every=8", "fsdp.forward_only=true",
-                   "sample_during_eval=false")
+    result = train(
+        tmp_path / "run",
+        "loss=dpo",
+        "n_examples=16",
+        "eval_every=8",
+        "fsdp.forward_only=true",
+        "sample_during_eval=false",
+    )
     records = metrics(tmp_path / "run")
     assert len(records) == 1 and records[0]["step"] == 0 and abs(records[0]["loss/eval"] - math.log(2)) < 1e-4
     assert not list((tmp_path / "run").glob("step-*")) and "Running evaluation after 0" in result.stdout
@@ -273,12 +367,14 @@ def test_full_determinism_is_on_where_the_step_runs_only_when_asked(tmp_path, mo
     import os
 
     import trainers
+
     seen = []
     step = trainers.BasicTrainer.train_step
 
     def recorded(self, batch):
         seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
         return step(self, batch)
+
     monkeypatch.setattr(trainers.BasicTrainer, "train_step", recorded)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     args = ["loss=dpo", "lr=1e-4", "n_examples=8", "eval_every=8", "sample_during_eval=false", "do_first_eval=false"]
@@ -296,15 +392,20 @@ def test_full_determinism_is_on_where_the_step_runs_only_when_asked(tmp_path, mo
 # ---------------------------------------------------------------------------------------------------------
 def toy_rows(n: int, same: bool = False) -> str:
     rows = [json.loads(line) for line in (REPO / "toy" / "data" / "test.jsonl").read_text().splitlines()[:n]]
-    return "".join(json.dumps({"prompt": r["prompt"], "chosen": r["chosen"],
-                               "rejected": r["chosen"] if same else r["rejected"]}) + "\n" for r in rows)
+    return "".join(
+        json.dumps({"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["chosen"] if same else r["rejected"]})
+        + "\n"
+        for r in rows
+    )
 
 
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model fails the test: the checks under test must come first."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was reported")
+
     monkeypatch.setattr(train_py, "load_models", refuse)
 
 
@@ -314,10 +415,22 @@ def test_bad_input_fails_before_any_model_is_loaded_and_leaves_no_run_dir(tmp_pa
     same.write_text(toy_rows(8, same=True))  # chosen == rejected: every pair is dropped
     args, expected = {
         "offline_hub": (["datasets=[hh]"], ["dataset 'Anthropic/hh-rlhf'", "not available offline"]),
-        "missing_archive": ([f"model.archive={tmp_path / 'nope.pt'}"], [f"model.archive={tmp_path / 'nope.pt'}: no such file"]),
-        "all_filtered": ([f"datasets=[{same}]"], [f"datasets=['{same}'] split 'train': 0 pairs left after filtering",
-                                                  "fewer than batch_size=8", "chosen_equals_rejected=8"]),
-        "all_filtered_cfg": ([f"datasets=[{same}]", "--cfg"], ["0 pairs left after filtering", "chosen_equals_rejected=8"]),
+        "missing_archive": (
+            [f"model.archive={tmp_path / 'nope.pt'}"],
+            [f"model.archive={tmp_path / 'nope.pt'}: no such file"],
+        ),
+        "all_filtered": (
+            [f"datasets=[{same}]"],
+            [
+                f"datasets=['{same}'] split 'train': 0 pairs left after filtering",
+                "fewer than batch_size=8",
+                "chosen_equals_rejected=8",
+            ],
+        ),
+        "all_filtered_cfg": (
+            [f"datasets=[{same}]", "--cfg"],
+            ["0 pairs left after filtering", "chosen_equals_rejected=8"],
+        ),
     }[case]
     result = train(tmp_path / "run", "loss=dpo", "n_examples=8", *args, check=False)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
@@ -335,6 +448,7 @@ def test_cfg_refuses_what_the_run_refuses(tmp_path):
 def test_a_run_failing_before_training_removes_only_the_directory_it_created(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk on fire")  # any failure while loading
+
     monkeypatch.setattr(train_py, "load_models", broken)
     with pytest.raises(OSError):
         train(tmp_path / "new", "loss=sft", "n_examples=8")
@@ -351,10 +465,19 @@ def test_a_run_failing_before_training_removes_only_the_directory_it_created(tmp
 
 def test_a_refused_resume_leaves_config_resumed_yaml_alone(dpo_run, tmp_path, no_model):
     import shutil
+
     run_dir = shutil.copytree(dpo_run[0], tmp_path / "run", symlinks=True)
     (run_dir / "config.resumed.yaml").write_text("# the last accepted resume\n")
-    result = train(run_dir, "loss=dpo", "lr=1e-4", "n_examples=48", "eval_every=16", "seed=1",
-                   f"resume_from={run_dir}", check=False)
+    result = train(
+        run_dir,
+        "loss=dpo",
+        "lr=1e-4",
+        "n_examples=48",
+        "eval_every=16",
+        "seed=1",
+        f"resume_from={run_dir}",
+        check=False,
+    )
     assert result.returncode == 2 and "seed: checkpoint has 0, this run has 1" in result.stderr, result.stderr
     assert (run_dir / "config.resumed.yaml").read_text() == "# the last accepted resume\n"
 
@@ -362,10 +485,21 @@ def test_a_refused_resume_leaves_config_resumed_yaml_alone(dpo_run, tmp_path, no
 def test_a_six_pair_file_trains_with_batch_size_2_and_says_how_many_eval_pairs_exist(tmp_path):
     six = tmp_path / "six.jsonl"
     six.write_text(toy_rows(6))  # one file serves both splits (no {split} in the path)
-    result = train(tmp_path / "run", "loss=dpo", f"datasets=[{six}]", "batch_size=2", "eval_batch_size=16",
-                   "n_eval_examples=256", "n_examples=4", "eval_every=4", "sample_during_eval=false")
+    result = train(
+        tmp_path / "run",
+        "loss=dpo",
+        f"datasets=[{six}]",
+        "batch_size=2",
+        "eval_batch_size=16",
+        "n_eval_examples=256",
+        "n_examples=4",
+        "eval_every=4",
+        "sample_during_eval=false",
+    )
     assert "eval pairs 6 in batches of 6" in result.stdout, result.stdout
-    assert f"datasets: {six} has no {{split}} in its path: the same pairs serve training and evaluation" in result.stdout
+    assert (
+        f"datasets: {six} has no {{split}} in its path: the same pairs serve training and evaluation" in result.stdout
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -410,8 +544,10 @@ def test_mfu_is_the_6n_rule_over_peak_tflops_and_absent_without_a_peak(dpo_run, 
     model = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama")
     n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     steps = [r for r in metrics(tmp_path / "run") if "throughput/mfu" in r]
-    assert steps and all(r["throughput/mfu"] == pytest.approx(8 * n * r["throughput/tokens_per_second"] / 0.5e12, rel=1e-6)
-                         for r in steps)
+    assert steps and all(
+        r["throughput/mfu"] == pytest.approx(8 * n * r["throughput/tokens_per_second"] / 0.5e12, rel=1e-6)
+        for r in steps
+    )
 
 
 def reference_state(run_dir) -> dict:
@@ -422,16 +558,31 @@ def test_tr_dpo_hard_update_every_step_keeps_the_loss_at_ln2_and_soft_update_mix
     """Hard update (alpha 1) every step: each step starts with reference = policy, so every step's DPO loss is
     ln 2 (plain DPO's second step is not). Soft update (alpha 0.6) after one SGD step: the saved reference is
     0.6 * policy + 0.4 * the original weights, parameter by parameter."""
-    common = ["loss=dpo", "optimizer=SGD", "lr=1.0", "sample_during_eval=false", "do_first_eval=false",
-              "minimum_log_interval_secs=0"]
+    common = [
+        "loss=dpo",
+        "optimizer=SGD",
+        "lr=1.0",
+        "sample_during_eval=false",
+        "do_first_eval=false",
+        "minimum_log_interval_secs=0",
+    ]
     train(tmp_path / "hard", *common, "n_examples=16", "eval_every=16", "ref_update.tau=1", "ref_update.alpha=1.0")
     losses = [r["loss/train"] for r in metrics(tmp_path / "hard") if "loss/train" in r]
     assert len(losses) == 2 and all(abs(x - math.log(2)) < 1e-6 for x in losses)
     assert_states_equal(reference_state(tmp_path / "hard"), final_state(tmp_path / "hard"))
     # activation checkpointing wraps the policy's blocks only: the update still pairs every parameter by name
-    train(tmp_path / "hard_ac", *common, "n_examples=16", "eval_every=16", "ref_update.tau=1", "ref_update.alpha=1.0",
-          "activation_checkpointing=true")
-    assert [r["loss/train"] for r in metrics(tmp_path / "hard_ac") if "loss/train" in r] == pytest.approx(losses, abs=1e-6)
+    train(
+        tmp_path / "hard_ac",
+        *common,
+        "n_examples=16",
+        "eval_every=16",
+        "ref_update.tau=1",
+        "ref_update.alpha=1.0",
+        "activation_checkpointing=true",
+    )
+    assert [r["loss/train"] for r in metrics(tmp_path / "hard_ac") if "loss/train" in r] == pytest.approx(
+        losses, abs=1e-6
+    )
     assert_states_equal(final_state(tmp_path / "hard_ac"), final_state(tmp_path / "hard"), atol=1e-6)
     train(tmp_path / "soft", *common, "n_examples=8", "eval_every=8", "ref_update.tau=1")
     original = AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").state_dict()
@@ -464,8 +615,16 @@ def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_p
     the adapter (peft format) and an HF export of merged weights that plain from_pretrained loads and that
     computes what base + adapter computes."""
     import peft
-    args = ["loss=dpo", "lr=1e-3", "n_examples=32", "eval_every=16", "sample_during_eval=false",
-            "minimum_log_interval_secs=0", *LORA]
+
+    args = [
+        "loss=dpo",
+        "lr=1e-3",
+        "n_examples=32",
+        "eval_every=16",
+        "sample_during_eval=false",
+        "minimum_log_interval_secs=0",
+        *LORA,
+    ]
     train(tmp_path / "full", *args)
     losses = [r["loss/train"] for r in metrics(tmp_path / "full") if "loss/train" in r]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[-1] < losses[0]
@@ -479,8 +638,9 @@ def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_p
     assert all(torch.equal(full[k], original[v]) for k, v in base_keys.items())  # the base weights never moved
     latest = tmp_path / "full" / "LATEST"
     exported = AutoModelForCausalLM.from_pretrained(latest / "hf")
-    with_adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama"),
-                                                  latest / "adapter")
+    with_adapter = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama"), latest / "adapter"
+    )
     ids = torch.tensor([[0, 200, 200, 269, 27, 316, 340, 15]])
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
@@ -492,6 +652,7 @@ def test_lora_loads_without_library_warnings():
     """peft's get_peft_model asks transformers a deprecated question: a FutureWarning on every LoRA run (before)."""
     import warnings
     from config import load_config
+
     cfg, _ = load_config([*FAST, "loss=dpo", "n_examples=8", *LORA])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -507,11 +668,16 @@ def test_a_fresh_start_in_a_used_run_dir_begins_clean_logs_and_keeps_the_old_one
     run_dir = tmp_path / "run"
     original = ["optimizer=RMSprop", "lr=5e-7", "warmup_steps=150", "debug=true", "n_examples=16", "eval_every=8"]
     first = train(run_dir, *original)
-    assert "optimizer RMSprop, lr 5e-07, warmup_steps 150, scheduler constant (the original DPO code's defaults" in first.stdout
+    assert (
+        "optimizer RMSprop, lr 5e-07, warmup_steps 150, scheduler constant (the original DPO code's defaults"
+        in first.stdout
+    )
     second = train(run_dir, *original)
     assert f"its files moved to {run_dir / 'previous-1'}" in second.stderr
     assert [r["step"] for r in metrics(run_dir) if "loss/eval" in r] == [0, 8, 16]
-    timeless = lambda records: [{k: v for k, v in r.items() if not k.startswith(("throughput", "examples_per"))} for r in records]
+    timeless = lambda records: [
+        {k: v for k, v in r.items() if not k.startswith(("throughput", "examples_per"))} for r in records
+    ]
     assert timeless(metrics(run_dir / "previous-1")) == timeless(metrics(run_dir))  # the first start's, kept
     assert {p.name for p in run_dir.iterdir()} >= {"previous-1", "config.yaml", "metrics.jsonl"}
     done = tmp_path / "done"
@@ -528,6 +694,7 @@ def test_a_precomputed_reference_is_freed_for_real(tmp_path, monkeypatch, capsys
     import transformers
     import trainers
     from config import load_config
+
     seen = {}
     precompute = trainers.Reference.precompute
 
@@ -535,11 +702,23 @@ def test_a_precomputed_reference_is_freed_for_real(tmp_path, monkeypatch, capsys
         precompute(self)
         gc.collect()
         inside = {id(m) for m in self.trainer.policy.modules()}
-        seen["alive"] = [type(o).__name__ for o in gc.get_objects()
-                         if isinstance(o, transformers.PreTrainedModel) and id(o) not in inside]
+        seen["alive"] = [
+            type(o).__name__
+            for o in gc.get_objects()
+            if isinstance(o, transformers.PreTrainedModel) and id(o) not in inside
+        ]
+
     monkeypatch.setattr(trainers.Reference, "precompute", precompute_then_look)
-    cfg, _ = load_config([*FAST, "loss=dpo", "n_examples=8", "precompute_ref_log_probs=true", "sample_during_eval=false",
-                          f"run_dir={tmp_path / 'run'}"])
+    cfg, _ = load_config(
+        [
+            *FAST,
+            "loss=dpo",
+            "n_examples=8",
+            "precompute_ref_log_probs=true",
+            "sample_during_eval=false",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
     (tmp_path / "run").mkdir()
     train_py.worker_main(0, 1, cfg, str(tmp_path / "run"))
     assert seen["alive"] == []
@@ -556,6 +735,7 @@ def test_kto_from_pairs_says_an_epoch_has_twice_the_steps(tmp_path):
 
 def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeypatch, capsys):
     import importlib.util
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     assert train_py.main([*FAST, "loss=dpo", "lora.r=8", "n_examples=8"]) == 2
@@ -577,10 +757,19 @@ sys.exit(train.main(sys.argv[2:]))
 def test_an_unreachable_hub_is_found_once_and_the_run_fails_at_once_from_the_cache(tmp_path):
     """No HF_HUB_OFFLINE and no network: one 3-second probe finds the hub unreachable, the run works from the local
     cache and fails at once when the cache lacks the model (before: 27-49 s of "Retrying in 8s" per hub access)."""
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
     env["HF_HOME"] = str(tmp_path / "hf")  # an empty cache
-    result = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "datasets=[toy]",
-                             "--cfg"], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "datasets=[toy]", "--cfg"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.count("probe ('huggingface.co', 443) timeout=3") == 1
     assert "the Hugging Face hub is unreachable" in result.stderr and "Retrying" not in result.stderr
@@ -590,10 +779,19 @@ def test_an_unreachable_hub_is_found_once_and_the_run_fails_at_once_from_the_cac
 def test_estimate_of_a_hub_model_asks_for_its_config_json_alone_when_the_hub_is_unreachable(tmp_path):
     """The README's `model=pythia28 --estimate` with an empty cache and no hub: exit 2 with what to fetch and how
     (before: a message that contradicted the README); with the hub, only config.json is downloaded."""
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
     env["HF_HOME"] = str(tmp_path / "hf")
-    result = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "--estimate"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", OFFLINE_PROBE, str(REPO), "model=pythia28", "loss=dpo", "--estimate"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--estimate reads only its config.json" in result.stderr
     assert "hf download EleutherAI/pythia-2.8b config.json" in result.stderr and "Traceback" not in result.stderr

@@ -1,5 +1,6 @@
 """trainers.py pieces: packed (padding-free) and tiled-LM-head log-probs equal the plain padded ones, and
 every speed option leaves a training step unchanged."""
+
 import contextlib
 import shutil
 import io
@@ -8,8 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
-                          GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM)
+from transformers import (
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import logps
 import preference_datasets as data
@@ -27,12 +35,32 @@ REPO = Path(__file__).resolve().parent.parent
 def tiny_models():
     torch.manual_seed(0)
     models = {
-        "gpt2": GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512, n_positions=128,
-                                           bos_token_id=0, eos_token_id=1)),
-        "llama": LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                              num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)),
-        "neox": GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                                                 vocab_size=512, max_position_embeddings=128, bos_token_id=0, eos_token_id=1)),
+        "gpt2": GPT2LMHeadModel(
+            GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512, n_positions=128, bos_token_id=0, eos_token_id=1)
+        ),
+        "llama": LlamaForCausalLM(
+            LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=512,
+                max_position_embeddings=128,
+            )
+        ),
+        "neox": GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vocab_size=512,
+                max_position_embeddings=128,
+                bos_token_id=0,
+                eos_token_id=1,
+            )
+        ),
     }
     for model in models.values():
         disable_dropout(model)  # as train.py does: log-probs must be a function of the weights
@@ -49,7 +77,10 @@ def skewed_inputs():
     inputs = logps.concatenated_inputs(batch)
     long = torch.randint(3, 500, (2, 90))
     width = 90
-    padded = {k: logps.pad_to_length(v, width, {"input_ids": 0, "attention_mask": 0, "labels": -100}[k]) for k, v in inputs.items()}
+    padded = {
+        k: logps.pad_to_length(v, width, {"input_ids": 0, "attention_mask": 0, "labels": -100}[k])
+        for k, v in inputs.items()
+    }
     padded["input_ids"][:2], padded["attention_mask"][:2] = long, 1
     padded["labels"][:2] = torch.where(torch.arange(width) < 20, -100, long)
     return padded
@@ -80,7 +111,9 @@ def test_packed_and_tiled_gradients_equal_padded(skewed_inputs, name):
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-@pytest.mark.parametrize("options", [{"packed_capacity": 96}, {"prefix_sharing": True}, {"prefix_sharing": True, "packed_capacity": 96}])
+@pytest.mark.parametrize(
+    "options", [{"packed_capacity": 96}, {"prefix_sharing": True}, {"prefix_sharing": True, "packed_capacity": 96}]
+)
 def test_a_labelled_first_token_is_never_scored_from_the_row_before(options):
     """Pairs without a prompt (labels from column 0; chosen and rejected differ at once): no output predicts a
     sequence's first token, so it is not scored, and packed or shared rows must not score it from the sequence
@@ -102,13 +135,32 @@ def test_packing_is_first_fit_decreasing_and_restarts_positions(skewed_inputs):
         assert len(set(rows.tolist())) == 1 and len(cols) == lengths[i]
         assert kwargs["position_ids"][rows, cols].tolist() == list(range(lengths[i]))
     mask = kwargs["attention_mask"][:, 0]
-    assert not mask[owner[:, :, None].expand_as(mask) != owner[:, None, :].expand_as(mask)].any()  # no cross-sequence attention
+    assert not mask[
+        owner[:, :, None].expand_as(mask) != owner[:, None, :].expand_as(mask)
+    ].any()  # no cross-sequence attention
 
 
-FAST = ["model=tiny", "datasets=[toy]", "warmup_steps=0", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
-        "max_length=64", "max_prompt_length=32", "fsdp.use_torch_compile=false", "wandb.enabled=false", "n_epochs=null",
-        "loss=dpo", "optimizer=SGD", "lr=1.0", "n_examples=16", "eval_every=16", "do_first_eval=false",
-        "sample_during_eval=false", LOCAL_DIRS]
+FAST = [
+    "model=tiny",
+    "datasets=[toy]",
+    "warmup_steps=0",
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=8",
+    "max_length=64",
+    "max_prompt_length=32",
+    "fsdp.use_torch_compile=false",
+    "wandb.enabled=false",
+    "n_epochs=null",
+    "loss=dpo",
+    "optimizer=SGD",
+    "lr=1.0",
+    "n_examples=16",
+    "eval_every=16",
+    "do_first_eval=false",
+    "sample_during_eval=false",
+    LOCAL_DIRS,
+]
 
 
 def run(run_dir, *args) -> dict:
@@ -120,11 +172,15 @@ def run(run_dir, *args) -> dict:
 def test_every_speed_option_leaves_two_training_steps_unchanged(tmp_path):
     """Two SGD steps with lr 1 (the parameter change is the gradient) under each option, against the plain path."""
     plain = run(tmp_path / "plain", "tiled_lm_head=false")
-    for name, options in {"tiled": ["tiled_lm_head=true"], "packed": ["padding_free=true"],
-                          "token_budget": ["max_tokens_per_microbatch=80"],
-                          "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"],
-                          "shared": ["prefix_sharing=true"], "shared_packed": ["prefix_sharing=true", "padding_free=true", "tiled_lm_head=false"],
-                          "shared_budget": ["prefix_sharing=true", "max_tokens_per_microbatch=80", "precompute_ref_log_probs=true"]}.items():
+    for name, options in {
+        "tiled": ["tiled_lm_head=true"],
+        "packed": ["padding_free=true"],
+        "token_budget": ["max_tokens_per_microbatch=80"],
+        "precomputed": ["precompute_ref_log_probs=true", "padding_free=true"],
+        "shared": ["prefix_sharing=true"],
+        "shared_packed": ["prefix_sharing=true", "padding_free=true", "tiled_lm_head=false"],
+        "shared_budget": ["prefix_sharing=true", "max_tokens_per_microbatch=80", "precompute_ref_log_probs=true"],
+    }.items():
         state = run(tmp_path / name, *options)
         worst = max((state[k] - plain[k]).abs().max().item() for k in plain)
         assert worst <= 1e-5, (name, worst)
@@ -161,7 +217,10 @@ def test_precomputed_reference_equals_online_and_is_read_from_the_cache(tmp_path
     def first_step(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return next(r for r in map(json.loads, lines) if "loss/train" in r)
-    assert first_step("first")["rewards_train/chosen"] == pytest.approx(first_step("online")["rewards_train/chosen"], abs=1e-6)
+
+    assert first_step("first")["rewards_train/chosen"] == pytest.approx(
+        first_step("online")["rewards_train/chosen"], abs=1e-6
+    )
     tables = sorted((tmp_path / "cache" / "reference_logps").glob("*.pt"))
     assert [p.name.split("-")[0] for p in tables] == ["test", "train"]
     for path in tables:
@@ -194,8 +253,11 @@ def test_fused_adamw_and_bf16_autocast_in_one_process(tmp_path):
 
 def test_token_budget_groups_pairs_and_trims_padding(skewed_inputs):
     n = skewed_inputs["input_ids"].size(0) // 2
-    batch = {f"{side}_{k}": v[sl] for side, sl in (("chosen", slice(0, n)), ("rejected", slice(n, None)))
-             for k, v in skewed_inputs.items()}
+    batch = {
+        f"{side}_{k}": v[sl]
+        for side, sl in (("chosen", slice(0, n)), ("rejected", slice(n, None)))
+        for k, v in skewed_inputs.items()
+    }
     batch["prompt"] = [str(i) for i in range(n)]
     micro = trainers.split_by_tokens(batch, 100)
     assert sum(len(m["prompt"]) for m in micro) == n and len(micro) > 1
@@ -212,6 +274,7 @@ def test_logps_follow_the_lm_head_to_another_device(skewed_inputs, tiled, monkey
     label left on the input device raises). Meta cannot run data-dependent masking, so nonzero is told to
     assume every element is selected: shapes, not values, are what this checks."""
     import torch.fx.experimental._config as fx_config
+
     monkeypatch.setattr(torch, "autocast", lambda *a, **k: contextlib.nullcontext())  # no autocast on meta
     model = tiny_models()["llama"].eval()
     head = model.get_output_embeddings().to("meta")
@@ -229,6 +292,7 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
     trainer's device is the GPU: the Adam state must come to the parameters' device for the step, and go back to
     CPU after it. `meta` stands in for the GPU (a step on CPU parameters with state there raises)."""
     from types import SimpleNamespace
+
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
@@ -259,11 +323,24 @@ def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
 def tiny_trainer_cpu(tmp_path_factory):
     out = []
     for extra in ([], ["fsdp.use_torch_compile=true"]):
-        cfg, _ = load_config(["model=tiny", "loss=sft", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8",
-                              "max_length=64", "max_prompt_length=32", "wandb.enabled=false",
-                              f"local_dirs=[{tmp_path_factory.mktemp('cache')}]", *extra])
+        cfg, _ = load_config(
+            [
+                "model=tiny",
+                "loss=sft",
+                "batch_size=8",
+                "eval_batch_size=8",
+                "n_eval_examples=8",
+                "max_length=64",
+                "max_prompt_length=32",
+                "wandb.enabled=false",
+                f"local_dirs=[{tmp_path_factory.mktemp('cache')}]",
+                *extra,
+            ]
+        )
         tokenizer, policy, _ = train_py.load_models(cfg)
-        out.append(trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer))
+        out.append(
+            trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp_path_factory.mktemp("run")), tokenizer=tokenizer)
+        )
     return out
 
 
@@ -303,11 +380,14 @@ def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_th
 
     def sums(model, rows=slice(None)):
         with torch.no_grad():
-            logits = model(input_ids=batch["kl_input_ids"][rows], attention_mask=batch["kl_attention_mask"][rows]).logits
+            logits = model(
+                input_ids=batch["kl_input_ids"][rows], attention_mask=batch["kl_attention_mask"][rows]
+            ).logits
         logps = logits[:, :-1].log_softmax(-1)
         labels = batch["kl_labels"][rows, 1:]
         mask = labels != -100
         return (logps.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask).sum(-1)
+
     expected = (sums(policy) - sums(reference)).mean().item()
     assert expected > 0 and got == pytest.approx(expected, abs=1e-4)
 
@@ -325,13 +405,22 @@ def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
     import ast
 
     import config
+
     assert set(trainers.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
     for cls in trainers.SHARDINGS.values():  # each implements what differs between the strategies
-        assert issubclass(cls, sharding.OneProcess) and all(name in vars(cls) for name in ("shard", "gradient_sync", "clip", "reshard")), cls
+        assert issubclass(cls, sharding.OneProcess) and all(
+            name in vars(cls) for name in ("shard", "gradient_sync", "clip", "reshard")
+        ), cls
     for path in ("trainers.py", "sharding.py"):
         tree = ast.parse((REPO / path).read_text())
-        compared = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-                    and any(isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators))]
+        compared = [
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Compare)
+            and any(
+                isinstance(side, ast.Attribute) and side.attr == "strategy" for side in (node.left, *node.comparators)
+            )
+        ]
         assert compared == [], f"{path} compares fsdp.strategy at lines {compared}"
 
 
@@ -342,9 +431,12 @@ def test_merged_lora_export_equals_peft_merge_and_unload(tmp_path, arch):
     import architectures
     import peft
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(architectures.build(arch, tmp_path), dtype=torch.float32)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
@@ -362,13 +454,28 @@ def test_evaluation_averages_exactly_n_eval_examples_and_precomputed_equals_onli
     """12 eval pairs in batches of 8: the second batch holds 4 pairs and 4 repeats that are left out, so every
     pair counts once; the precomputed reference (its table covers exactly the 12) reports what the online one does.
     Before, evaluation rounded up to 16 pairs and the 4 beyond the table counted as wrong (NaN > NaN is False)."""
+
     def evals(name, *args):
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            assert train_py.main([*FAST, f"run_dir={tmp_path / name}", "n_eval_examples=12", "eval_batch_size=8",
-                                  "sample_during_eval=false", *args]) == 0
+            assert (
+                train_py.main(
+                    [
+                        *FAST,
+                        f"run_dir={tmp_path / name}",
+                        "n_eval_examples=12",
+                        "eval_batch_size=8",
+                        "sample_during_eval=false",
+                        *args,
+                    ]
+                )
+                == 0
+            )
         assert "eval pairs 12 in batches of 8" in out.getvalue()
-        return [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+        return [
+            r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r
+        ]
+
     online, precomputed = evals("online"), evals("precomputed", "precompute_ref_log_probs=true")
     assert len(online) == 1 and online[-1]["rewards_eval/accuracies"] > 0.5  # trained: not all ties
     for a, b in zip(online, precomputed):
@@ -387,6 +494,7 @@ def test_kto_kl_pass_keeps_to_the_token_budget(tmp_path, monkeypatch):
         if model.training:  # the policy's forwards of a training step (evaluation is not split)
             sizes.append((int(inputs["attention_mask"].sum()), len(inputs["input_ids"])))
         return forward_logps(model, inputs, **kwargs)
+
     monkeypatch.setattr(trainers, "forward_logps", recorded)
     budgeted = run(tmp_path / "budget", *KTO, "max_tokens_per_microbatch=100")
     assert sizes and all(tokens <= 100 or rows == 1 for tokens, rows in sizes), sizes
@@ -395,13 +503,13 @@ def test_kto_kl_pass_keeps_to_the_token_budget(tmp_path, monkeypatch):
     assert max((whole[k] - budgeted[k]).abs().max().item() for k in whole) <= 1e-5
 
 
-
 def test_long_rows_build_no_quadratic_masks_beyond_what_attention_needs():
     """Ulysses' padded rows at T tokens get a one-element causal stand-in, not a (T, T) mask (the wrapper runs sdpa's
     causal kernel); a sliding window is a boolean band, not an int64 (T, T) of position differences (8 bytes per
     pair: 8 GiB at 32k); eager attention's additive masks are bf16, not fp32."""
     import transformers
     import ulysses
+
     t = 1024
     stand_in = ulysses.whole_row_inputs({"input_ids": torch.zeros(2, t, dtype=torch.long)})["attention_mask"]
     assert stand_in.shape == (1, 1, t, t) and stand_in.untyped_storage().nbytes() == 1 and stand_in.causal_only
@@ -423,5 +531,7 @@ def test_kto_with_a_one_pair_eval_set_evaluates_it(tmp_path):
     """KTO's KL rows need >= 2 completions per rank: a one-pair eval set is completed with a repeat that evaluation
     leaves out (before: the eval batch size was lowered to 1 and collate refused it at startup)."""
     run(tmp_path / "kto", *KTO, "n_eval_examples=1")
-    evals = [r for r in map(json.loads, (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    evals = [
+        r for r in map(json.loads, (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r
+    ]
     assert evals and evals[-1]["rewards_eval/accuracies"] in (0.0, 1.0)  # one pair: right or wrong, nothing between

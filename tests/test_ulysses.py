@@ -5,6 +5,7 @@ configurations it cannot run are refused before any model loads (exit 2).
 The trainer-level checks (one DPO step under FSDP1 and FSDP2 equals one process, Llama and Qwen2, padded and
 packed) run in tests/test_architectures.py's spawn, which this file does not repeat.
 """
+
 import os
 import subprocess
 import sys
@@ -27,16 +28,30 @@ WEIGHTS = torch.tensor([1.0, -2.0, 3.0])  # a loss that weighs the three rows di
 
 
 def tiny_llama(kv_heads: int, attention: str):
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=kv_heads, intermediate_size=128, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
 
 
 def tiny_mistral():
-    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                                        sliding_window=8)
+    config = transformers.MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        sliding_window=8,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
@@ -70,7 +85,9 @@ def compare(rank: int, port: int, out: str) -> None:
                 (sums * WEIGHTS).sum().backward()
                 whole = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad()
-                split_sums, split_counts, split_entropy, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp, **options)
+                split_sums, split_counts, split_entropy, *_ = trainers.forward_logps(
+                    model, rows(), sequence_parallel=sp, **options
+                )
                 # each rank holds the same loss; summing the ranks' gradients (as FSDP's reduction does, then
                 # divides by the 2 ranks) must give the whole-row gradient
                 (split_sums * WEIGHTS).sum().div(2).backward()
@@ -82,11 +99,16 @@ def compare(rank: int, port: int, out: str) -> None:
                     "counts_equal": torch.equal(counts, split_counts),
                     "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
                     "entropy": 0.0 if tiled else (split_entropy - entropy).abs().max().item(),
-                    "grads": max(((grads[n] - whole[n]).abs().max() / whole[n].abs().max().clamp(min=1e-12)).item() for n in whole)}
+                    "grads": max(
+                        ((grads[n] - whole[n]).abs().max() / whole[n].abs().max().clamp(min=1e-12)).item()
+                        for n in whole
+                    ),
+                }
     # FSDP2 swaps a sharded module's class for a dynamic FSDP<cls> subclass defined in torch's own module: eager
     # attention must still find its architecture's function (before: AttributeError on torch's module)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     model = tiny_llama(2, "eager")
     ulysses.install(model, sp)
     with ulysses.paused():
@@ -95,16 +117,22 @@ def compare(rank: int, port: int, out: str) -> None:
         fully_shard(layer.self_attn, mesh=init_device_mesh("cpu", (2,)))
     assert type(model.model.layers[0].self_attn).__module__.startswith("torch.")
     split_sums, _, _, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
-    worst["fsdp2-eager"] = {"counts_equal": True, "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
-                            "entropy": 0.0, "grads": 0.0}
+    worst["fsdp2-eager"] = {
+        "counts_equal": True,
+        "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
+        "entropy": 0.0,
+        "grads": 0.0,
+    }
     # the GPU path (FLEX_DEVICES, here CPU): packed rows and a sliding window's band (Mistral, window 8) are block
     # masks over whole sequences, FlexAttention after the all-to-all; forward only (CPU FlexAttention has no backward),
     # transformers' compiled FlexAttention swapped for the eager one (inductor's CPU kernel fails to build for these)
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
+
     logps.FLEX_DEVICES = ("cpu",)
     flex_attention.compile_friendly_flex_attention = lambda q, k, v, training=False, **kw: eager_flex_attention(
-        q, k, v, **kw)
+        q, k, v, **kw
+    )
     calls, forward = [], flex_attention.flex_attention_forward
     flex_attention.flex_attention_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     for name, model, packed in (("flex-packed", tiny_llama(2, "sdpa"), 64), ("flex-window", tiny_mistral(), None)):
@@ -113,10 +141,15 @@ def compare(rank: int, port: int, out: str) -> None:
             with ulysses.paused():  # the reference: padded whole rows, the model's own masks
                 sums, counts, *_ = trainers.forward_logps(model, rows())
             calls.clear()
-            split_sums, split_counts, *_ = trainers.forward_logps(model, rows(), packed_capacity=packed,
-                                                                  sequence_parallel=sp)
-        worst[name] = {"counts_equal": torch.equal(counts, split_counts) and len(calls) == 2,  # both layers: flex
-                       "logps": ((split_sums - sums).abs() / sums.abs()).max().item(), "entropy": 0.0, "grads": 0.0}
+            split_sums, split_counts, *_ = trainers.forward_logps(
+                model, rows(), packed_capacity=packed, sequence_parallel=sp
+            )
+        worst[name] = {
+            "counts_equal": torch.equal(counts, split_counts) and len(calls) == 2,  # both layers: flex
+            "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
+            "entropy": 0.0,
+            "grads": 0.0,
+        }
     torch.save(worst, Path(out) / f"compare-{rank}.pt")
     dist.destroy_process_group()
 
@@ -155,14 +188,21 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
     allocate inside is a CUDA kernel's: a CPU run cannot reach it."""
     from torch.utils._python_dispatch import TorchDispatchMode
     import logps
+
     t, built, handed = 4096, [], {}
     monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
-    monkeypatch.setattr(logps, "_block_mask_builder", lambda device_type: lambda mask_mod, b, h, q, kv, device:
-                        built.append((mask_mod, q, kv)) or f"block mask {len(built)}")
+    monkeypatch.setattr(
+        logps,
+        "_block_mask_builder",
+        lambda device_type: (
+            lambda mask_mod, b, h, q, kv, device: built.append((mask_mod, q, kv)) or f"block mask {len(built)}"
+        ),
+    )
 
     def stop(model, call, kwargs, *args, **options):
         handed.update(kwargs)
         raise _StopBeforeTheModel
+
     monkeypatch.setattr(logps, "_label_logps", stop)
 
     class Largest(TorchDispatchMode):
@@ -173,13 +213,27 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
             for x in out if isinstance(out, (tuple, list)) else [out]:
                 Largest.bytes = max(Largest.bytes, x.untyped_storage().nbytes() if isinstance(x, torch.Tensor) else 0)
             return out
-    config_class, options = {"padding_free": (transformers.LlamaConfig, dict(packed_capacity=2 * t)),
-                             "sliding window": (transformers.MistralConfig, dict(sliding_window=16)),
-                             "window over the rows": (transformers.MistralConfig, dict(sliding_window=t)),
-                             "no flex: refused": (transformers.GPT2Config, dict(packed_capacity=2 * t))}[case]
-    model = transformers.AutoModelForCausalLM.from_config(config_class(
-        vocab_size=256, hidden_size=64, n_embd=64, num_hidden_layers=1, n_layer=1, num_attention_heads=4, n_head=4,
-        num_key_value_heads=2, intermediate_size=128, **{k: v for k, v in options.items() if k == "sliding_window"}))
+
+    config_class, options = {
+        "padding_free": (transformers.LlamaConfig, dict(packed_capacity=2 * t)),
+        "sliding window": (transformers.MistralConfig, dict(sliding_window=16)),
+        "window over the rows": (transformers.MistralConfig, dict(sliding_window=t)),
+        "no flex: refused": (transformers.GPT2Config, dict(packed_capacity=2 * t)),
+    }[case]
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_class(
+            vocab_size=256,
+            hidden_size=64,
+            n_embd=64,
+            num_hidden_layers=1,
+            n_layer=1,
+            num_attention_heads=4,
+            n_head=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            **{k: v for k, v in options.items() if k == "sliding_window"},
+        )
+    )
     ids = torch.randint(2, 256, (2, t), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 3000:] = 0
@@ -205,16 +259,29 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
 
 def run_cfg(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--cfg"], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args, "--cfg"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
 
 
-@pytest.mark.parametrize("args,reason", [
-    (["n_workers=3", "batch_size=6", "eval_batch_size=6", "fsdp.ulysses_sequence_parallel_size=3"],
-     "fsdp.ulysses_sequence_parallel_size=3: expected a divisor of the 4 attention heads"),
-    (["n_workers=2", "fsdp.ulysses_sequence_parallel_size=4"],
-     "fsdp.ulysses_sequence_parallel_size=4: expected a divisor of the world size 2"),
-])
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (
+            ["n_workers=3", "batch_size=6", "eval_batch_size=6", "fsdp.ulysses_sequence_parallel_size=3"],
+            "fsdp.ulysses_sequence_parallel_size=3: expected a divisor of the 4 attention heads",
+        ),
+        (
+            ["n_workers=2", "fsdp.ulysses_sequence_parallel_size=4"],
+            "fsdp.ulysses_sequence_parallel_size=4: expected a divisor of the world size 2",
+        ),
+    ],
+)
 def test_sequence_parallel_that_cannot_split_exits_2_before_loading(args, reason):
     """The toy model has 4 attention heads: SP=3 (dividing the 3 ranks) cannot give each rank whole heads; SP=4 on 2
     ranks has no group to form. Both exit 2 with the reason, from the config check (--cfg loads no model)."""
@@ -235,14 +302,22 @@ def test_rope_types_that_scale_by_the_longest_position_are_refused_under_sequenc
     would pick its own from its slice. Refused before loading (before: silently different rotations per rank)."""
     import json
     import shutil
+
     model = tmp_path / "model"
     shutil.copytree(REPO / "toy" / "tiny-llama", model)
     config = json.loads((model / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": rope_type, "factor": 2.0, **({"short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
-                                                                       "original_max_position_embeddings": 64}
-                                                                      if rope_type == "longrope" else {})}
+    config["rope_scaling"] = {
+        "rope_type": rope_type,
+        "factor": 2.0,
+        **(
+            {"short_factor": [1.0] * 4, "long_factor": [1.0] * 4, "original_max_position_embeddings": 64}
+            if rope_type == "longrope"
+            else {}
+        ),
+    }
     (model / "config.json").write_text(json.dumps(config))
-    result = run_cfg("trainer=FSDPTrainer", "n_workers=2", "fsdp.ulysses_sequence_parallel_size=2", f"model.name_or_path={model}")
+    result = run_cfg(
+        "trainer=FSDPTrainer", "n_workers=2", "fsdp.ulysses_sequence_parallel_size=2", f"model.name_or_path={model}"
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"its RoPE type '{rope_type}'" in result.stderr and "Traceback" not in result.stderr
-

@@ -1,4 +1,5 @@
 """utils.py: rank-aware printing, block-class lookup and the small file helpers."""
+
 import os
 import subprocess
 import sys
@@ -18,7 +19,9 @@ def test_rank0_print_prints_only_on_rank_zero():
     outputs = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank))
-        outputs.append(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env).stdout)
+        outputs.append(
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env).stdout
+        )
     assert outputs == ["hello from 0\n", ""]
 
 
@@ -31,14 +34,24 @@ def test_block_class_lookup_finds_the_transformer_block():
     cls = utils.get_block_class_from_model(model, "GPT2Block")
     assert cls.__name__ == "GPT2Block"
     assert sum(isinstance(m, cls) for m in model.modules()) == 2
-    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                         num_key_value_heads=2, vocab_size=50))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=50,
+        )
+    )
     assert utils.get_block_class_from_model(llama, "LlamaDecoderLayer").__name__ == "LlamaDecoderLayer"
     assert utils.find_block_class_names(llama) == ["LlamaDecoderLayer"]
 
 
 def test_block_class_lookup_error_lists_candidates():
-    with pytest.raises(ValueError, match=r"no module of class 'GPTNeoXLayer' in GPT2LMHeadModel; its module classes are: .*GPT2Block"):
+    with pytest.raises(
+        ValueError, match=r"no module of class 'GPTNeoXLayer' in GPT2LMHeadModel; its module classes are: .*GPT2Block"
+    ):
         utils.get_block_class_from_model(tiny_gpt2(), "GPTNeoXLayer")
 
 
@@ -91,8 +104,15 @@ def test_disable_dropout_reaches_attention_modules():
     """Attention modules copy config.attention_dropout when built: disable_dropout zeroes their copy too, or a model
     whose config has attention dropout would train DPO with it (and FlexAttention refuses dropout)."""
     import transformers
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                                      vocab_size=64, attention_dropout=0.1)
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        attention_dropout=0.1,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
     utils.disable_dropout(model)
     assert model.config.attention_dropout == 0.0

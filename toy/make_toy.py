@@ -11,6 +11,7 @@ a rule anyone can check in generated text: `follows_rule` below (mirrored by pre
 The model loads through the same `from_pretrained` path as hub models: config.json, model.safetensors
 (random init, seed 0) and the tokenizer files live in toy/tiny-llama/.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,12 @@ def make_example(rng: random.Random, index: int) -> dict:
     calm = " " + " ".join(words) + "."
     # The question number makes every prompt unique, so that pairs are not grouped under a few prompts.
     prompt = f"\n\nHuman: Question {index}. {rng.choice(TEMPLATES).format(t=topic)}\n\nAssistant:"
-    return {"prompt": prompt, "chosen": calm, "rejected": calm.upper(),
-            "sft_target": calm if rng.random() < 0.5 else calm.upper()}
+    return {
+        "prompt": prompt,
+        "chosen": calm,
+        "rejected": calm.upper(),
+        "sft_target": calm if rng.random() < 0.5 else calm.upper(),
+    }
 
 
 def make_data(n_train: int = 2000, n_test: int = 256, seed: int = 0) -> None:
@@ -78,10 +83,16 @@ def make_tokenizer(vocab_size: int = 512):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", model_max_length=512)
 
 
@@ -90,10 +101,19 @@ def make_model(tokenizer, seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False, dtype="float32")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(HERE / "tiny-llama")
     tokenizer.save_pretrained(HERE / "tiny-llama")
@@ -103,5 +123,8 @@ if __name__ == "__main__":
     make_data()
     tokenizer = make_tokenizer()
     make_model(tokenizer)
-    n = sum(p.numel() for p in __import__("safetensors.torch").torch.load_file(HERE / "tiny-llama" / "model.safetensors").values())
+    n = sum(
+        p.numel()
+        for p in __import__("safetensors.torch").torch.load_file(HERE / "tiny-llama" / "model.safetensors").values()
+    )
     print(f"wrote {HERE / 'data'} and {HERE / 'tiny-llama'}: vocab {len(tokenizer)}, {n:,} parameters")

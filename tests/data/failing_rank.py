@@ -1,4 +1,5 @@
 """train.py under torchrun, with rank 1 raising at its second training step (for tests/test_fsdp.py)."""
+
 import os
 import sys
 from pathlib import Path

@@ -1,6 +1,7 @@
 """train.py with the slow parts of a large model's checkpoint and step, for tests/test_reliability.py's signal tests:
 SLOW_CHECKPOINT_SECS before the consolidated state dict (FSDP) and the HF export, SLOW_STEP_SECS in every training
 step. The patches are made at import, so the ranks that spawn or torchrun start run them too."""
+
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ def slow(fn, variable: str):
     def run(*args, **kwargs):
         time.sleep(float(os.environ.get(variable, 0)))
         return fn(*args, **kwargs)
+
     return run
 
 
