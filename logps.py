@@ -640,16 +640,11 @@ def routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 
 
 @contextlib.contextmanager
-def _router_logits(model: Optional[nn.Module]):
-    """A list that each router of `model` (None: none) appends its logits (tokens, E) to during the forward inside.
-    The hooks go before backward: a checkpointed block's recomputation appends nothing."""
-    found, hooks = (
-        [],
-        [
-            m.register_forward_hook(lambda _m, _a, out, i=i: found.append(out[i]))
-            for m, i in (routers(model) if model is not None else [])
-        ],
-    )
+def _router_logits(model: nn.Module):
+    """A list that each router of `model` appends its logits (tokens, E) to during the forward inside. The hooks go
+    before backward: a checkpointed block's recomputation appends nothing."""
+    found = []
+    hooks = [m.register_forward_hook(lambda _m, _a, out, i=i: found.append(out[i])) for m, i in routers(model)]
     try:
         yield found
     finally:
@@ -812,7 +807,7 @@ def _score(
         kwargs["attention_mask"] = packed_attention_mask(
             kwargs["attention_mask"], model.config, kwargs["position_ids"] if prefix_sharing else None
         )
-    with _router_logits(model if routing else None) as routed:
+    with _router_logits(model) if routing else contextlib.nullcontext([]) as routed:
         logps, token_entropy, token_sq, scored = _label_logps(
             model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq
         )

@@ -253,7 +253,7 @@ class BasicTrainer:
                 entropy_grad=entropy_grad,
                 per_token=ld,
                 sum_sq=c.loss.wpo,
-                routing=True,
+                routing=expert_share(unwrap(self.policy).config) < 1,  # a mixture of experts: its routers logged
                 routing_grad=router > 0,
                 **self.forward_options(entropy_grad),
             )
