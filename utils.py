@@ -50,13 +50,24 @@ def find_block_class_names(model: torch.nn.Module) -> list[str]:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Every dropout probability to 0: DPO's log-ratios must be deterministic functions of the weights."""
+    """Every dropout probability (and a router's input noise) to 0: DPO's log-ratios must be deterministic functions
+    of the weights."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):  # attention copies config.attention_dropout
             module.attention_dropout = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if isinstance(getattr(module, "jitter_noise", None), float):  # Mixtral, PhiMoE, MiniMax: noise on router inputs
+            module.jitter_noise = 0.0
+    for key in (
+        "attention_dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "dropout",
+        "router_jitter_noise",
+    ):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import utils
 
@@ -117,3 +117,23 @@ def test_disable_dropout_reaches_attention_modules():
     utils.disable_dropout(model)
     assert model.config.attention_dropout == 0.0
     assert [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")] == [0.0]
+
+
+def test_disable_dropout_stops_a_routers_input_noise():
+    """Mixtral multiplies the router's input by uniform noise in training mode (router_jitter_noise): two forwards of
+    the same weights differ until disable_dropout zeroes it."""
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.5,
+    )
+    model, ids = MixtralForCausalLM(config).train(), torch.arange(16).view(1, 16)
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    utils.disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits) and model.config.router_jitter_noise == 0.0
