@@ -28,7 +28,7 @@ import ulysses
 from config import ConfigError
 from sharding import unwrap
 from trainers import CheckpointError, sampling_seed, stop_on_signals
-from utils import atomic_write_text, broadcast_object, rank0_print
+from utils import atomic_write_text, broadcast_object, file_sha256, rank0_print
 
 # round r, group g samples from sampling_seed(seed, STREAM + r, g): past any pairs count, so never evaluation's stream
 STREAM = 1 << 40
@@ -251,11 +251,8 @@ def reward_model(path: str, c, device):
     remote = c.model.trust_remote_code  # the policy's setting: off unless asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, truncation_side="left", trust_remote_code=remote)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = (
-        transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
-        .to(device)
-        .eval()
-    )
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
+    model = model.to(device).eval()
     model.config.pad_token_id = tokenizer.pad_token_id  # it scores the last token before the padding
     options = dict(return_tensors="pt", padding=True, truncation=True, max_length=c.max_length)
     chat = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)  # a chat prompt: its template
@@ -263,11 +260,9 @@ def reward_model(path: str, c, device):
     @torch.no_grad()
     def score(prompts: list, completions: list[str]) -> list[float]:
         texts = [p + x if isinstance(p, str) else chat(p + [assistant(x)]) for p, x in zip(prompts, completions)]
-        out = []
-        for s in range(0, len(texts), c.eval_batch_size):
-            batch = tokenizer(texts[s : s + c.eval_batch_size], **options).to(device)
-            out += model(**batch).logits[:, 0].float().tolist()
-        return out
+        step = c.eval_batch_size
+        batches = [tokenizer(texts[s : s + step], **options) for s in range(0, len(texts), step)]
+        return [v for b in batches for v in model(**b.to(device)).logits[:, 0].float().tolist()]
 
     return score
 
@@ -276,8 +271,9 @@ def checked(name: str, score, prompts: list, completions: list[str]) -> list[flo
     """The scorer's output as floats: one finite number per completion, else a ConfigError naming the scorer."""
     out = score(prompts, completions) if completions else []
     out = out.tolist() if hasattr(out, "tolist") else out  # a tensor or an array
-    problem = f"returned {len(out)} scores" if isinstance(out, (list, tuple)) else f"returned {type(out).__name__}"
-    if isinstance(out, (list, tuple)) and len(out) == len(completions):
+    is_list = isinstance(out, (list, tuple))
+    problem = f"returned {len(out)} scores" if is_list else f"returned {type(out).__name__}"
+    if is_list and len(out) == len(completions):
         number = lambda v: isinstance(v, numbers.Real) and math.isfinite(v)
         problem = next((f"returned {v!r} for completion {i}" for i, v in enumerate(out) if not number(v)), None)
     if problem:
@@ -298,8 +294,3 @@ def record(c) -> dict:
         scorer["sha256"] = {str(p.relative_to(arg)): file_sha256(p) for p in files}
     seeds = f"round r, group g: trainers.sampling_seed({c.seed}, {STREAM} + r, g)"
     return {"settings": c.online.to_dict(), "seeds": seeds, "scorer": scorer}
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()

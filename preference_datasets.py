@@ -42,7 +42,7 @@ import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-from utils import data_options
+from utils import data_options, file_sha256
 
 CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
 MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: comparisons grow as O(n^2) in a post's answers (the SHP authors' advice)
@@ -669,8 +669,7 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
         rows = source.fetch(split, cache_dir)
         content = origin = "hub:" + str(getattr(rows, "_fingerprint", None) or _sha256(list(rows)))
     else:
-        with open(path, "rb") as f:
-            content, origin = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest(), str(path)
+        content, origin = "sha256:" + file_sha256(path), str(path)
     key = _sha256([asdict(opts), CODE_VERSION, name, split, content, tokenizer_fp, MAX_PAIRS_PER_PROMPT])
 
     def build(file: Path | None) -> Split:

@@ -46,6 +46,7 @@ from utils import (
     all_gather_object,
     atomic_write_text,
     broadcast_object,
+    file_sha256,
     dtype_of,
     first_usable_dir,
     formatted_dict,
@@ -986,10 +987,8 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
             problems.append(f"{name}: missing")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
-        elif hashes and name in sums:
-            with open(path, "rb") as f:
-                if hashlib.file_digest(f, "sha256").hexdigest() != sums[name]:
-                    problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
+        elif hashes and name in sums and file_sha256(path) != sums[name]:
+            problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
     if problems:
         raise CheckpointError(
             f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "

@@ -1,6 +1,7 @@
 """Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, the
 data options a split is read with, and the few distributed helpers (sharding.py and ulysses.py hold the rest)."""
 
+import hashlib
 import os
 import random
 import socket
@@ -143,6 +144,12 @@ def data_options(cfg, split: str) -> dict:
         pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
         drop_identical_pairs=cfg.drop_identical_pairs,
     )
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256 (hex), read as a stream: never held whole."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def atomic_write_text(path: Path, text: str) -> None:
