@@ -24,6 +24,7 @@ import tqdm
 from torch.nn.utils.rnn import pad_sequence
 
 import preference_datasets as data
+import self_check
 import ulysses
 from config import ConfigError
 from sharding import unwrap
@@ -48,6 +49,7 @@ def train(t) -> None:
     t.build_optimizer()
     t.log.start(t.checkpoints.resume())
     t.sharding.barrier()
+    self_check.run(t)  # on the datasets' training pairs: the head, layout and reference are the round pairs' too
     resumed_at = t.example_counter if c.resume_from else None
     t.loop_start, done = (time.time(), t.example_counter), 0  # done: the steps of the rounds before this one
     bar = tqdm.tqdm(total=t.total_steps, initial=t.batch_counter, unit="step", disable=not t.bars, dynamic_ncols=True)

@@ -106,6 +106,7 @@ def test_two_rounds_write_their_pair_files_and_train_on_them(online_run):
         assert online.finished_round(run_dir / "rounds" / str(r))["pairs"] == len(rows)  # round.json's sha256 matches
         assert f"round {r}: mean score" in result.stdout and f"{len(rows)} pairs of 16 prompts" in result.stdout
         steps += len(rows) // 8
+    assert json.loads((run_dir / "self_check.json").read_text())["passed"]  # checked before its first round
     logged = records(run_dir)
     assert sum("loss/train" in rec for rec in logged) == steps == 4  # one pass over each round, 8 pairs a step
     rounds = [rec for rec in logged if "online/round" in rec]
