@@ -43,7 +43,8 @@ DEVICES = {
     "A100": (312.0, 19.5, 80),
     "A100-40GB": (312.0, 19.5, 40),
     "L40S": (362.0, 91.6, 48),
-    "A10": (125.0, 31.2, 24),
+    "A10": (125.0, 31.2, 24),  # A10G too: the name is matched as a substring of the device's (trainers' MFU)
+    "L4": (121.0, 30.3, 24),
 }
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
 USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest

@@ -40,6 +40,7 @@ import preference_datasets as data
 import self_check
 import ulysses
 from config import flatten, loss_registry
+from estimate import DEVICES
 from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
 from utils import (
@@ -58,8 +59,6 @@ from utils import (
 )
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
-# Dense bf16 matmul peak TFLOP/s (vendors' datasheets) that throughput/mfu divides by; peak_tflops wins.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
     "AdamW": lambda params, cfg: torch.optim.AdamW(
@@ -195,7 +194,9 @@ class BasicTrainer:
                 f"{share:g}: top-k of the experts run per token); memory holds all of them"
             )
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        self.peak_flops = 1e12 * (c.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0.0))
+        # throughput/mfu divides by the device's dense bf16 peak (estimate.DEVICES, datasheets); peak_tflops wins
+        peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
+        self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
         ranks = (
             f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"

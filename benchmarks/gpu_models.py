@@ -113,7 +113,7 @@ def build(out: Path, size: str) -> None:
 
 def summarize(run_dir: Path) -> int:
     """Median pairs/s and MFU over the training steps after the first (warm-up, compilation, allocator). train.py
-    logs throughput/mfu only with peak_tflops or on a GPU in trainers.PEAK_TFLOPS: otherwise MFU is "-"."""
+    logs throughput/mfu only with peak_tflops or on a GPU in estimate.DEVICES: otherwise MFU is "-"."""
     path = run_dir / "metrics.jsonl"
     steps = (
         [r for r in map(json.loads, path.read_text().splitlines()) if "throughput/pairs_per_second" in r]
