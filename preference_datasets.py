@@ -42,7 +42,7 @@ import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-from utils import data_options, file_sha256
+from utils import data_options, file_sha256, hub_offline
 
 CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
 MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: comparisons grow as O(n^2) in a post's answers (the SHP authors' advice)
@@ -204,9 +204,7 @@ def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | Non
     try:
         dataset = datasets.load_dataset(hub_id, split=hub_split, cache_dir=cache_dir)
     except Exception as e:  # the library raises ConnectionError, FileNotFoundError, ValueError, ... by case
-        offline = any(
-            os.getenv(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-        )
+        offline = hub_offline()
         raise DataError(
             f"dataset {hub_id!r} (split {hub_split!r}) "
             + (

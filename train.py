@@ -196,9 +196,7 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
     hub = [n for n in names if not Path(resolve_local(n)).exists()] + [
         d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None
     ]
-    if not hub or any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    ):
+    if not hub or utils.hub_offline():
         return
     try:
         socket.create_connection(("huggingface.co", 443), timeout=3).close()

@@ -146,6 +146,13 @@ def data_options(cfg, split: str) -> dict:
     )
 
 
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set to a true value, as the Hugging Face libraries read them."""
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
 def file_sha256(path: Path) -> str:
     """The file's sha256 (hex), read as a stream: never held whole."""
     with open(path, "rb") as f:
