@@ -131,6 +131,12 @@ class FSDPEngineConfig(EngineConfig):
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
 
+    def mixed_precision_dtypes(self) -> Optional[dict[str, str]]:
+        """mixed_precision with its defaults: param_dtype (the compute dtype) `dtype`, reduce_dtype and buffer_dtype
+        fp32 (as verl: gradients summed in bf16 lose bits, rotary tables rounded to bf16 shift every angle); None: off."""
+        mp = self.mixed_precision
+        return None if mp is None else {"param_dtype": self.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32", **mp}
+
 
 @dataclasses.dataclass
 class WandbConfig(BaseConfig):
@@ -926,7 +932,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     names, lora, tau, sp = c.loss_names, c.lora.r, c.ref_update.tau, c.fsdp.ulysses_sequence_parallel_size
     fp16 = {
         "fsdp.model_dtype": c.fsdp.model_dtype,
-        "fsdp.mixed_precision.param_dtype": mp and mp.get("param_dtype", c.fsdp.dtype),
+        "fsdp.mixed_precision.param_dtype": (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype"),
     }
     batch_level, kto = (
         [n for n in names if _flag(n, "batch_statistics")],

@@ -200,10 +200,10 @@ def lora_linears(cfg, g: Geometry) -> list:
 def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
     """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute
     (every spelling validated by config.py)."""
-    mp, size = cfg.fsdp.mixed_precision or {}, lambda name: DTYPE_BYTES[config.DTYPES[name]]  # noqa: E731
+    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: DTYPE_BYTES[config.DTYPES[name]]  # noqa: E731
     w = size(cfg.fsdp.model_dtype)
-    c = size(mp.get("param_dtype", cfg.fsdp.dtype)) if mp else w
-    r = size(mp.get("reduce_dtype", "fp32")) if mp else w
+    c = size(mp["param_dtype"]) if mp else w
+    r = size(mp["reduce_dtype"]) if mp else w
     ref_w = size(cfg.model.reference_dtype or cfg.fsdp.model_dtype)  # null: the policy's
     ref_mp = cfg.model.reference_mixed_precision  # null: mixed precision whenever the policy's
     return w, c, r, ref_w, c if (bool(mp) if ref_mp is None else ref_mp) else ref_w

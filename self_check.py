@@ -171,8 +171,8 @@ def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> 
 
 def compute_dtype(c, mixed: bool, weights: str) -> torch.dtype:
     """The dtype a model computes in: fsdp.mixed_precision's param_dtype where it applies, else its weights'."""
-    mp = c.fsdp.mixed_precision
-    return dtype_of(mp.get("param_dtype", c.fsdp.dtype)) if mixed and mp is not None else dtype_of(weights)
+    mp = c.fsdp.mixed_precision_dtypes()
+    return dtype_of(mp["param_dtype"] if mixed and mp is not None else weights)
 
 
 def difference(a: SequenceLogps, b: SequenceLogps) -> float:

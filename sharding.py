@@ -180,18 +180,9 @@ class Sharded(OneProcess):
         )
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
-        """fsdp.mixed_precision as dtypes: param_dtype defaults to fsdp.dtype, reduce_dtype and buffer_dtype to fp32
-        (as verl): gradients summed in bf16 lose bits, and rotary tables rounded to bf16 shift every angle."""
-        mp = self.fsdp.mixed_precision
-        return (
-            None
-            if mp is None
-            else {
-                "param_dtype": dtype_of(mp.get("param_dtype", self.fsdp.dtype)),
-                "reduce_dtype": dtype_of(mp.get("reduce_dtype", "fp32")),
-                "buffer_dtype": dtype_of(mp.get("buffer_dtype", "fp32")),
-            }
-        )
+        """fsdp.mixed_precision as torch dtypes (config.FSDPEngineConfig.mixed_precision_dtypes: its defaults)."""
+        names = self.fsdp.mixed_precision_dtypes()
+        return None if names is None else {k: dtype_of(v) for k, v in names.items()}
 
     def input_device(self, model: nn.Module) -> torch.device:
         return self.device

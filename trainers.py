@@ -235,10 +235,10 @@ class BasicTrainer:
 
     def autocast(self):
         """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
-        mp = self.config.fsdp.mixed_precision
+        mp = self.config.fsdp.mixed_precision_dtypes()
         if mp is None or not self.sharding.autocasts:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype_of(mp.get("param_dtype", self.config.fsdp.dtype)))
+        return torch.autocast(self.device.type, dtype=dtype_of(mp["param_dtype"]))
 
     def batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss of `batch` and its per-example metrics, named as the original (`rewards_train/chosen`)."""
