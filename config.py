@@ -478,6 +478,13 @@ class Config(BaseConfig):
     online: OnlineConfig = param(OnlineConfig(), "semi-online DPO: pairs sampled from the policy and scored, in rounds")
 
     @property
+    def reference_mixed(self) -> bool:
+        """Whether the reference computes under fsdp.mixed_precision: model.reference_mixed_precision, and when null
+        whenever the policy does (then both compute alike, and policy = reference gives exactly ln 2 at step 0)."""
+        chosen = self.model.reference_mixed_precision
+        return self.fsdp.mixed_precision is not None if chosen is None else chosen
+
+    @property
     def loss_names(self) -> list:
         return [self.loss.name] if isinstance(self.loss.name, str) else list(self.loss.name)
 

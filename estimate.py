@@ -205,8 +205,7 @@ def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
     c = size(mp["param_dtype"]) if mp else w
     r = size(mp["reduce_dtype"]) if mp else w
     ref_w = size(cfg.model.reference_dtype or cfg.fsdp.model_dtype)  # null: the policy's
-    ref_mp = cfg.model.reference_mixed_precision  # null: mixed precision whenever the policy's
-    return w, c, r, ref_w, c if (bool(mp) if ref_mp is None else ref_mp) else ref_w
+    return w, c, r, ref_w, c if mp and cfg.reference_mixed else ref_w
 
 
 def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense: bool) -> dict:

@@ -119,7 +119,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         utils.disable_dropout(model)
         return model
 
-    mixed = cfg.fsdp.mixed_precision and trainers.reference_mixed_precision(cfg)  # the reference's; the policy's is
+    mixed = cfg.fsdp.mixed_precision and cfg.reference_mixed  # the reference's; the policy's is
     utils.rank0_print(
         f"loading policy {path} in {cfg.fsdp.model_dtype}"  # fsdp.mixed_precision alone
         + (f", computing in {cfg.model.fsdp_policy_mp}" if cfg.fsdp.mixed_precision else "")

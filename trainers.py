@@ -602,7 +602,7 @@ class Reference:
         self.model = (
             trainer.policy if self.lora and losses.needs_reference(c.loss_names, c.loss.reference_free) else model
         )
-        self.mixed = reference_mixed_precision(c)
+        self.mixed = c.reference_mixed
 
     def context(self):
         """Entered around every use of the model: under LoRA it is the policy, with its adapters off."""
@@ -798,13 +798,6 @@ def beta_dpo_step(t: BasicTrainer, kwargs: dict, split: str) -> dict:
     t.beta_dpo_running = running if train else t.beta_dpo_running
     kwargs.update(keep=keep, beta_batch=beta)
     return {"beta_dpo/beta": torch.full_like(keep, beta, dtype=torch.float), "beta_dpo/kept": keep.float()}
-
-
-def reference_mixed_precision(config) -> bool:
-    """Whether the reference computes under fsdp.mixed_precision: model.reference_mixed_precision, and when null
-    whenever the policy does (then both compute alike, and policy = reference gives exactly ln 2 at step 0)."""
-    chosen = config.model.reference_mixed_precision
-    return config.fsdp.mixed_precision is not None if chosen is None else chosen
 
 
 # --- Checkpoints ---
@@ -1251,8 +1244,6 @@ class FSDPTrainer(BasicTrainer):
         policy = self.sharding.shard(
             policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward
         )
-        if reference_model is not None:  # in its own compute dtype (reference_mixed_precision)
-            reference_model = self.sharding.shard(
-                reference_model, False, mixed_precision=reference_mixed_precision(config)
-            )
+        if reference_model is not None:  # in its own compute dtype (config.reference_mixed)
+            reference_model = self.sharding.shard(reference_model, False, mixed_precision=config.reference_mixed)
         super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer, splits)
