@@ -235,10 +235,11 @@ class BasicTrainer:
 
     def autocast(self):
         """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
-        mp = self.config.fsdp.mixed_precision_dtypes()
-        if mp is None or not self.sharding.autocasts:
+        if self.config.fsdp.mixed_precision is None or not self.sharding.autocasts:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype_of(mp["param_dtype"]))
+        return torch.autocast(
+            self.device.type, dtype=dtype_of(self.config.fsdp.mixed_precision_dtypes()["param_dtype"])
+        )
 
     def batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss of `batch` and its per-example metrics, named as the original (`rewards_train/chosen`)."""
