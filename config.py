@@ -133,7 +133,8 @@ class FSDPEngineConfig(EngineConfig):
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, str]]:
         """mixed_precision with its defaults: param_dtype (the compute dtype) `dtype`, reduce_dtype and buffer_dtype
-        fp32 (as verl: gradients summed in bf16 lose bits, rotary tables rounded to bf16 shift every angle); None: off."""
+        fp32 (as verl: gradients summed in bf16 lose bits, rotary tables rounded to bf16 shift every angle); None:
+        no mixed precision."""
         mp = self.mixed_precision
         return None if mp is None else {"param_dtype": self.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32", **mp}
 
