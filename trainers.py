@@ -187,7 +187,13 @@ class BasicTrainer:
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference (N counted before any sharding)
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * (getattr(self, "n_params", None) or flops_params(policy))
-        if (share := expert_share(unwrap(policy).config)) < 1:
+        model_config, setting = unwrap(policy).config, c.loss.router_aux_loss
+        # a mixture of experts: its routers logged; loss.router_aux_loss as a number (null 0, off; model: the model
+        # config's router_aux_loss_coef, which train.py checked exists)
+        share = expert_share(model_config)
+        self.routed = share < 1
+        self.router_coef = float(model_config.router_aux_loss_coef if setting == "model" else setting or 0.0)
+        if self.routed:
             active = self.flops_per_token // (6 + 2 * online)
             rank0_print(
                 f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
@@ -247,7 +253,6 @@ class BasicTrainer:
         n, paired, c = batch["chosen_input_ids"].size(0), "rejected_input_ids" in batch, self.config
         entropy_grad = bool(c.loss.entropy_coeff)
         ld = c.loss.ld_alpha != 1  # the loss modifiers that need more than sums: LD-DPO's tokens, WPO's statistic
-        router = router_aux_coef(c.loss.router_aux_loss, unwrap(self.policy).config)  # a mixture of experts' balance
         with self.autocast():
             out = forward_logps(
                 self.policy,
@@ -256,8 +261,8 @@ class BasicTrainer:
                 entropy_grad=entropy_grad,
                 per_token=ld,
                 sum_sq=c.loss.wpo,
-                routing=expert_share(unwrap(self.policy).config) < 1,  # a mixture of experts: its routers logged
-                routing_grad=router > 0,
+                routing=self.routed,
+                routing_grad=self.router_coef > 0,
                 **self.forward_options(entropy_grad),
             )
         sums, counts, entropy, routing = *out[:3], out.routing
@@ -296,7 +301,7 @@ class BasicTrainer:
             aux = losses.load_balancing_loss(routing)
             aux = (aux[:n] + aux[n:]) / 2 if paired else aux
             metrics["router_aux_loss"] = aux.detach()
-            loss = loss + router * aux.mean() if router else loss
+            loss = loss + self.router_coef * aux.mean() if self.router_coef else loss
         return loss, {split_name(k, split): v for k, v in metrics.items()}
 
     def step_statistics(self, batch: dict) -> dict:
@@ -1079,12 +1084,6 @@ def expert_share(config) -> float:
     k = getattr(config, "num_experts_per_tok", None)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     return k / experts if k and experts else 1.0
-
-
-def router_aux_coef(setting, model_config) -> float:
-    """loss.router_aux_loss as a number: null 0 (off), model the model config's router_aux_loss_coef (train.py refused
-    it where there is none)."""
-    return float(model_config.router_aux_loss_coef if setting == "model" else setting or 0.0)
 
 
 def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
