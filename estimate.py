@@ -78,8 +78,11 @@ Geometry = namedtuple(
 Saved = namedtuple("Saved", "compute fp32 stream norm_grad copies repeat_kv")
 
 
-class EstimateError(ValueError):
-    """A config.json or a config the estimator cannot read, or a device it does not know."""
+class EstimateError(config.ConfigError):
+    """A config.json or a config the estimator cannot read, or a device it does not know: bad input, exit code 2."""
+
+    def __init__(self, message: str):
+        super().__init__([message])
 
 
 def geometry(config: dict) -> Geometry:

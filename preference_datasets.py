@@ -42,7 +42,7 @@ import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-from utils import data_options, file_sha256, hub_offline
+from utils import file_sha256, first_usable_dir, hub_offline
 
 CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
 MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: comparisons grow as O(n^2) in a post's answers (the SHP authors' advice)
@@ -697,8 +697,8 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
 
 def load_tokenized(
     names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None, tokenizer_fp: str = "", **options
-) -> tuple[Split, list[SourceStats]]:
-    """Every source tokenized (cached in cache_dir), concatenated: (the split, one SourceStats per source: printed by
+) -> Split:
+    """Every source tokenized (cached in cache_dir), concatenated, with one SourceStats per source (printed by
     dataset_summary)."""
     opts, parts, keys = LoadOptions(**options), [], {}
     if tokenizer.eos_token_id is None:
@@ -707,13 +707,12 @@ def load_tokenized(
     for name in names:
         keys[name], build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
         parts.append(_cached(Path(cache_dir), f"{name}-{split}", keys[name], build) if cache_dir else build(None))
-    loaded = Split(
+    return Split(
         pa.concat_tables([part.table for part in parts]),
         [s for part in parts for s in part.stats],
         keys,
         np.concatenate([part.lengths for part in parts], axis=1),
     )
-    return loaded, loaded.stats
 
 
 def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]) -> Split:
@@ -754,11 +753,26 @@ def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]
 
 
 def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:
-    """{'train': ..., 'test': ...} as the run reads them (utils.data_options), the tokenizer fingerprinted once:
-    loaded once per rank and handed on to the checks, the trainer and the manifest."""
-    fp, splits = tokenizer_fingerprint(tokenizer), {}
+    """{'train': ..., 'test': ...} as the run reads them, the tokenizer fingerprinted once: loaded once per rank and
+    handed on to the checks, the trainer and the manifest. KTO reads labelled completions; with pairs_to_unpaired,
+    training splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
+    fp, cache_dir, splits = tokenizer_fingerprint(tokenizer), str(first_usable_dir(cfg.local_dirs) / "datasets"), {}
     for split in ("train", "test"):
-        splits[split], _ = load_tokenized(cfg.datasets, tokenizer, split, tokenizer_fp=fp, **data_options(cfg, split))
+        unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
+        splits[split] = load_tokenized(
+            cfg.datasets,
+            tokenizer,
+            split,
+            cache_dir=cache_dir,
+            tokenizer_fp=fp,
+            max_length=cfg.max_length,
+            max_prompt_length=cfg.max_prompt_length,
+            truncation_mode=cfg.truncation_mode,
+            sft_mode=set(cfg.loss_names) == {"sft"},
+            unpaired=unpaired,
+            pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
+            drop_identical_pairs=cfg.drop_identical_pairs,
+        )
     return splits
 
 

@@ -46,7 +46,6 @@ if __name__ == "__main__":  # before the imports below: they take seconds (torch
 
 import torch  # noqa: E402
 
-import estimate  # noqa: E402
 import logps  # noqa: E402
 import losses  # noqa: E402
 import preference_datasets as data  # noqa: E402
@@ -139,30 +138,33 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
             f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else "")
         )
     if cfg.lora.r is not None:
-        import peft  # optional: check_inputs refused lora.r without it, before any model loaded
-
-        lora = cfg.lora
-        with (
-            warnings.catch_warnings()
-        ):  # peft asks transformers a deprecated question on every run: not the user's to fix
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            policy = peft.get_peft_model(
-                policy,
-                peft.LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    bias="none",
-                    target_modules=lora.target_modules,
-                    task_type="CAUSAL_LM",
-                ),
-            )
-        utils.rank0_print(
-            f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
-            f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
-            f"{sum(p.numel() for p in policy.parameters())}"
-        )
+        policy = add_lora(cfg.lora, policy)
     return load_tokenizer(cfg), policy, reference
+
+
+def add_lora(lora, policy):
+    """The policy with peft's LoRA adapters (lora.r set); only they train."""
+    import peft  # optional: check_inputs refused lora.r without it, before any model loaded
+
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question on every run: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        policy = peft.get_peft_model(
+            policy,
+            peft.LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                bias="none",
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    utils.rank0_print(
+        f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
+        f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
+        f"{sum(p.numel() for p in policy.parameters())}"
+    )
+    return policy
 
 
 def load_archive(path: str, model) -> dict:
@@ -644,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
         if estimating:  # from config.json alone: no weights
+            import estimate  # only --estimate reads its tables
+
             print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size_of(cfg), gpu))
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
@@ -661,7 +665,6 @@ def main(argv: list[str] | None = None) -> int:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
     except (
         ConfigError,
-        estimate.EstimateError,
         data.DataError,
         FileExistsError,
         FileNotFoundError,

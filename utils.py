@@ -1,5 +1,5 @@
-"""Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, the
-data options a split is read with, and the few distributed helpers (sharding.py and ulysses.py hold the rest)."""
+"""Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, and the
+few distributed helpers (sharding.py and ulysses.py hold the rest)."""
 
 import hashlib
 import os
@@ -127,23 +127,6 @@ def get_local_run_dir(exp_name: str, local_dirs: Iterable[str]) -> Path:
     run_dir = first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S_%f')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
-
-
-def data_options(cfg, split: str) -> dict:
-    """The options preference_datasets reads a split with, built in this one place (the trainer, train.py's checks
-    and the run manifest read the same data). KTO reads labelled completions; with pairs_to_unpaired, training
-    splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
-    unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
-    return dict(
-        max_length=cfg.max_length,
-        max_prompt_length=cfg.max_prompt_length,
-        truncation_mode=cfg.truncation_mode,
-        sft_mode=set(cfg.loss_names) == {"sft"},
-        cache_dir=str(first_usable_dir(cfg.local_dirs) / "datasets"),
-        unpaired=unpaired,
-        pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
-        drop_identical_pairs=cfg.drop_identical_pairs,
-    )
 
 
 def hub_offline() -> bool:

@@ -287,7 +287,7 @@ def verify_our_batches(meta: dict, workdir: Path) -> str:
         tok = AutoTokenizer.from_pretrained(meta["model_dir"])
         for k, path in meta["data"].items():
             designed = [json.loads(line)["prompt"] for line in open(meta["data_in_step_order"][k])]
-            examples, _ = pd.load_tokenized(
+            examples = pd.load_tokenized(
                 [path],
                 tok,
                 "train",

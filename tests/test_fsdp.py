@@ -378,7 +378,7 @@ def kto_global_batch(tokenizer) -> dict:
     """The first 8 toy pairs turned unpaired, collated with their mismatched (KL) rows."""
     import preference_datasets as data
 
-    examples, _ = data.load_tokenized(
+    examples = data.load_tokenized(
         ["toy"], tokenizer, "train", max_length=64, max_prompt_length=32, unpaired=True, pairs_to_unpaired=True
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway

@@ -109,7 +109,7 @@ def hh_row(history: str, chosen: str, rejected: str) -> dict:
 def batch_iterator(path: str, tok, *, split: str = "train", **kw):
     """get_batch_iterator over a file tokenized as the trainer reads it (load options such as sft_mode go there)."""
     options = {f.name for f in dataclasses.fields(pd.LoadOptions)}
-    examples, _ = pd.load_tokenized([path], tok, split, **{k: v for k, v in kw.items() if k in options})
+    examples = pd.load_tokenized([path], tok, split, **{k: v for k, v in kw.items() if k in options})
     return pd.get_batch_iterator(examples, tok.pad_token_id, **{k: v for k, v in kw.items() if k not in options})
 
 
@@ -220,7 +220,8 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
 
 
 def load_one(path, tok, **kw):
-    (examples, (stats,)) = pd.load_tokenized([path], tok, "train", **kw)
+    examples = pd.load_tokenized([path], tok, "train", **kw)
+    (stats,) = examples.stats
     return examples, stats
 
 
@@ -333,7 +334,7 @@ def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tm
         {"prompt": "\n\nHuman: say hel", "chosen": "lo there", "rejected": " bye"},  # 'hel'+'lo' merges
         {"prompt": "\n\nHuman: Tell me about cats.\n\nAssistant:", "chosen": " cats purr.", "rejected": " cats nap."},
     ]
-    examples, _ = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train")
+    examples = pd.load_tokenized([write_jsonl(tmp_path / "p.jsonl", rows)], gpt2_tok, "train")
     for ex in examples:
         prompt_alone = gpt2_tok(ex.prompt, add_special_tokens=True)["input_ids"]
         for response in (ex.chosen_ids, ex.rejected_ids):
@@ -347,7 +348,7 @@ def test_prefix_property_holds_even_where_bpe_would_merge_across_the_boundary(tm
 def test_bos_exactly_once_for_llama_style_tokenizer(tmp_path, llama_tok):
     bos, eos = llama_tok.bos_token_id, llama_tok.eos_token_id
     assert pd.tokenizer_adds_bos(llama_tok)
-    examples, _ = pd.load_tokenized([str(REPO / "examples" / "pairs.jsonl")], llama_tok, "train")
+    examples = pd.load_tokenized([str(REPO / "examples" / "pairs.jsonl")], llama_tok, "train")
     batch = pd.collate(examples, pad_token_id=eos)
     for ex in examples:
         assert ex.prompt_ids[0] == bos and (ex.prompt_ids == bos).sum() == 1
@@ -366,7 +367,7 @@ def test_chat_file_bos_once_and_eos_once(tmp_path, chat_tok):
             {"role": "assistant", "content": "Go away"},
         ],
     }  # may repeat the prompt's messages
-    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train")
+    (ex,) = pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], chat_tok, "train")
     assert ex.prompt.startswith("<s><|system|>") and ex.prompt.endswith("<|assistant|>\n")
     assert ex.chosen == "Hello" and ex.rejected == "Go away"
     assert ex.prompt_ids[0] == chat_tok.bos_token_id and (ex.prompt_ids == chat_tok.bos_token_id).sum() == 1
@@ -413,7 +414,7 @@ def test_example_files_are_one_kind_each_and_the_chat_one_renders(chat_tok):
 
 def test_eos_text_inside_a_response_is_plain_text(tmp_path, gpt2_tok):
     rows = [{"prompt": "Q:", "chosen": " fine <|endoftext|> really", "rejected": " no"}]
-    (ex,), _ = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train")
+    (ex,) = pd.load_tokenized([write_jsonl(tmp_path / "e.jsonl", rows)], gpt2_tok, "train")
     eos = gpt2_tok.eos_token_id
     assert (ex.chosen_ids == eos).sum() == 1 and ex.chosen_ids[-1] == eos  # the appended EOS is the only one
 
@@ -436,7 +437,7 @@ def test_truncate_keep_start_and_keep_end_keep_bos():
 def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
     prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + "\n\nAssistant:"
     rows = [{"prompt": prompt, "chosen": " cats purr and nap " * 10, "rejected": " no."}]
-    (ex,), (stats,) = pd.load_tokenized(
+    examples = pd.load_tokenized(
         [write_jsonl(tmp_path / "t.jsonl", rows)],
         llama_tok,
         "train",
@@ -444,6 +445,7 @@ def test_truncation_modes_end_to_end(tmp_path, llama_tok, mode):
         max_prompt_length=16,
         truncation_mode=mode,
     )
+    (ex,), (stats,) = examples, examples.stats
     full = llama_tok(prompt)["input_ids"]
     assert len(ex.prompt_ids) == 16 and ex.prompt_ids[0] == llama_tok.bos_token_id
     expected = full[:16] if mode == "keep_start" else full[:1] + full[-15:]
@@ -461,9 +463,10 @@ def test_pairs_dropped_by_reason(tmp_path, gpt2_tok):
         {"prompt": "Q:", "chosen": same + " yes", "rejected": same + " no"},  # identical once cut
         {"prompt": "Q:", "chosen": " ok", "rejected": " not ok"},
     ]  # kept
-    examples, (stats,) = pd.load_tokenized(
+    examples = pd.load_tokenized(
         [write_jsonl(tmp_path / "d.jsonl", rows)], gpt2_tok, "train", max_length=16, max_prompt_length=8
     )
+    (stats,) = examples.stats
     assert [ex.chosen for ex in examples] == [" ok"]
     assert stats.dropped == {"chosen_equals_rejected": 1, "empty_response": 1, "identical_after_truncation": 1}
     assert (stats.kept, stats.prompts) == (1, 1)
@@ -744,7 +747,7 @@ def test_sample_batches_take_each_prompt_once(tmp_path, gpt2_tok):
     r = numbered_rows(4)
     rows = [r[0], dict(r[0], chosen=" other 0."), r[1], r[2], dict(r[2], rejected=" worse 2"), r[3]]
     path = write_jsonl(tmp_path / "repeats.jsonl", rows)
-    examples, _ = pd.load_tokenized([path], gpt2_tok, "test")
+    examples = pd.load_tokenized([path], gpt2_tok, "test")
     ((group, batch),) = pd.get_sample_batches(examples, gpt2_tok.pad_token_id, n_examples=3)
     assert group == 0 and batch["prompt"] == [f"\n\nHuman: question {i}?\n\nAssistant:" for i in range(3)]
 
@@ -755,13 +758,14 @@ def test_num_steps_matches_the_iterator_and_the_examples(tmp_path, gpt2_tok):
     assert pd.num_steps(100, batch_size=8, n_epochs=1, n_examples=1000) == 12  # whichever comes first
     assert len(list(pd.iter_batch_indices(100, batch_size=64, n_epochs=3))) == 3
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(9))
-    assert len(pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(tmp_path))[0]) == 9
+    assert len(pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(tmp_path))) == 9
 
 
 def test_json_list_file_loads(tmp_path, gpt2_tok):
     path = tmp_path / "pairs.json"
     path.write_text(json.dumps(numbered_rows(3)))
-    examples, (stats,) = pd.load_tokenized([str(path)], gpt2_tok, "train")
+    examples = pd.load_tokenized([str(path)], gpt2_tok, "train")
+    (stats,) = examples.stats
     assert [e.chosen for e in examples] == [" good answer 0.", " good answer 1.", " good answer 2."]
 
 
@@ -787,14 +791,16 @@ def test_cache_hit_on_second_load_and_invalidated_by_max_length_and_content(tmp_
     path = tmp_path / "n.jsonl"
     write_jsonl(path, numbered_rows(6))
     load = lambda **kw: pd.load_tokenized([str(path)], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"), **kw)
-    first, (s1,) = load()
-    second, (s2,) = load()
+    first = load()
+    (s1,) = first.stats
+    second = load()
+    (s2,) = second.stats
     assert s1.cache.startswith("written") and s2.cache.startswith("hit")
     assert [e.chosen for e in first] == [e.chosen for e in second]
     assert all(np.array_equal(a.chosen_ids, b.chosen_ids) for a, b in zip(first, second))
-    assert load(max_length=1024)[1][0].cache.startswith("written")  # another key
+    assert load(max_length=1024).stats[0].cache.startswith("written")  # another key
     write_jsonl(path, numbered_rows(7))
-    assert load()[1][0].cache.startswith("written")  # the file's content is in the key
+    assert load().stats[0].cache.startswith("written")  # the file's content is in the key
     other = make_llama_tok()
     assert pd.tokenizer_fingerprint(other) != pd.tokenizer_fingerprint(gpt2_tok)
 
@@ -826,9 +832,10 @@ def test_tokenized_rows_equal_the_previous_implementations_through_the_arrow_cac
     """Written and read back: the same ids, the same prompt/response boundary, hence the same labels."""
     path = write_jsonl(tmp_path / "rows.jsonl", PINNED_ROWS)
     for cache in ("written", "hit"):
-        examples, (stats,) = pd.load_tokenized(
+        examples = pd.load_tokenized(
             [path], llama_tok, "train", cache_dir=str(tmp_path / "cache"), max_length=24, max_prompt_length=10
         )
+        (stats,) = examples.stats
         assert stats.cache.startswith(cache) and (stats.prompts_truncated, stats.responses_truncated) == (1, 1)
         assert [(e.prompt_ids.tolist(), e.chosen_ids.tolist(), e.rejected_ids.tolist()) for e in examples] == PINNED_IDS
         batch = pd.collate(examples.rows([0, 1, 2]), llama_tok.eos_token_id)
@@ -844,7 +851,8 @@ def test_a_cache_entry_changed_on_disk_is_rebuilt_and_no_cache_file_is_ever_exec
     written again, with the right data; a pickle an older version left is never opened."""
     path, cache = write_jsonl(tmp_path / "n.jsonl", numbered_rows(6)), tmp_path / "cache"
     load = lambda: pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(cache))
-    first, (stats,) = load()
+    first = load()
+    (stats,) = first.stats
     expected, entry = [(e.chosen, e.chosen_ids.tolist()) for e in first], Path(stats.cache.split(" ", 1)[1])
     del first  # its memory map is of the file edited below
     marker = tmp_path / "the pickle ran"
@@ -859,10 +867,11 @@ def test_a_cache_entry_changed_on_disk_is_rebuilt_and_no_cache_file_is_ever_exec
         data = f.read()
         f.seek(data.index(b"good answer 3"))
         f.write(b"GOOD")
-    examples, (stats,) = load()
+    examples = load()
+    (stats,) = examples.stats
     assert stats.cache.startswith("rewritten") and [(e.chosen, e.chosen_ids.tolist()) for e in examples] == expected
     (entry / "stats.json").write_text("{")
-    assert load()[1][0].cache.startswith("rewritten") and load()[1][0].cache.startswith("hit")
+    assert load().stats[0].cache.startswith("rewritten") and load().stats[0].cache.startswith("hit")
     assert not marker.exists()
     modules = [p.read_text() for p in REPO.glob("*.py")]
     assert not [m for m in modules if re.search(r"^\s*(import pickle|from pickle)", m, re.M)]
@@ -874,7 +883,8 @@ sys.path.insert(0, {repo!r})
 import preference_datasets as pd
 from transformers import PreTrainedTokenizerFast
 tok = PreTrainedTokenizerFast.from_pretrained({tok!r})
-examples, (stats,) = pd.load_tokenized([{path!r}], tok, "train", cache_dir={cache!r})
+examples = pd.load_tokenized([{path!r}], tok, "train", cache_dir={cache!r})
+(stats,) = examples.stats
 batches = pd.get_batch_iterator(examples, tok.pad_token_id, batch_size=8, n_epochs=2, seed=3, rank={rank},
                                 world_size=2, balance=True)
 print(json.dumps([stats.cache.split()[0], [(b["example_index"].tolist(), b["chosen_input_ids"].tolist())
@@ -898,7 +908,7 @@ def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path,
     ]
     outputs = [json.loads(p.communicate()[0].splitlines()[-1]) for p in ranks]
     assert sorted(cache for cache, _ in outputs) == ["hit", "written"]
-    examples, _ = pd.load_tokenized([path], gpt2_tok, "train", cache_dir=cache)
+    examples = pd.load_tokenized([path], gpt2_tok, "train", cache_dir=cache)
     kw = dict(batch_size=8, n_epochs=2, seed=3, world_size=2, balance=True)
     for rank, (_, batches) in enumerate(outputs):
         mine = pd.get_batch_iterator(examples, gpt2_tok.pad_token_id, rank=rank, **kw)
@@ -954,11 +964,12 @@ def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2
     load = lambda: pd.load_tokenized(
         ["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20, cache_dir=str(tmp_path)
     )
-    examples, (stats,) = load()
+    examples = load()
+    (stats,) = examples.stats
     assert stats.truncation_mode == "keep_end" and stats.origin == "hub:" + dataset._fingerprint
     long_prompt = next(e for e in examples if e.prompt == history)
     assert long_prompt.prompt_ids.tolist() == gpt2_tok(history)["input_ids"][-20:]  # kept the last turn
-    assert load()[1][0].cache.startswith("hit")
+    assert load().stats[0].cache.startswith("hit")
 
 
 def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
@@ -986,7 +997,8 @@ def test_split_placeholder_in_a_path(tmp_path):
 def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok):
     path = str(REPO / "examples" / "pairs.jsonl")
     pd.validate_sources([path])
-    examples, (stats,) = pd.load_tokenized([path], gpt2_tok, "train")
+    examples = pd.load_tokenized([path], gpt2_tok, "train")
+    (stats,) = examples.stats
     out = pd.dataset_summary([stats])  # what the trainer prints on rank 0
     assert len(examples) == stats.kept == 6 and stats.prompts == 5  # one prompt has two pairs
     for name in (
@@ -1163,7 +1175,8 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
             pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)
         ),
     )
-    examples, (stats,) = pd.load_tokenized(["kto_mix"], chat_tok, "train", unpaired=True)
+    examples = pd.load_tokenized(["kto_mix"], chat_tok, "train", unpaired=True)
+    (stats,) = examples.stats
     assert [(e.chosen, e.desirable) for e in examples] == [("hi", True), ("HI", False), ("hello", True)]
     assert stats.origin.startswith("hub:") and (stats.desirable, stats.undesirable) == (2, 1)
     with pytest.raises(pd.DataError, match="holds pairs"):

@@ -108,6 +108,6 @@ def test_data_fingerprint_is_the_cache_key_of_what_tokenization_depends_on(tmp_p
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
-    keys = lambda **kw: data.load_tokenized(["toy"], tokenizer, "train", max_prompt_length=32, **kw)[0].keys
+    keys = lambda **kw: data.load_tokenized(["toy"], tokenizer, "train", max_prompt_length=32, **kw).keys
     a = keys(max_length=64)
     assert a == keys(max_length=64) and a != keys(max_length=65) and a != keys(max_length=64, sft_mode=True)

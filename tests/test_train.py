@@ -251,7 +251,7 @@ def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template
     for given in ("chatml", str(template)):
         train(tmp_path / given.replace("/", "_"), *args, f"model.chat_template={given}")
         cfg, _ = config.load_config([*FAST, *args, f"model.chat_template={given}"])
-        (first, *_), _ = data.load_tokenized(cfg.datasets, train_py.load_tokenizer(cfg), "train")
+        first = data.load_tokenized(cfg.datasets, train_py.load_tokenizer(cfg), "train")[0]
         assert first.prompt.startswith("<|im_start|>user\n") and first.prompt.endswith("<|im_start|>assistant\n")
 
 

@@ -72,7 +72,7 @@ def skewed_inputs():
     """Chosen over rejected of 8 toy pairs, two of them made long: padded rows are mostly padding."""
     tok = AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
     tok.pad_token = tok.eos_token
-    examples, _ = data.load_tokenized(["toy"], tok, "test", max_length=64, max_prompt_length=32)
+    examples = data.load_tokenized(["toy"], tok, "test", max_length=64, max_prompt_length=32)
     batch = next(data.get_batch_iterator(examples, tok.pad_token_id, batch_size=8, shuffle=False, n_epochs=1))
     inputs = logps.concatenated_inputs(batch)
     long = torch.randint(3, 500, (2, 90))
