@@ -855,6 +855,12 @@ def balance_shares(items: list[int], sizes: list[int], n_shares: int) -> list[li
     return [[items[p] for p in share] for share in best]
 
 
+def row_tokens(prompt, chosen, rejected, shared_prompt: bool = False):
+    """Real tokens of the rows each example becomes, from its prompt, chosen and rejected lengths (arrays, numpy or
+    torch; rejected 0 without one): the prompt before each response, or once when shared (prefix_sharing) or alone."""
+    return prompt * (1 if shared_prompt or not rejected.any() else 2) + chosen + rejected
+
+
 def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows: bool = False) -> dict[str, Any]:
     """The original code's batch: texts; prompt_* (B, P) left-padded for generation; {chosen,rejected}_* (B, T), labels
     -100 off the response; `desirable` (B,) if unpaired; kl_rows: kl_*, KTO's MISMATCHED rows (as the paper, HALOs and
@@ -906,10 +912,7 @@ def get_batch_iterator(
     """This rank's share of each global batch (iter_batch_indices: `order` its arguments batch_size, seed, n_epochs,
     n_examples, rank, world_size, start_example, shuffle), collated, with `example_index`; raises at once. `balance`
     deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
-    sizes = None
-    if balance:  # the tokens of the rows an example becomes: the prompt in each row, or once if shared
-        prompt, chosen, rejected = split.lengths
-        sizes = prompt * (1 if shared_prompt or not rejected.any() else 2) + chosen + rejected
+    sizes = row_tokens(*split.lengths, shared_prompt) if balance else None
     return (
         dict(collate(split.rows(idx), pad_token_id, kl_rows), example_index=torch.as_tensor(idx))
         for idx in iter_batch_indices(len(split), sizes=sizes, **order)
