@@ -5,20 +5,9 @@
     python -u train.py trainer=FSDPTrainer fsdp.strategy=fsdp2 ...          # sharded, one process per GPU
     torchrun --nnodes 2 --nproc_per_node 8 ... train.py trainer=FSDPTrainer ...  # several nodes
 
-`--help` lists every key, the flags (--cfg, --estimate, --replay) and the exit codes; README.md shows the rest.
+`--help` lists every key, the flags (--cfg, --estimate, --replay) and the exit codes; README.md shows the rest
+(and the departures from the original DPO code).
 SIGTERM or Ctrl-C stop after the step with a checkpoint and print the command that resumes.
-
-Departures from the original DPO code (eric-mitchell/direct-preference-optimization):
-  1. No Hydra: our own loader (config.py) with typed, validated keys; the original command lines still parse.
-  2. Data order honours `seed`, pairs (not prompts) are shuffled, tokenization happens once and is cached, BOS is
-     added where the tokenizer expects it and EOS ends every complete response.
-  3. FSDP: rank 0 loads the weights, the other ranks build empty (meta) models that rank 0's values fill; nothing is
-     pickled through mp.spawn; multi-node runs start with torchrun; sampling under FSDP does not hang.
-  4. Checkpoints are atomic, verified and resumable (optimizer, scheduler, RNG, data position) and come with a
-     Hugging Face export; `debug=true` writes none.
-  5. Evaluation averages exactly the n_eval_examples pairs, and runs at the end of training too.
-  6. On GPUs the process group is cpu:gloo,cuda:nccl; the non-finite guard decides once for all ranks; rank 0's lone
-     work (loading weights, writing checkpoints) is waited for with a long timeout of its own.
 """
 
 import dataclasses
