@@ -18,7 +18,7 @@ import traceback
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -37,17 +37,10 @@ def param(default: Any, doc: str, allowed: Any = None) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BaseConfig(collections.abc.Mapping):
-    """A dataclass that reads like a dict (verl's BaseConfig): `cfg.key`, `cfg["key"]`, `cfg.get(key)`, iteration. Each
-    field is set once, by __init__, but for `_mutable_fields` (a subclass adds `Parent._mutable_fields | {...}`)."""
-
-    _mutable_fields: ClassVar[frozenset] = frozenset()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (name in self.__dict__ or name not in list(self)) and name not in self._mutable_fields:
-            raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}' of frozen {type(self).__name__}")
-        object.__setattr__(self, name, value)
+    """A frozen dataclass that reads like a dict (verl's BaseConfig): `cfg.key`, `cfg["key"]`, `cfg.get(key)`,
+    iteration. A changed copy is `dataclasses.replace(cfg, key=value)`."""
 
     def __getitem__(self, key: str) -> Any:
         if key not in list(self):
@@ -75,7 +68,7 @@ DTYPES = {
 DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class EngineConfig(BaseConfig):
     """Fields every training engine shares (verl's EngineConfig)."""
 
@@ -89,14 +82,11 @@ class EngineConfig(BaseConfig):
     forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class FSDPEngineConfig(EngineConfig):
     """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. model.block_name, model.policy_dtype and
     model.fsdp_policy_mp (the original code's names) are aliases of wrap_policy, model_dtype and mixed_precision."""
 
-    _mutable_fields: ClassVar[frozenset] = EngineConfig._mutable_fields | {
-        "ulysses_sequence_parallel_size"
-    }  # as verl's
     wrap_policy: dict = param(
         {},
         "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block",
@@ -139,14 +129,14 @@ class FSDPEngineConfig(EngineConfig):
         return None if mp is None else {"param_dtype": self.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32", **mp}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class WandbConfig(BaseConfig):
     enabled: bool = param(True, "log to Weights & Biases (online with an API key, else offline)")
     entity: Optional[str] = param(None, "W&B entity (team or user); null = your default")
     project: str = param("direct-preference-optimization", "W&B project")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(BaseConfig):
     name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
@@ -171,7 +161,7 @@ class ModelConfig(BaseConfig):
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LossConfig(BaseConfig):
     """The loss and its hyperparameters: a loss function reads `loss.<key>` by naming it as a keyword-only parameter."""
 
@@ -250,7 +240,7 @@ class LossConfig(BaseConfig):
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RefUpdateConfig(BaseConfig):
     """TR-DPO (arXiv:2404.09656): every `tau` optimizer steps, ref <- alpha * policy + (1 - alpha) * ref."""
 
@@ -262,7 +252,7 @@ class RefUpdateConfig(BaseConfig):
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
 
@@ -294,7 +284,7 @@ SCORER = (
 )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OnlineConfig(BaseConfig):
     """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
 
@@ -342,7 +332,7 @@ class OnlineConfig(BaseConfig):
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Config(BaseConfig):
     seed: int = param(0, "random seed: data order, initialization of anything random, sampling")
     exp_name: Optional[str] = param(None, "name of the run (directory and W&B); null = '<loss>_<model>'")

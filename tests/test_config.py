@@ -41,29 +41,17 @@ def test_base_config_reads_like_a_dict():
     assert d["loss"]["beta"] == 0.1 and d["fsdp"]["wrap_policy"] == {} and isinstance(d["wandb"], dict)
 
 
-def test_base_config_is_frozen_except_mutable_fields():
-    cfg = FSDPEngineConfig()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.fsdp_size = 2
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.strategy = "fsdp2"
-    cfg.ulysses_sequence_parallel_size = 2  # in _mutable_fields, as in verl
-    assert cfg.ulysses_sequence_parallel_size == 2
-
-
-def test_mutable_fields_are_inherited_and_extended():
-    assert "ulysses_sequence_parallel_size" in FSDPEngineConfig._mutable_fields
-    assert EngineConfig._mutable_fields <= FSDPEngineConfig._mutable_fields
-
-    @dataclasses.dataclass
-    class Child(FSDPEngineConfig):
-        _mutable_fields = FSDPEngineConfig._mutable_fields | {"fsdp_size"}
-
-    child = Child()
-    child.fsdp_size = 4
-    child.ulysses_sequence_parallel_size = 3
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        child.strategy = "fsdp2"
+def test_a_config_is_frozen_and_replace_makes_a_changed_copy():
+    cfg = Config()
+    for section, key, value in (
+        (cfg, "lr", 1.0),
+        (cfg.fsdp, "ulysses_sequence_parallel_size", 2),
+        (cfg.loss, "beta", 0.3),
+    ):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, key, value)
+    changed = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, beta=0.3))
+    assert changed.loss.beta == 0.3 and cfg.loss.beta == 0.1
 
 
 def test_fsdp_engine_config_has_exactly_the_seed_fields_and_defaults():
