@@ -484,6 +484,11 @@ class Config(BaseConfig):
         """True when a selected loss scores labelled completions (kto) instead of pairs."""
         return any(_flag(n, "unpaired") for n in self.loss_names)
 
+    @property
+    def trains_on_pairs(self) -> bool:
+        """False when the selected losses score one completion per prompt: sft alone, or an unpaired loss (kto)."""
+        return not self.unpaired_loss and set(self.loss_names) != {"sft"}
+
 
 class ConfigError(ValueError):
     """All problems of one configuration, each a line naming the key, the bad value and what was expected."""
@@ -860,257 +865,289 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
     return ws, "world size"
 
 
-def _option_rules(c: Config, names: list, kto: Optional[str], sp: int, compares: bool) -> list[tuple[bool, str]]:
-    """validate's rules for prefix sharing and the loss modifiers (WPO, LD-DPO, DPOP, beta-DPO): (broken, message)."""
-    return [
+def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
+    """Every problem of a built config; `world_size` = processes that will train (None = not known yet). The rules
+    here are the ones every run needs; an optional feature's rules (below) run only when it is on."""
+    ws, ranks = data_parallel_size(c, world_size)
+    world = world_size or 0
+    bs = c.batch_size
+    accum = c.gradient_accumulation_steps
+    budget = c.max_tokens_per_microbatch
+    known = sorted(loss_registry())
+    rules = [  # (broken, what the user reads)
         (
-            c.prefix_sharing and (kto or set(names) == {"sft"}),
-            f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-            "prompt, not a pair sharing it; set prefix_sharing=false",
+            c.max_prompt_length >= c.max_length,
+            f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)",
         ),
         (
-            c.prefix_sharing and sp > 1,
-            f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet",
+            c.n_epochs is None and c.n_examples is None,
+            "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on",
+        ),
+        (
+            c.n_epochs is not None and c.n_examples is not None,
+            f"n_epochs={c.n_epochs}, n_examples={c.n_examples}: expected exactly "
+            f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)",
+        ),
+        (
+            c.eval_every > 0 and bs > 0 and c.eval_every % bs,
+            f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)",
+        ),
+        (
+            bs > 0 and accum > 0 and bs % (accum * ws),
+            f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}",
+        ),
+        (
+            c.eval_batch_size > 0 and c.eval_batch_size % ws,
+            f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}",
+        ),
+        (
+            budget is not None and accum != 1,
+            f"max_tokens_per_microbatch={budget} and gradient_accumulation_steps={accum}: the token "
+            "budget decides the micro-batches; leave accumulation at 1",
+        ),
+        (
+            c.model.reference_mixed_precision and c.fsdp.mixed_precision is None,
+            "model.reference_mixed_precision=true: there is no mixed precision to "
+            "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
+        ),
+        (
+            c.no_sync_accumulation and c.trainer != "FSDPTrainer",
+            f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})",
+        ),
+        (
+            c.fused_optimizer and c.optimizer != "AdamW",
+            f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})",
+        ),
+        (
+            c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size,
+            f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}",
+        ),
+        (
+            c.loss.weights is not None and len(c.loss.weights) != len(c.loss_names),
+            f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})",
+        ),
+    ]
+    compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
+    for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute)):
+        rules.append(
+            (
+                DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
+                f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
+                "supported yet; use bf16 (the same memory, fp32's range)",
+            )
+        )
+    for n in c.loss_names:
+        if isinstance(n, str) and n not in known:
+            preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
+            hint = f"; {n} is a preset of several losses: loss={n}" if preset else _suggest(n, known)
+            rules.append((True, f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + hint))
+    if any(_flag(n, "batch_statistics") for n in c.loss_names) or c.loss.dynamic_beta > 0:
+        rules += _batch_statistics_rules(c, world_size)
+    if c.unpaired_loss or c.pairs_to_unpaired:
+        rules += _unpaired_rules(c, world_size)
+    if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
+        rules += _modifier_rules(c)
+    if c.prefix_sharing:
+        rules += _prefix_sharing_rules(c)
+    if c.fsdp.ulysses_sequence_parallel_size > 1:
+        rules += _ulysses_rules(c, world)
+    if c.lora.r is not None:
+        rules += _lora_rules(c)
+    if c.ref_update.tau is not None:
+        rules += _ref_update_rules(c)
+    if c.online.rounds is not None:
+        rules += _online_rules(c)
+    return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in rules if broken]
+
+
+def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, str]]:
+    """A loss that reads statistics of the whole batch (or beta-DPO's batch-level beta): one micro-batch per step."""
+    ws, ranks = data_parallel_size(c, world_size)
+    batch_level = [n for n in c.loss_names if _flag(n, "batch_statistics")]
+    batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
+    accum = c.gradient_accumulation_steps
+    budget = c.max_tokens_per_microbatch
+    split = [f"gradient_accumulation_steps={accum}"] * (accum > 1)
+    split += [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
+    split += [f"{ranks} {ws}"] * (ws > 1)
+    return [
+        (
+            batch_level and split,
+            f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
+            f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change "
+            "the loss by splitting the step; run them with one micro-batch per step on one process",
+        )
+    ]
+
+
+def _unpaired_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, str]]:
+    """Unpaired losses (kto) and pairs_to_unpaired."""
+    ws, ranks = data_parallel_size(c, world_size)
+    kto = next((n for n in c.loss_names if _flag(n, "unpaired")), None)
+    return [
+        (
+            kto and len(c.loss_names) > 1,
+            f"loss.name={c.loss.name!r}: {kto} scores labelled completions, not pairs; it cannot be summed with other "
+            "losses",
+        ),
+        (
+            not kto and c.pairs_to_unpaired,
+            f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}",
         ),
         *(
             (
-                on and (kto or set(names) == {"sft"}),
-                f"loss.{key}={c.loss[key]}: a modifier of paired losses; loss.name={c.loss.name!r} scores "
-                "one completion per prompt",
+                kto and c[key] // ws < 2,
+                f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
+                f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})",
             )
-            for key, on in (
-                ("wpo", c.loss.wpo),
-                ("ld_alpha", c.loss.ld_alpha != 1),
-                ("dpop_lambda", c.loss.dpop_lambda > 0),
-                ("dynamic_beta", c.loss.dynamic_beta > 0),
-            )
+            for key in ("batch_size", "eval_batch_size")
         ),
         (
-            c.loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in names),
-            f"loss.dynamic_beta={c.loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads (loss.name={c.loss.name!r})",
+            kto and c.precompute_ref_log_probs,
+            f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
+            "the reference on mismatched prompt/completion pairs of each batch)",
+        ),
+    ]
+
+
+def _modifier_rules(c: Config) -> list[tuple[bool, str]]:
+    """The modifiers of paired losses: WPO, LD-DPO, DPOP, beta-DPO."""
+    loss = c.loss
+    compares = any(_flag(n, "needs_reference") for n in c.loss_names)  # a selected loss compares with a reference
+    keeps = round(c.batch_size * (1 - loss.dynamic_beta_filter))
+    rules = [
+        (
+            on and not c.trains_on_pairs,
+            f"loss.{key}={loss[key]}: a modifier of paired losses; loss.name={loss.name!r} scores "
+            "one completion per prompt",
+        )
+        for key, on in (
+            ("wpo", loss.wpo),
+            ("ld_alpha", loss.ld_alpha != 1),
+            ("dpop_lambda", loss.dpop_lambda > 0),
+            ("dynamic_beta", loss.dynamic_beta > 0),
+        )
+    ]
+    return rules + [
+        (
+            loss.dynamic_beta > 0
+            and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in c.loss_names),
+            f"loss.dynamic_beta={loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads "
+            f"(loss.name={loss.name!r})",
         ),
         (
-            c.loss.dynamic_beta_filter > 0 and not c.loss.dynamic_beta,
-            f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)",
+            loss.dynamic_beta_filter > 0 and not loss.dynamic_beta,
+            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)",
         ),
         (
-            c.loss.dynamic_beta_filter > 0
-            and c.batch_size > 0
-            and round(c.batch_size * (1 - c.loss.dynamic_beta_filter)) == c.batch_size,
-            f"loss.dynamic_beta_filter={c.loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - {c.loss.dynamic_beta_filter})) = all "
-            f"{c.batch_size} pairs of a step (batch_size={c.batch_size}); expected a fraction that leaves at least one out",
+            loss.dynamic_beta_filter > 0 and c.batch_size > 0 and keeps == c.batch_size,
+            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - "
+            f"{loss.dynamic_beta_filter})) = all {c.batch_size} pairs of a step (batch_size={c.batch_size}); expected "
+            "a fraction that leaves at least one out",
         ),
         (
-            c.loss.ld_alpha != 1 and not compares,
-            f"loss.ld_alpha={c.loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
-            f"with a reference, and loss.name={c.loss.name!r} has none",
+            loss.ld_alpha != 1 and not compares,
+            f"loss.ld_alpha={loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
+            f"with a reference, and loss.name={loss.name!r} has none",
         ),
         (
-            c.loss.dpop_lambda > 0 and (c.loss.reference_free or not compares),
-            f"loss.dpop_lambda={c.loss.dpop_lambda}: DPOP penalizes "
-            f"the chosen log-prob falling below the reference's, and loss.name={c.loss.name!r} runs no reference",
+            loss.dpop_lambda > 0 and (loss.reference_free or not compares),
+            f"loss.dpop_lambda={loss.dpop_lambda}: DPOP penalizes "
+            f"the chosen log-prob falling below the reference's, and loss.name={loss.name!r} runs no reference",
         ),
         (
-            c.loss.ld_alpha != 1 and c.precompute_ref_log_probs,
-            f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
+            loss.ld_alpha != 1 and c.precompute_ref_log_probs,
+            f"loss.ld_alpha={loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
             "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off",
         ),
     ]
 
 
-def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
-    """Every problem of a built config; `world_size` = processes that will train (None = not known yet)."""
-    (ws, ranks), world, known = data_parallel_size(c, world_size), world_size or 0, sorted(loss_registry())
-    bs, accum, budget, mp = (
-        c.batch_size,
-        c.gradient_accumulation_steps,
-        c.max_tokens_per_microbatch,
-        c.fsdp.mixed_precision,
-    )
-    names, lora, tau, sp = c.loss_names, c.lora.r, c.ref_update.tau, c.fsdp.ulysses_sequence_parallel_size
-    fp16 = {
-        "fsdp.model_dtype": c.fsdp.model_dtype,
-        "fsdp.mixed_precision.param_dtype": (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype"),
-    }
-    batch_level, kto = (
-        [n for n in names if _flag(n, "batch_statistics")],
-        next((n for n in names if _flag(n, "unpaired")), None),
-    )
-    batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
-    compares = any(_flag(n, "needs_reference") for n in names)  # a selected loss compares the policy with a reference
-    split = (
-        [f"gradient_accumulation_steps={accum}"] * (accum > 1)
-        + [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
-        + [f"{ranks} {ws}"] * (ws > 1)
-    )
-    return _broken(flatten(c.to_dict()), RULES) + [
-        message
-        for broken, message in [  # (broken, what the user reads)
-            (
-                c.max_prompt_length >= c.max_length,
-                f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)",
-            ),
-            (
-                c.n_epochs is None and c.n_examples is None,
-                "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on",
-            ),
-            (
-                c.n_epochs is not None and c.n_examples is not None,
-                f"n_epochs={c.n_epochs}, n_examples={c.n_examples}: expected exactly "
-                f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)",
-            ),
-            (
-                c.eval_every > 0 and bs > 0 and c.eval_every % bs,
-                f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)",
-            ),
-            (
-                bs > 0 and accum > 0 and bs % (accum * ws),
-                f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}",
-            ),
-            (
-                c.eval_batch_size > 0 and c.eval_batch_size % ws,
-                f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}",
-            ),
-            (
-                budget is not None and accum != 1,
-                f"max_tokens_per_microbatch={budget} and gradient_accumulation_steps={accum}: the token "
-                "budget decides the micro-batches; leave accumulation at 1",
-            ),
-            (
-                c.model.reference_mixed_precision and mp is None,
-                "model.reference_mixed_precision=true: there is no mixed precision to "
-                "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
-            ),
-            *(
-                (
-                    DTYPES.get(v) == "float16" and not c.fsdp.forward_only,
-                    f"{k}={v}: fp16 training needs a gradient scaler, which is not "
-                    "supported yet; use bf16 (the same memory, fp32's range)",
-                )
-                for k, v in fp16.items()
-            ),
-            (
-                c.no_sync_accumulation and c.trainer != "FSDPTrainer",
-                f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})",
-            ),
-            (
-                c.fused_optimizer and c.optimizer != "AdamW",
-                f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})",
-            ),
-            (
-                c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size,
-                f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}",
-            ),
-            (
-                sp > 1 and c.trainer != "FSDPTrainer",
-                f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
-                f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)",
-            ),
-            (
-                sp > 1 and c.trainer == "FSDPTrainer" and world % sp,
-                f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}",
-            ),
-            *(
-                (
-                    True,
-                    f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}"
-                    + (
-                        f"; {n} is a preset of several losses: loss={n}"
-                        if (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
-                        else _suggest(n, known)
-                    ),
-                )
-                for n in names
-                if isinstance(n, str) and n not in known
-            ),
-            (
-                c.loss.weights is not None and len(c.loss.weights) != len(names),
-                f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(names)})",
-            ),
-            (
-                batch_level and split,
-                f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
-                f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change the loss by splitting "
-                "the step; run them with one micro-batch per step on one process",
-            ),
-            (
-                kto and len(names) > 1,
-                f"loss.name={c.loss.name!r}: {kto} scores labelled completions, not pairs; it cannot be summed with other losses",
-            ),
-            (
-                not kto and c.pairs_to_unpaired,
-                f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}",
-            ),
-            *(
-                (
-                    kto and c[key] // ws < 2,
-                    f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
-                    f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})",
-                )
-                for key in ("batch_size", "eval_batch_size")
-            ),
-            *_option_rules(c, names, kto, sp, compares),
-            (
-                kto and c.precompute_ref_log_probs,
-                f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
-                "the reference on mismatched prompt/completion pairs of each batch)",
-            ),
-            (
-                lora is not None
-                and c.trainer == "FSDPTrainer"
-                and c.fsdp.strategy == "fsdp"
-                and not c.fsdp.use_orig_params,
-                "lora.r with "
-                "fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one parameter, so it needs "
-                "fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)",
-            ),
-            (
-                lora is not None and tau is not None,
-                f"lora.r={lora} and ref_update.tau={tau}: the LoRA reference is the base model with the "
-                "adapters off, which TR-DPO cannot move; use one of them",
-            ),
-            (
-                tau is not None and (c.loss.reference_free or not compares),
-                f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs "
-                "no reference model"
-                + " (loss.reference_free=true)" * c.loss.reference_free
-                + ", so there is nothing to update",
-            ),
-            (
-                tau is not None and c.precompute_ref_log_probs,
-                f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference "
-                "log-probs are of the initial reference, but TR-DPO changes the reference during training; set one of them off",
-            ),
-            *_online_rules(c, names, kto),
-        ]
-        if broken
+def _prefix_sharing_rules(c: Config) -> list[tuple[bool, str]]:
+    sp = c.fsdp.ulysses_sequence_parallel_size
+    return [
+        (
+            not c.trains_on_pairs,
+            f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
+            "prompt, not a pair sharing it; set prefix_sharing=false",
+        ),
+        (sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
     ]
 
 
-def _online_rules(c: Config, names: list, kto: Optional[str]) -> list[tuple[bool, str]]:
-    """validate's rules for semi-online DPO (online.rounds): (broken, message)."""
-    o, on = c.online, c.online.rounds is not None
+def _ulysses_rules(c: Config, world: int) -> list[tuple[bool, str]]:
+    sp = c.fsdp.ulysses_sequence_parallel_size
     return [
         (
-            on and (kto or set(names) == {"sft"}),
+            c.trainer != "FSDPTrainer",
+            f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
+            f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)",
+        ),
+        (
+            c.trainer == "FSDPTrainer" and world % sp,
+            f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}",
+        ),
+    ]
+
+
+def _lora_rules(c: Config) -> list[tuple[bool, str]]:
+    return [
+        (
+            c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params,
+            "lora.r with fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one "
+            "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)",
+        ),
+        (
+            c.ref_update.tau is not None,
+            f"lora.r={c.lora.r} and ref_update.tau={c.ref_update.tau}: the LoRA reference is the base model with the "
+            "adapters off, which TR-DPO cannot move; use one of them",
+        ),
+    ]
+
+
+def _ref_update_rules(c: Config) -> list[tuple[bool, str]]:
+    """TR-DPO (ref_update.tau)."""
+    tau = c.ref_update.tau
+    compares = any(_flag(n, "needs_reference") for n in c.loss_names)
+    return [
+        (
+            c.loss.reference_free or not compares,
+            f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs no reference model"
+            + " (loss.reference_free=true)" * c.loss.reference_free
+            + ", so there is nothing to update",
+        ),
+        (
+            c.precompute_ref_log_probs,
+            f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
+            "initial reference, but TR-DPO changes the reference during training; set one of them off",
+        ),
+    ]
+
+
+def _online_rules(c: Config) -> list[tuple[bool, str]]:
+    """Semi-online DPO (online.rounds)."""
+    o = c.online
+    return [
+        (
+            not c.trains_on_pairs,
             f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
             f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)",
         ),
         (
-            on and c.precompute_ref_log_probs,
+            c.precompute_ref_log_probs,
             f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
             "pairs do not exist before training; set precompute_ref_log_probs=false",
         ),
         (
-            on and o.prompts_per_round < c.batch_size,
+            o.prompts_per_round < c.batch_size,
             f"online.prompts_per_round={o.prompts_per_round}: fewer than "
             f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step",
         ),
         (
-            on and o.max_new_tokens + c.max_prompt_length > c.max_length,
+            o.max_new_tokens + c.max_prompt_length > c.max_length,
             f"online.max_new_tokens={o.max_new_tokens} + "
-            f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in training "
-            "(and lose their EOS); lower one or raise max_length",
+            f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in "
+            "training (and lose their EOS); lower one or raise max_length",
         ),
     ]
 
