@@ -428,43 +428,44 @@ def check_run_dir(cfg) -> None:
 
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it), with the resolved config saved in it as config.yaml
-    (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint). A fresh start in a
-    used directory (an earlier start stopped before its first checkpoint) moves the files that start wrote into
-    previous-<n>/: the new logs begin clean, nothing is lost."""
+    (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
     if cfg.resume_from:
         run_dir, created = Path(cfg.resume_from), False
     elif cfg.run_dir:
         run_dir, created = Path(cfg.run_dir), not Path(cfg.run_dir).exists()
-        written = {
-            "config.yaml",
-            "config.resumed.yaml",
-            "metrics.jsonl",
-            "samples.jsonl",
-            "wandb",
-            "rounds",
-            run_manifest.MANIFEST,
-            run_manifest.DIFF,
-            self_check.REPORT,
-        }
-        earlier = (
-            [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")]
-            if run_dir.is_dir()
-            else []
-        )
-        if earlier:
-            keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
-            keep.mkdir()
-            for p in earlier:
-                os.replace(p, keep / p.name)
-            print(
-                f"run_dir={run_dir} held an earlier start without a checkpoint: its files moved to {keep}",
-                file=sys.stderr,
-            )
+        if run_dir.is_dir():
+            keep_earlier_start(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir, created = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
     utils.atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
     return run_dir, created
+
+
+def keep_earlier_start(run_dir: Path) -> None:
+    """A fresh start in a used directory (an earlier start stopped before its first checkpoint: check_run_dir refuses
+    one with a checkpoint) moves the files that start wrote into previous-<n>/: the new logs begin clean, nothing is
+    lost."""
+    written = {
+        "config.yaml",
+        "config.resumed.yaml",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "wandb",
+        "rounds",
+        run_manifest.MANIFEST,
+        run_manifest.DIFF,
+        self_check.REPORT,
+    }
+    earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")]
+    if earlier:
+        keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
+        keep.mkdir()
+        for p in earlier:
+            os.replace(p, keep / p.name)
+        print(
+            f"run_dir={run_dir} held an earlier start without a checkpoint: its files moved to {keep}", file=sys.stderr
+        )
 
 
 def remove_orphan(run_dir, created: bool) -> None:
