@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-import ulysses
-
 IGNORE_INDEX = -100  # label of positions that are not scored (prompt, padding)
 # Rows per chunk: 1024 rows x 128k vocab x 4 bytes = 0.5 GB of fp32 scratch, a small fraction of the logits and
 # their gradient, and large enough to keep a GPU busy.
@@ -482,24 +480,31 @@ def sliding_window(config, length: int) -> Optional[int]:
     return window if window and window < length and slides else None
 
 
+def _per_layer_type(config, length: int, full, banded: Callable):
+    """The mask each attention layer of `config` takes, over rows of `length` tokens: `full` for full attention,
+    `banded(window)` for sliding-window layers whose window is shorter than the rows (else `full`: causal is the same);
+    a dict by layer type for models with `layer_types`, else the one mask all their layers use."""
+    window = sliding_window(config, length)
+    masks = {"full_attention": full, "sliding_attention": banded(window) if window else full}
+    return masks if getattr(config, "layer_types", None) is not None else masks["sliding_attention"]
+
+
 def block_masks(unit: Tensor, branch: Tensor, positions: Tensor, config):
     """packed_inputs' mask as FlexAttention block masks, as packed_attention_mask shapes it for each layer type of
     `config` (the sliding window counted in positions); the model's sdpa attention takes them (use_flex_attention)."""
     use_flex_attention()
     (rows, t), build = unit.shape, _block_mask_builder(unit.device.type)
-    window, layer_types = sliding_window(config, t), getattr(config, "layer_types", None)
 
     def full(b, h, q, k):  # causal within a unit, keys of the prompt (branch 0) or of the query's own branch
         return (unit[b, q] == unit[b, k]) & (q >= k) & ((branch[b, k] == 0) | (branch[b, k] == branch[b, q]))
 
-    def sliding(b, h, q, k):
-        return full(b, h, q, k) & (positions[b, q] - positions[b, k] < window)
+    def banded(window: int):
+        def sliding(b, h, q, k):
+            return full(b, h, q, k) & (positions[b, q] - positions[b, k] < window)
 
-    masks = {"full_attention": build(full, rows, None, t, t, device=unit.device)}
-    if window:
-        masks["sliding_attention"] = build(sliding, rows, None, t, t, device=unit.device)
-    masks.setdefault("sliding_attention", masks["full_attention"])  # no band (none, or longer than the rows): causal
-    return masks if layer_types is not None else masks["sliding_attention"]
+        return build(sliding, rows, None, t, t, device=unit.device)
+
+    return _per_layer_type(config, t, build(full, rows, None, t, t, device=unit.device), banded)
 
 
 @functools.cache
@@ -530,26 +535,25 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
     prefix: the rejected is nearer the prompt than its column says), else in columns; (2) eager attention adds it
     to the scores: additive bf16 (0 or a large negative; half of fp32's bytes, the same range). A mask marked
     `causal_only` (ulysses.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
-    window, layer_types = sliding_window(config, mask.shape[-1]), getattr(config, "layer_types", None)
     causal_only = getattr(mask, "causal_only", False)
-    masks = {"full_attention": mask}
-    if window:
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+
+    def additive(m: Tensor) -> Tensor:  # added to scores of any dtype, bf16's min still zeroes the softmax
+        if not eager or getattr(m, "causal_only", False):
+            return m
+        return torch.full(m.shape, torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=m.device).masked_fill_(
+            m, 0.0
+        )
+
+    def banded(window: int) -> Tensor:
         if positions is None:  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
             band = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(-(window - 1))
         else:  # (R, 1, T) positions: query position - window < key position, compared straight to bool
             p = positions[:, None]
             band = p[..., None, :] > p[..., :, None] - window
-        masks["sliding_attention"] = band.tril_()[None, None] if causal_only else mask & band
-    if getattr(config, "_attn_implementation", None) == "eager":
-        low = torch.finfo(torch.bfloat16).min  # added to scores of any dtype it still zeroes the softmax
-        masks = {
-            k: m
-            if getattr(m, "causal_only", False)
-            else torch.full(m.shape, low, dtype=torch.bfloat16, device=m.device).masked_fill_(m, 0.0)
-            for k, m in masks.items()
-        }
-    masks.setdefault("sliding_attention", masks["full_attention"])  # no band (none, or longer than the rows): causal
-    return masks if layer_types is not None else masks["sliding_attention"]
+        return additive(band.tril_()[None, None] if causal_only else mask & band)
+
+    return _per_layer_type(config, mask.shape[-1], additive(mask), banded)
 
 
 # ---------- 4. Sequence log-probs ----------
@@ -568,53 +572,30 @@ class SequenceLogps(NamedTuple):
     routing: Optional[Tensor] = None
 
 
-def forward_logps(
-    model: nn.Module,
-    inputs: dict[str, Tensor],
-    *,
-    packed_capacity: Optional[int] = None,
-    tiled: bool = False,
-    prefix_sharing: bool = False,
-    entropy: Optional[dict] = None,
-    entropy_grad: bool = False,
-    sequence_parallel: Optional[ulysses.SequenceParallel] = None,
-    per_token: bool = False,
-    sum_sq: bool = False,
-    routing: bool = False,
-    routing_grad: bool = False,
-) -> SequenceLogps:
+def forward_logps(model: nn.Module, inputs: dict[str, Tensor], **options) -> SequenceLogps:
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
-    tokens (N,), their count (N,) and with `entropy` (entropy_from_logits options) the mean entropy over them (N,);
-    with `per_token` each token's log-prob (N, T), differentiable; with `sum_sq` WPO's per-token statistic summed.
+    tokens (N,), their count (N,) and what `options` (keywords, all off by default) ask for besides:
 
-    `packed_capacity`: rows packed without padding (packed_inputs). `tiled`: the backbone alone, then the scored
-    positions through the LM head in tiles (linear_token_logps). `prefix_sharing` (inputs: chosen rows, then the
-    rejected rows of the same pairs): each pair's prompt computed once (packed_inputs' shared_prefix).
-    `sequence_parallel` (ulysses.py): every rank of the group passes the same inputs, runs its slice of the
-    positions, and gets whole sequences' results.
+    - `entropy` (entropy_from_logits options): the mean entropy over those tokens (N,), detached unless
+      `entropy_grad` (an entropy bonus: from the full logits, so not with `tiled`);
+    - `per_token`: each token's log-prob (N, T), differentiable; `sum_sq`: WPO's per-token statistic summed;
+    - `routing` (`routing_grad`: differentiable): a mixture of experts' per-sequence routing (_routing);
+    - how they are computed, never what they are: `tiled` (the backbone alone, then the scored positions through
+      the LM head in tiles: _label_logps), `packed_capacity` (rows packed without padding: packed_inputs),
+      `prefix_sharing` (inputs: chosen rows, then the rejected rows of the same pairs; each pair's prompt computed
+      once: packed_inputs' shared_prefix), `sequence_parallel` (a ulysses.SequenceParallel: every rank of the group
+      passes the same inputs, runs its slice of the positions, and gets whole sequences' results)."""
+    # FSDP (1 or 2), told by its class names: this file imports nothing of torch.distributed
+    if {"FullyShardedDataParallel", "FSDPModule"} & {cls.__name__ for cls in type(model).__mro__}:
+        return _root_forward(model, inputs, options)
+    return _score(model, model, inputs, **options)
 
-    Under FSDP (1 or 2) this runs as the root unit's forward, between its pre-forward (which gathers the embeddings,
-    final norm and LM head: the tiled path may call the backbone and read the head's weight directly) and its
-    post-forward (which hooks the backward on the returned sums)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    if prefix_sharing and sequence_parallel:
-        raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
-    options = dict(
-        packed_capacity=packed_capacity,
-        tiled=tiled,
-        prefix_sharing=prefix_sharing,
-        entropy=entropy,
-        entropy_grad=entropy_grad,
-        sequence_parallel=sequence_parallel,
-        per_token=per_token,
-        sum_sq=sum_sq,
-        routing=routing,
-        routing_grad=routing_grad,
-    )
-    if not isinstance(model, (FullyShardedDataParallel, FSDPModule)):
-        return _score(model, model, inputs, **options)
-    inner = model.module if isinstance(model, FullyShardedDataParallel) else model
+def _root_forward(model: nn.Module, inputs: dict[str, Tensor], options: dict) -> SequenceLogps:
+    """forward_logps under FSDP (1 or 2), as the root unit's forward: between its pre-forward (which gathers the
+    embeddings, final norm and LM head: the tiled path may call the backbone and read the head's weight directly) and
+    its post-forward (which hooks the backward on the returned sums)."""
+    inner = model.module if type(model).__name__ == "FullyShardedDataParallel" else model  # FSDP1 wraps, FSDP2 not
     # nothing wrapped or renamed: state dicts keep their keys. The inputs go through the root's call: FSDP2's root
     # pre-forward on CUDA moves its arguments to the device.
     inner.forward = lambda inputs: _score(inner, functools.partial(type(inner).forward, inner), inputs, **options)
@@ -622,6 +603,157 @@ def forward_logps(
         return model(inputs)
     finally:
         del inner.forward
+
+
+def _score(
+    model: nn.Module,
+    call,
+    inputs: dict[str, Tensor],
+    *,
+    packed_capacity: Optional[int] = None,
+    tiled: bool = False,
+    prefix_sharing: bool = False,
+    entropy: Optional[dict] = None,
+    entropy_grad: bool = False,
+    sequence_parallel=None,
+    per_token: bool = False,
+    sum_sq: bool = False,
+    routing: bool = False,
+    routing_grad: bool = False,
+) -> SequenceLogps:
+    """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
+    forward inside the root unit's forward)."""
+    (n, width), sp = inputs["input_ids"].shape, sequence_parallel
+    if packed_capacity or prefix_sharing or sp:
+        kwargs, labels, owner, extra = _other_rows(model, inputs, packed_capacity, prefix_sharing, sp)
+    else:  # one right-padded row per sequence
+        (kwargs, labels, owner), extra = padded_inputs(inputs), None
+    # each token's column in its input row: its position, where rows hold several sequences
+    column = kwargs.get("position_ids", torch.arange(labels.size(1), device=labels.device).expand_as(labels))
+    token_of = (owner, column)  # unshifted: a router sees token t at position t
+    # output t predicts token t+1: aligned so that position t holds its own target, a row can be cut into slices
+    targets, owner, column = (
+        F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0))
+    )
+    if sp:
+        kwargs, targets, owner, column, *token_of = sp.local_slice(kwargs, targets, owner, column, *token_of)
+    with _router_logits(model) if routing else contextlib.nullcontext([]) as routed:
+        logps, token_entropy, token_sq, scored = _label_logps(
+            model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq
+        )
+    owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
+    if extra is not None:
+        owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])
+
+    def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
+        sums = values.new_zeros(n).index_add(0, owner, values)
+        return sp.sum_over_group(sums) if sp else sums  # differentiable: each rank scored a slice
+
+    sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
+    # each rank scattered its slice's tokens: the group's sum holds every token once
+    tokens = logps.new_zeros(n, width).index_put((owner, column), logps) if per_token else None
+    return SequenceLogps(
+        sums,
+        counts,
+        None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
+        sp.sum_over_group(tokens) if sp and per_token else tokens,
+        None if token_sq is None else per_sequence(token_sq),
+        _routing(routed, *token_of, n, prefix_sharing, model.config, routing_grad, sp) if routed else None,
+    )
+
+
+def _label_logps(
+    model: nn.Module,
+    call,
+    kwargs: dict,
+    targets: Tensor,
+    extra: Optional[tuple],
+    *,
+    tiled,
+    entropy,
+    entropy_grad,
+    sum_sq,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
+    """The model on its row inputs: the log-prob of each target (the scored positions in row order, then `extra`'s),
+    with their entropies and log sum p^2 where asked, and the (R, T) mask of scored positions. One kernel
+    (_LabelLogProbs) on the scored rows: of the backbone's hidden states through the LM head (`tiled`), or of the
+    model's own logits; only an entropy bonus (`entropy_grad`) needs those logits' full softmax differentiated."""
+    # use_cache=False: training needs no KV cache
+    if tiled:
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+        backbone, head = lm.base_model, lm.get_output_embeddings()
+        others = [name for name, child in lm.named_children() if child is not backbone and child is not head]
+        why = (
+            f"computes its logits with {', '.join(others)} too, not its output embeddings alone"
+            if others
+            else "has a LoRA adapter on its LM head, whose .weight is the base layer's"
+            if hasattr(head, "base_layer")
+            else None
+        )
+        if why:
+            raise ValueError(
+                f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
+                "reproduce; set tiled_lm_head=false"
+            )
+        scale, softcap = tiled_head(lm.config)
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
+        weight, bias = head.weight, head.bias
+        if torch.is_autocast_enabled(hidden.device.type):  # the tiles' matmuls in its dtype, as the model's own head
+            dtype = torch.get_autocast_dtype(hidden.device.type)  # (the casts' backward: grads in the params' dtype)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        # under device_map the LM head may sit on another GPU than the backbone's output
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        chunk = head_tile_rows(weight.shape[0], weight.dtype)
+    else:  # the logits stand where the hidden states were: the kernel's weight is None
+        hidden, weight, bias, scale, softcap = call(**kwargs, use_cache=False).logits, None, None, 1.0, None
+        chunk = DEFAULT_CHUNK_SIZE
+    targets = targets.to(hidden.device)  # free on the same device
+    scored = targets != IGNORE_INDEX
+    rows, labels = hidden[scored], targets[scored]
+    if extra is not None:  # the rejected's first tokens, from the prompts' last positions
+        extra = tuple(x.to(hidden.device) for x in extra)
+        rows, labels = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([labels, extra[1]])
+    bonus = entropy is not None and entropy_grad and not tiled and torch.is_grad_enabled()
+    logps, token_entropy, token_sq = _LabelLogProbs.apply(
+        rows, weight, bias, labels, chunk, scale, softcap, entropy is not None and not bonus, sum_sq
+    )
+    if bonus:  # differentiable: entropy_from_logits, chunked or checkpointed as asked
+        token_entropy = entropy_from_logits(rows, **entropy)
+    return logps, token_entropy if entropy is not None else None, token_sq if sum_sq else None, scored
+
+
+def _other_rows(model: nn.Module, inputs: dict[str, Tensor], packed_capacity, prefix_sharing, sp):
+    """The rows of the options that lay sequences out otherwise than one right-padded row each, as packed_inputs
+    returns them: packed (`packed_capacity`), a pair's prompt shared (`prefix_sharing`), or whole rows for Ulysses
+    to slice (`sp`: a width its size divides). Their attention mask is dense, shaped for each layer type
+    (packed_attention_mask), or on GPUs FlexAttention's block masks (no (T, T) tensor)."""
+    if prefix_sharing and sp:
+        raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
+    multiple, sdpa = sp.size if sp else 1, model.config._attn_implementation == "sdpa"
+    on_gpu = inputs["input_ids"].device.type in FLEX_DEVICES
+    flex = on_gpu and sdpa and getattr(model, "_supports_flex_attn", False)  # GPT-2's attention reads the mask's ndim
+    # refused from the config alone: every rank at its first forward (a row's width would stop some ranks, not all)
+    if sp and on_gpu and sdpa and not flex and (packed_capacity or (window := sliding_window(model.config, math.inf))):
+        option = "padding_free=true" if packed_capacity else f"a sliding window ({window})"
+        raise ValueError(
+            f"fsdp.ulysses_sequence_parallel_size={sp.size} with {option}: {type(model).__name__} does not"
+            " attend through FlexAttention, and sdpa on CUDA would keep a dense (T, T) mask in every "
+            "layer; " + ("set padding_free=false" if packed_capacity else "not supported yet")
+        )
+    # Ulysses' padded rows longer than a sliding window need its band: on GPUs a BlockMask, the rows laid out as packed
+    band = sp and sliding_window(model.config, -(-inputs["input_ids"].size(1) // multiple) * multiple)
+    if packed_capacity or prefix_sharing or (band and flex):
+        kwargs, labels, owner, extra = packed_inputs(
+            inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None
+        )
+    else:  # Ulysses over padded rows: explicit positions and a causal stand-in mask
+        (kwargs, labels, owner), extra = padded_inputs(inputs, multiple), None
+        kwargs = sp.whole_row_inputs(kwargs)
+    if isinstance(kwargs["attention_mask"], Tensor):  # dense: the mask each layer type needs
+        kwargs["attention_mask"] = packed_attention_mask(
+            kwargs["attention_mask"], model.config, kwargs["position_ids"] if prefix_sharing else None
+        )
+    return kwargs, labels, owner, extra
 
 
 def routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
@@ -652,187 +784,23 @@ def _router_logits(model: nn.Module):
             hook.remove()
 
 
-def _routing(logits: list[Tensor], owner: Tensor, column: Tensor, n: int, shared_prefix: bool, top_k: int) -> Tensor:
+def _routing(logits: list[Tensor], owner: Tensor, column: Tensor, n: int, shared_prefix: bool, config, grad, sp):
     """(n, 2, E): per sequence, how often each expert is among a token's top_k and its summed router probability,
     over the sequence's real tokens (owner (R, T): its index, -1 on padding) and every routed layer (logits: one
     (R * T, E) per layer), as load_balancing_loss_func counts them (softmax over all experts, top-k of it). Shared
-    rows (chosen, then the rejected of the same pairs) hold a pair's prompt once: it counts for both sequences."""
-    probs = [torch.softmax(x.to(owner.device).float(), -1) for x in logits]  # device_map: layers on several GPUs
-    picks = sum(torch.zeros_like(p).scatter_(1, p.detach().topk(top_k).indices, 1.0) for p in probs)
-    tokens, owner, column = torch.stack([picks, sum(probs)], 1), owner.flatten(), column.flatten()
-    real = owner >= 0
-    out = tokens.new_zeros(n, *tokens.shape[1:]).index_add(0, owner[real], tokens[real])
-    if shared_prefix:  # the prompt: the chosen's tokens before the column where its rejected's own tokens start
-        start = torch.full((n,), column.numel(), device=owner.device)
-        start, half = start.scatter_reduce(0, owner[real], column[real], "amin"), n // 2
-        prompt = real & (owner < half) & (column < start[(owner + half).clamp(max=n - 1)])
-        out = out.index_add(0, owner[prompt] + half, tokens[prompt])
-    return out
-
-
-def _label_logps(
-    model: nn.Module,
-    call,
-    kwargs: dict,
-    targets: Tensor,
-    extra: Optional[tuple],
-    *,
-    tiled,
-    entropy,
-    entropy_grad,
-    sum_sq,
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
-    """The model on its row inputs: the log-prob of each target (the scored positions in row order, then `extra`'s),
-    with their entropies and log sum p^2 where asked, and the (R, T) mask of scored positions."""
-    # use_cache=False: training needs no KV cache. Under device_map the LM head may sit on another GPU than the
-    # inputs: targets follow the tensor they index (`to` is free on the same device).
-    token_entropy = token_sq = None
-    if tiled:
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-        backbone, head = lm.base_model, lm.get_output_embeddings()
-        others = [name for name, child in lm.named_children() if child is not backbone and child is not head]
-        why = (
-            f"computes its logits with {', '.join(others)} too, not its output embeddings alone"
-            if others
-            else "has a LoRA adapter on its LM head, whose .weight is the base layer's"
-            if hasattr(head, "base_layer")
-            else None
+    rows (chosen, then the rejected of the same pairs) hold a pair's prompt once: it counts for both sequences.
+    Differentiable with `grad`; under Ulysses (`sp`) each rank routed a slice of the tokens: summed over the group."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        probs = [torch.softmax(x.to(owner.device).float(), -1) for x in logits]  # device_map: layers on several GPUs
+        picks = sum(
+            torch.zeros_like(p).scatter_(1, p.detach().topk(config.num_experts_per_tok).indices, 1.0) for p in probs
         )
-        if why:
-            raise ValueError(
-                f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
-                "reproduce; set tiled_lm_head=false"
-            )
-        scale, softcap = tiled_head(lm.config)
-        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
-        weight, bias = head.weight, head.bias
-        if torch.is_autocast_enabled(hidden.device.type):  # the tiles' matmuls in its dtype, as the model's own head
-            dtype = torch.get_autocast_dtype(hidden.device.type)  # (the casts' backward: grads in the params' dtype)
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-        targets = targets.to(hidden.device)
-        scored = targets != IGNORE_INDEX
-        rows, targets = hidden[scored], targets[scored]
-        if extra is not None:  # the rejected's first tokens, from the prompts' last positions
-            extra = tuple(x.to(hidden.device) for x in extra)
-            rows, targets = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([targets, extra[1]])
-        out = linear_token_logps(
-            rows,
-            weight,
-            targets,
-            bias,
-            with_entropy=entropy is not None,
-            with_sum_sq=sum_sq,
-            logit_scale=scale,
-            softcap=softcap,
-        )
-        logps, token_entropy, token_sq = out if isinstance(out, tuple) else (out, None, None)
-        return logps, token_entropy if entropy is not None else None, token_sq if sum_sq else None, scored
-    logits = call(**kwargs, use_cache=False).logits
-    targets = targets.to(logits.device)
-    scored, flat = targets != IGNORE_INDEX, logits.flatten(0, 1)
-    extra = None if extra is None else tuple(x.to(logits.device) for x in extra)
-    logps = target_logps(logits, targets)[scored]
-    if extra is not None:
-        logps = torch.cat([logps, target_logps(flat[extra[0]], extra[1])])
-    if entropy is not None:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            token_entropy = entropy_from_logits(logits, **entropy)[scored]
-            if extra is not None:
-                token_entropy = torch.cat([token_entropy, entropy_from_logits(flat[extra[0]], **entropy)])
-    if sum_sq:  # a chunk of scored rows at a time: one fp32 (rows, V) copy at most
-        at = (
-            scored.flatten().nonzero()[:, 0]
-            if extra is None
-            else torch.cat([scored.flatten().nonzero()[:, 0], extra[0]])
-        )
-        with torch.no_grad():
-            token_sq = torch.cat([log_sum_sq(flat[at[rows]]) for rows in _chunks(len(at), DEFAULT_CHUNK_SIZE)])
-    return logps, token_entropy, token_sq, scored
-
-
-def _score(
-    model: nn.Module,
-    call,
-    inputs: dict[str, Tensor],
-    *,
-    packed_capacity,
-    tiled,
-    prefix_sharing,
-    entropy,
-    entropy_grad,
-    sequence_parallel,
-    per_token,
-    sum_sq,
-    routing,
-    routing_grad,
-) -> SequenceLogps:
-    """forward_logps on the causal LM `model`; `call(**kwargs)` runs its full forward (the model itself, or its class
-    forward inside the root unit's forward)."""
-    (n, width), sp = inputs["input_ids"].shape, sequence_parallel
-    multiple, sdpa = sp.size if sp else 1, model.config._attn_implementation == "sdpa"
-    on_gpu = inputs["input_ids"].device.type in FLEX_DEVICES
-    flex = on_gpu and sdpa and getattr(model, "_supports_flex_attn", False)  # GPT-2's attention reads the mask's ndim
-    # Ulysses' padded rows longer than a sliding window need its band: on GPUs a BlockMask, the rows laid out as packed
-    band = sp and sliding_window(model.config, -(-width // multiple) * multiple)
-    # refused from the config alone: every rank at its first forward (a row's width would stop some ranks, not all)
-    if sp and on_gpu and sdpa and not flex and (packed_capacity or (window := sliding_window(model.config, math.inf))):
-        option = "padding_free=true" if packed_capacity else f"a sliding window ({window})"
-        raise ValueError(
-            f"fsdp.ulysses_sequence_parallel_size={sp.size} with {option}: {type(model).__name__} does not"
-            " attend through FlexAttention, and sdpa on CUDA would keep a dense (T, T) mask in every "
-            "layer; " + ("set padding_free=false" if packed_capacity else "not supported yet")
-        )
-    packed = packed_capacity or prefix_sharing or (band and flex)
-    kwargs, labels, owner, extra = (
-        packed_inputs(inputs, packed_capacity, multiple, prefix_sharing, model.config if flex else None)
-        if packed
-        else (*padded_inputs(inputs, multiple), None)
-    )
-    # each token's column in its input row: its position, where rows hold several sequences
-    column = (
-        kwargs["position_ids"]
-        if "position_ids" in kwargs
-        else torch.arange(labels.size(1), device=labels.device).expand_as(labels)
-    )
-    # aligned so that position t holds its own target, a row can be cut into slices (sequence parallelism)
-    token_of = (owner, column)  # unshifted: a router sees token t at position t
-    targets, owner, column = (
-        F.pad(x[:, 1:], (0, 1), value=v) for x, v in ((labels, IGNORE_INDEX), (owner, -1), (column, 0))
-    )
-    if sp:
-        kwargs = kwargs if packed else ulysses.whole_row_inputs(kwargs)
-        kwargs, targets, owner, column, *token_of = ulysses.local_slice(kwargs, sp, targets, owner, column, *token_of)
-    if isinstance(kwargs.get("attention_mask"), Tensor) and kwargs["attention_mask"].dim() == 4:
-        kwargs["attention_mask"] = packed_attention_mask(
-            kwargs["attention_mask"], model.config, kwargs["position_ids"] if prefix_sharing else None
-        )
-    with _router_logits(model) if routing else contextlib.nullcontext([]) as routed:
-        logps, token_entropy, token_sq, scored = _label_logps(
-            model, call, kwargs, targets, extra, tiled=tiled, entropy=entropy, entropy_grad=entropy_grad, sum_sq=sum_sq
-        )
-    owner, column = owner.to(scored.device)[scored], column.to(scored.device)[scored]
-    if extra is not None:
-        owner, column = torch.cat([owner, extra[2].to(owner.device)]), torch.cat([column, extra[3].to(owner.device)])
-
-    def per_sequence(values: Tensor) -> Tensor:  # summed over each sequence's tokens, then over the group's slices
-        sums = values.new_zeros(n).index_add(0, owner, values)
-        return ulysses.sum_over_group(sums, sp) if sp else sums  # differentiable: each rank scored a slice
-
-    sums, counts = per_sequence(logps), per_sequence(torch.ones_like(owner))
-    # each rank scattered its slice's tokens: the group's sum holds every token once
-    tokens = logps.new_zeros(n, width).index_put((owner, column), logps) if per_token else None
-    tokens = ulysses.sum_over_group(tokens, sp) if sp and per_token else tokens
-    stats = None
-    if routed:
-        with torch.set_grad_enabled(routing_grad and torch.is_grad_enabled()):
-            stats = _routing(routed, *token_of, n, prefix_sharing, model.config.num_experts_per_tok)
-            stats = ulysses.sum_over_group(stats, sp) if sp else stats  # each rank routed a slice of the tokens
-    return SequenceLogps(
-        sums,
-        counts,
-        None if token_entropy is None else per_sequence(token_entropy) / counts.clamp(min=1),
-        tokens,
-        None if token_sq is None else per_sequence(token_sq),
-        stats,
-    )
+        tokens, owner, column = torch.stack([picks, sum(probs)], 1), owner.flatten(), column.flatten()
+        real = owner >= 0
+        out = tokens.new_zeros(n, *tokens.shape[1:]).index_add(0, owner[real], tokens[real])
+        if shared_prefix:  # the prompt: the chosen's tokens before the column where its rejected's own tokens start
+            start = torch.full((n,), column.numel(), device=owner.device)
+            start, half = start.scatter_reduce(0, owner[real], column[real], "amin"), n // 2
+            prompt = real & (owner < half) & (column < start[(owner + half).clamp(max=n - 1)])
+            out = out.index_add(0, owner[prompt] + half, tokens[prompt])
+        return sp.sum_over_group(out) if sp else out

@@ -3,8 +3,8 @@ each a contiguous slice of every row's positions, so everything per token (embed
 log-probs) and its activations shrink by `sp`. Around attention an all-to-all turns sequence slices into head
 slices: each rank attends over WHOLE sequences with `heads / sp` heads, and a second all-to-all turns the result back.
 
-trainers.py calls `make_group` and `install` (`paused()` turns it off for sampling); logps.py calls
-`whole_row_inputs`, `local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed
+trainers.py calls `make_group` and `install` (`paused()` turns it off for sampling); logps.py calls the
+methods of the `SequenceParallel` it is handed: `whole_row_inputs`, `local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed
 log-probs and the backward of a sum is a sum, so FSDP's average over all `dp x sp` ranks is the data-parallel mean.
 """
 
@@ -25,11 +25,40 @@ _PAUSED = [False]  # True inside paused()
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """One rank's group: `size` consecutive ranks holding the same pairs; this one holds every row's `rank`-th slice."""
+    """One rank's group: `size` consecutive ranks holding the same pairs; this one holds every row's `rank`-th slice.
+    What logps.py needs of Ulysses are its methods: logps is handed this object and never imports this file."""
 
     group: object  # torch.distributed ProcessGroup
     rank: int
     size: int
+
+    def sum_over_group(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the group's ranks (any shape), differentiable when x requires grad."""
+        return _SelfAdjoint.apply(x, _all_reduce, self.group)
+
+    @staticmethod
+    def whole_row_inputs(kwargs: dict) -> dict:
+        """Padded-row inputs for sequence parallelism: explicit positions (each rank sees a slice of them) and a
+        one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a causal mask never
+        lets a real token see padding; the model given none would build one for its slice): the wrapper runs a causal
+        kernel or builds the mask per call."""
+        ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
+        causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
+        causal.causal_only = True
+        return {
+            "input_ids": ids,
+            "attention_mask": causal,
+            "position_ids": torch.arange(t, device=ids.device).expand_as(ids),
+        }
+
+    def local_slice(self, kwargs: dict, *per_position: torch.Tensor):
+        """This rank's contiguous slice of positions of input_ids, position_ids and each (rows, T) tensor of
+        `per_position` (targets, owners; T divisible by size). The attention mask stays whole: attention sees whole
+        sequences after the all-to-all."""
+        t = kwargs["input_ids"].size(1) // self.size
+        cut = slice(self.rank * t, (self.rank + 1) * t)
+        local = dict(kwargs, input_ids=kwargs["input_ids"][:, cut], position_ids=kwargs["position_ids"][:, cut])
+        return (local, *(x[:, cut] for x in per_position))
 
 
 def make_group(device: torch.device, world_size: int, size: int) -> SequenceParallel:
@@ -67,11 +96,6 @@ class _SelfAdjoint(torch.autograd.Function):
         return ctx.collective(grad, ctx.group), None, None
 
 
-def sum_over_group(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """x summed over the group's ranks (any shape), differentiable when x requires grad."""
-    return _SelfAdjoint.apply(x, _all_reduce, sp.group)
-
-
 def _exchange(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """(B, N, M, d) -> (B, N/sp, sp*M, d): chunk j of dim 1 goes to rank j; the chunks received from the ranks are
     concatenated along dim 2, in rank order. Sequence to heads: N heads, M positions; heads to sequence: the reverse."""
@@ -105,7 +129,7 @@ def _eager_attention(module):
 
 def _wrap(inner_of, takes_is_causal: bool):
     """An attention function for the registry: all-to-all, `inner_of(module)` over whole sequences for this rank's
-    heads, all-to-all back. whole_row_inputs' causal stand-in becomes is_causal=True for sdpa (its O(T) causal kernel;
+    heads, all-to-all back. SequenceParallel.whole_row_inputs' causal stand-in becomes is_causal=True for sdpa (its O(T) causal kernel;
     a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a causal mask per call. A
     FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to FlexAttention."""
 
@@ -178,26 +202,4 @@ def paused():
         _PAUSED[0] = paused_before
 
 
-def whole_row_inputs(kwargs: dict) -> dict:
-    """Padded-row inputs for sequence parallelism: explicit positions (each rank sees a slice of them) and a
-    one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a causal mask never lets
-    a real token see padding; the model given none would build one for its slice): the wrapper runs a causal kernel
-    or builds the mask per call."""
-    ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
-    causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
-    causal.causal_only = True
-    return {
-        "input_ids": ids,
-        "attention_mask": causal,
-        "position_ids": torch.arange(t, device=ids.device).expand_as(ids),
-    }
-
-
-def local_slice(kwargs: dict, sp: SequenceParallel, *per_position: torch.Tensor):
-    """This rank's contiguous slice of positions of input_ids, position_ids and each (rows, T) tensor of
-    `per_position` (targets, owners; T divisible by sp). The attention mask stays whole: attention sees whole
-    sequences after the all-to-all."""
-    t = kwargs["input_ids"].size(1) // sp.size
-    cut = slice(sp.rank * t, (sp.rank + 1) * t)
-    local = dict(kwargs, input_ids=kwargs["input_ids"][:, cut], position_ids=kwargs["position_ids"][:, cut])
-    return (local, *(x[:, cut] for x in per_position))
+whole_row_inputs = SequenceParallel.whole_row_inputs  # the self-check's tests build the stand-in too
