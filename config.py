@@ -74,7 +74,7 @@ class EngineConfig(BaseConfig):
 
     param_offload: bool = param(False, "keep parameters on CPU, moved to the device only for forward/backward")
     optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
-    seed: Optional[int] = param(None, "engine seed; null = the top-level `seed` (both set and different is an error)")
+    seed: Optional[int] = param(None, "verl's engine seed: fsdp.seed=N sets `seed`, the same knob (this stays null)")
     full_determinism: bool = param(False, "torch.use_deterministic_algorithms: slower, for debugging")
     dtype: str = param(
         "bfloat16", "dtype of mixed-precision compute: param_dtype where fsdp.mixed_precision has none", DTYPE
@@ -84,8 +84,8 @@ class EngineConfig(BaseConfig):
 
 @dataclasses.dataclass(frozen=True)
 class FSDPEngineConfig(EngineConfig):
-    """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. model.block_name, model.policy_dtype and
-    model.fsdp_policy_mp (the original code's names) are aliases of wrap_policy, model_dtype and mixed_precision."""
+    """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. The original code's model.block_name,
+    model.policy_dtype and model.fsdp_policy_mp still parse: they set wrap_policy, model_dtype and mixed_precision."""
 
     wrap_policy: dict = param(
         {},
@@ -101,13 +101,13 @@ class FSDPEngineConfig(EngineConfig):
         (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"),
     )
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
-    model_dtype: str = param("fp32", "dtype of the master weights (alias: model.policy_dtype)", DTYPE)
+    model_dtype: str = param("fp32", "dtype of the master weights (the original's model.policy_dtype)", DTYPE)
     use_orig_params: bool = param(
         False, "FSDP1: keep the original nn.Parameters visible (for per-parameter optimizer groups)"
     )
     mixed_precision: Optional[dict] = param(
         None,
-        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (alias: model.fsdp_policy_mp)",
+        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
     )
     ulysses_sequence_parallel_size: int = param(
         1,
@@ -141,13 +141,6 @@ class ModelConfig(BaseConfig):
     name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
     archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
-    block_name: Optional[str] = param(
-        None, "transformer block class FSDP wraps (alias of fsdp.wrap_policy); null = from _no_split_modules"
-    )
-    policy_dtype: str = param("float32", "dtype the policy is loaded in (alias of fsdp.model_dtype)", DTYPE)
-    fsdp_policy_mp: Optional[str] = param(
-        None, "mixed-precision dtype under FSDP (alias of fsdp.mixed_precision)", DTYPE
-    )
     reference_dtype: Optional[str] = param(
         None, "dtype of the reference; null = the policy's: fp16 overflows bf16-native models", DTYPE
     )
@@ -561,16 +554,22 @@ RULES = {
     if f.metadata["allowed"] is not None
 }
 CHOICES = {key: a for key, f, _ in _leaves() if isinstance(a := f.metadata["allowed"], tuple) and not callable(a[0])}
+BLOCKS = "transformer_layer_cls_to_wrap"  # fsdp.wrap_policy's block class names
 # The sub-keys of dict-valued fields with their rules; the command line may set them one by one (fsdp.wrap_policy.x=1).
 SUBKEYS = {
     "fsdp.mixed_precision": dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), DTYPE),
     "fsdp.wrap_policy": {
-        "transformer_layer_cls_to_wrap": (
-            lambda v: v is None or isinstance(v, (str, list)),
-            "block class names or null",
-        ),
+        BLOCKS: (lambda v: v is None or isinstance(v, (str, list)), "block class names or null"),
         "min_num_params": (lambda v: v is None or type(v) is int and v >= 0, "a non-negative integer"),
     },
+}
+# The original DPO code's keys (README: its command lines parse) and verl's fsdp.seed, each the (sub-)key it sets; one
+# given beside the key it sets, in one layer, must agree with it.
+RENAMED = {
+    "model.policy_dtype": "fsdp.model_dtype",
+    "model.fsdp_policy_mp": "fsdp.mixed_precision.param_dtype",  # null: no mixed precision
+    "model.block_name": f"fsdp.wrap_policy.{BLOCKS}",
+    "fsdp.seed": "seed",
 }
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()
@@ -760,24 +759,62 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
                 f"{group}={name}: no such choice; expected one of {', '.join(known)}" + _suggest(str(name), known)
             )
     layers += [("command line", 2, {key: typed(keys, key, value, raw)}) for key, value, raw in overrides]
-    values, explicit = {k: d for k, (_, d, _) in keys.items()}, {}
+    values = {k: d for k, (_, d, _) in keys.items()}
+    setting = {}  # {key: (the key as given, the value given, layer)} of its latest setting
+    required = {}  # {key: the key as given} set to ??? by a layer and by no later one
     for origin, layer, flat in layers:
-        for key, value in flat.items():
+        for spelling, given in flat.items():
+            key = RENAMED.get(spelling, spelling)
+            value = given
             head, _, sub = key.rpartition(".")
             if key not in keys and head in SUBKEYS:  # fsdp.mixed_precision.param_dtype=bf16
-                held = values[head] or {}  # the one-dtype form of fsdp.mixed_precision is its param_dtype
-                held = {"param_dtype": held} if isinstance(held, str) and head == "fsdp.mixed_precision" else held
+                held = values[head] or {}
                 if not isinstance(held, dict):
                     problems.append(f"{origin}: {key}: {head} is {held!r}, not a dict of {', '.join(SUBKEYS[head])}")
                     continue
-                key, value = head, {**held, sub: value}
+                key, value = head, {**held, sub: given}
             if key not in keys:
                 problems.append(f"{origin}: unknown key '{key}'" + _suggest(key, keys))
-            else:
-                values[key], explicit[key] = value, layer
+                continue
+            if given == REQUIRED:
+                required[key] = spelling
+                continue
+            required.pop(key, None)
+            if key == "fsdp.mixed_precision" and isinstance(value, str):  # one dtype: the compute dtype (param_dtype);
+                if value not in DTYPES:  # reductions and buffers (rotary tables) stay fp32, as verl's
+                    problems.append(
+                        f"{key}={value!r}: expected one dtype ({', '.join(DTYPES)}), a dict "
+                        f"{{{', '.join(SUBKEYS[key])}}} of dtypes, or null"
+                    )
+                value = {"param_dtype": value}
+            if key == "fsdp.mixed_precision" and value == {"param_dtype": None}:  # model.fsdp_policy_mp=null
+                value = None
+            if key == "fsdp.wrap_policy" and isinstance(value, dict) and isinstance(value.get(BLOCKS), str):
+                value = {**value, BLOCKS: [value[BLOCKS]]}
+            before, last = values[key], setting.get(key)
+            values[key], setting[key] = value, (spelling, given, layer)
+            if last and last[2] == layer > 0 and last[0] != spelling:  # two spellings of one key, one layer
+                problems += _disagree(last, setting[key], before, value)
+    problems += [f"{k}: a value is required (set it on the command line: {k}=...)" for k in required.values()]
     if problems:
         raise ConfigError(problems)
-    return values, {k: layer for k, layer in explicit.items() if layer}, flags
+    explicit = {k: layer for k, (spelling, _, layer) in setting.items() if layer and spelling not in RENAMED}
+    return values, explicit, flags
+
+
+def _disagree(first: tuple, second: tuple, before: Any, after: Any) -> list[str]:
+    """Two settings (key as given, value, layer) of one key by one layer: a problem where one is a renamed key, the other
+    sets its knob too and they differ (`before`, `after`: the key's value before and after the second setting)."""
+    old, new = (first, second) if first[0] in RENAMED else (second, first)
+    if old[0] not in RENAMED:
+        return []
+    head, _, part = RENAMED[old[0]].rpartition(".")
+    if head in SUBKEYS and new[0] not in (head, RENAMED[old[0]]):  # another sub-key: another knob
+        return []
+    knobs = [v.get(part) if isinstance(v, dict) else v for v in (before, after)] if head in SUBKEYS else [before, after]
+    if len({DTYPES.get(str(k), str(k)) for k in knobs}) == 1:  # bf16 and bfloat16 are one dtype
+        return []
+    return [f"{old[0]}={old[1]!r} and {new[0]}={new[1]!r} set the same knob to different values; set only {new[0]}"]
 
 
 def _build(cls, values: dict, prefix: str, problems: list[str]):
@@ -787,64 +824,11 @@ def _build(cls, values: dict, prefix: str, problems: list[str]):
         t, key = hints[f.name], prefix + f.name
         if isinstance(t, type) and issubclass(t, BaseConfig):
             kwargs[f.name] = _build(t, values, key + ".", problems)
-        elif values[key] == REQUIRED:
-            kwargs[f.name] = None
-            problems.append(f"{key}: a value is required (set it on the command line: {key}=...)")
         else:
             ok, kwargs[f.name] = _coerce(values[key], t)
             if not ok:
                 problems.append(f"{key}={values[key]!r}: expected {_type_name(t)}, got {type(values[key]).__name__}")
     return cls(**kwargs)
-
-
-# --- Aliases: the original DPO keys follow the FSDPEngineConfig fields that name the same knob ---
-def _resolve_aliases(values: dict, explicit: dict[str, int]) -> list[str]:
-    """Check what the aliases read; then each alias and its field take the value of the later layer (command line >
-    group file > defaults); both set by one layer to different values is an error."""
-    mp, blocks = values["fsdp.mixed_precision"], "transformer_layer_cls_to_wrap"
-    if mp in tuple(DTYPES):  # one dtype, as model.fsdp_policy_mp: the compute dtype; reductions and buffers (rotary
-        values["fsdp.mixed_precision"] = mp = {"param_dtype": mp}  # tables) stay fp32, as verl's
-    dtypes = ("model.policy_dtype", "fsdp.model_dtype", "model.fsdp_policy_mp", "fsdp.dtype")
-    found = _broken({k: values[k] for k in dtypes}, RULES)
-    if isinstance(mp, str):
-        found.append(
-            f"fsdp.mixed_precision={mp!r}: expected one dtype ({', '.join(DTYPES)}), a dict "
-            f"{{{', '.join(SUBKEYS['fsdp.mixed_precision'])}}} of dtypes, or null"
-        )
-    for key, rules in SUBKEYS.items():
-        given = values[key] if isinstance(values[key], dict) else {}
-        found += [
-            f"{key}.{k}: unknown key; expected one of {', '.join(rules)}" + _suggest(k, rules)
-            for k in given
-            if k not in rules
-        ]
-        found += [
-            f"{key}.{k}={v!r}: expected {rules[k][1]}" for k, v in given.items() if k in rules and not rules[k][0](v)
-        ]
-    wp = values["fsdp.wrap_policy"]
-    if found or not isinstance(wp, dict) or not (mp is None or isinstance(mp, dict)):
-        return found  # types are reported by _build; aliases need valid values
-    if isinstance(wp.get(blocks), str):
-        values["fsdp.wrap_policy"] = wp = {**wp, blocks: [wp[blocks]]}
-    mp_dtype = lambda s: None if s is None else DTYPES.get(s.get("param_dtype", values["fsdp.dtype"]))  # noqa: E731
-    for alias, source, to_source, from_source in (  # from_source(a source value) = the alias value it stands for
-        ("model.policy_dtype", "fsdp.model_dtype", lambda a: a, DTYPES.get),
-        ("model.fsdp_policy_mp", "fsdp.mixed_precision", lambda a: a and {"param_dtype": a}, mp_dtype),
-        (
-            "model.block_name",
-            "fsdp.wrap_policy",
-            lambda a: {**wp, blocks: [a]} if a else wp,
-            lambda s: s[blocks][0] if len(s.get(blocks) or []) == 1 else None,
-        ),
-        ("fsdp.seed", "seed", lambda a: values["seed"] if a is None else a, lambda s: s),
-    ):  # null: the seed
-        a, s, layer_a, layer_s = values[alias], values[source], explicit.get(alias, 0), explicit.get(source, 0)
-        if layer_a == layer_s > 0 and from_source(to_source(a)) != from_source(s):
-            found.append(f"{alias}={a!r} and {source}={s!r} set the same knob to different values; set only {source}")
-        elif layer_a > layer_s:
-            values[source] = to_source(a)
-        values[alias] = from_source(values[source])
-    return found
 
 
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
@@ -936,6 +920,14 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
                 "supported yet; use bf16 (the same memory, fp32's range)",
             )
         )
+    for key, subkeys in SUBKEYS.items():  # fsdp.mixed_precision, fsdp.wrap_policy
+        for k, v in (c.fsdp[key.partition(".")[2]] or {}).items():
+            if k not in subkeys:
+                rules.append(
+                    (True, f"{key}.{k}: unknown key; expected one of {', '.join(subkeys)}" + _suggest(k, subkeys))
+                )
+            else:
+                rules.append((not subkeys[k][0](v), f"{key}.{k}={v!r}: expected {subkeys[k][1]}"))
     for n in c.loss_names:
         if isinstance(n, str) and n not in known:
             preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
@@ -1153,9 +1145,9 @@ def _online_rules(c: Config) -> list[tuple[bool, str]]:
 
 
 def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> tuple[Config, set[str]]:
-    """Compose, type-check, resolve aliases and validate (world_size None: $WORLD_SIZE if set). Returns (config, flags)."""
+    """Compose, type-check and validate (world_size None: $WORLD_SIZE if set). Returns (config, flags)."""
     values, explicit, flags = compose(sys.argv[1:] if argv is None else argv)
-    problems = _resolve_aliases(values, explicit)
+    problems = []
     cfg = _build(Config, values, "", problems)
     if problems:  # types must be right before the cross-field rules can read them
         raise ConfigError(problems)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import config
-from config import Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config, schema
+from config import BLOCKS, Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config, schema
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGINAL_COMMAND = (
@@ -113,7 +113,6 @@ def test_mixed_precision_shorthand_is_the_compute_dtype_with_fp32_reductions_and
     cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision=bf16"])
     long, _ = load_config(["trainer=FSDPTrainer", "model.fsdp_policy_mp=bf16"])
     assert cfg.fsdp.mixed_precision == long.fsdp.mixed_precision == {"param_dtype": "bf16"}
-    assert cfg.model.fsdp_policy_mp == "bfloat16"
 
 
 def test_each_default_is_written_once_in_the_dataclasses():
@@ -131,15 +130,13 @@ def test_the_original_long_command_resolves_to_typed_values():
     # not here (tests/test_train.py checks that `--cfg` refuses what the run refuses)
     cfg = yaml.safe_load(config.to_yaml(load_config(ORIGINAL_COMMAND)[0]))
     assert cfg["model"]["name_or_path"] == "EleutherAI/pythia-2.8b"
-    assert cfg["model"]["block_name"] == "GPTNeoXLayer"
     assert cfg["fsdp"]["wrap_policy"] == {"transformer_layer_cls_to_wrap": ["GPTNeoXLayer"]}
     assert cfg["datasets"] == ["hh"]
     assert cfg["loss"]["name"] == "dpo" and cfg["loss"]["beta"] == 0.1
     assert cfg["exp_name"] == "anthropic_dpo_pythia28"
     assert (cfg["gradient_accumulation_steps"], cfg["batch_size"], cfg["eval_batch_size"]) == (2, 64, 32)
     assert cfg["trainer"] == "FSDPTrainer" and cfg["sample_during_eval"] is False
-    assert cfg["model"]["fsdp_policy_mp"] == "bfloat16"
-    # the alias sets the compute dtype only: reductions and buffers stay fp32 (FSDPTrainer.mixed_precision_dtypes)
+    # model.fsdp_policy_mp sets the compute dtype only: reductions and buffers stay fp32 (FSDPTrainer.mixed_precision_dtypes)
     assert cfg["fsdp"]["mixed_precision"] == {"param_dtype": "bfloat16"}
     assert cfg["model"]["archive"] == "/path/to/LATEST/policy.pt"
 
@@ -156,7 +153,7 @@ def test_group_selection_and_override_precedence():
     cfg, _ = load_config(["loss.beta=0.3", "loss=dpo"])  # whatever the order on the line
     assert cfg.loss.beta == 0.3
     cfg, _ = load_config(["model=pythia28", "model.name_or_path=/local/pythia"])
-    assert cfg.model.name_or_path == "/local/pythia" and cfg.model.block_name == "GPTNeoXLayer"
+    assert cfg.model.name_or_path == "/local/pythia" and cfg.fsdp.wrap_policy == {BLOCKS: ["GPTNeoXLayer"]}
 
 
 def test_yaml_typed_values_and_double_dash_form():
@@ -167,31 +164,36 @@ def test_yaml_typed_values_and_double_dash_form():
     assert cfg.exp_name == "123" and cfg.max_grad_norm == 1.0
 
 
-def test_aliases_resolve_in_both_directions():
+def test_the_original_keys_set_the_keys_that_hold_their_knobs_now():
+    """model.policy_dtype, model.fsdp_policy_mp and model.block_name (the original code's) and verl's fsdp.seed set
+    fsdp.model_dtype, fsdp.mixed_precision, fsdp.wrap_policy and seed; given with those in one layer, they must agree."""
     cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bfloat16"])
-    assert cfg.fsdp.model_dtype == "bfloat16" and cfg.model.policy_dtype == "bfloat16"
-    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.model_dtype=bf16"])  # the source of truth drives the alias
-    assert cfg.model.policy_dtype == "bfloat16"
-    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision={param_dtype: bf16}"])
-    assert cfg.model.fsdp_policy_mp == "bfloat16"
-    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision=bf16", "fsdp.mixed_precision.reduce_dtype=fp32"])
+    assert cfg.fsdp.model_dtype == "bfloat16" and "policy_dtype" not in cfg.model
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model.fsdp_policy_mp=bf16", "fsdp.mixed_precision.reduce_dtype=fp32"])
     assert cfg.fsdp.mixed_precision == {"param_dtype": "bf16", "reduce_dtype": "fp32"}  # one dtype, then a sub-key
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.mixed_precision=bf16", "fsdp.mixed_precision.reduce_dtype=fp32"])
+    assert cfg.fsdp.mixed_precision == {"param_dtype": "bf16", "reduce_dtype": "fp32"}
     cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.wrap_policy={transformer_layer_cls_to_wrap: null}"])
-    assert cfg.fsdp.wrap_policy == {"transformer_layer_cls_to_wrap": None}  # null: the model's _no_split_modules
+    assert cfg.fsdp.wrap_policy == {BLOCKS: None}  # null: the model's _no_split_modules
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "model.block_name=null"])
+    assert cfg.fsdp.wrap_policy == {BLOCKS: None}  # the command line wins over the group file
     cfg, _ = load_config(["trainer=FSDPTrainer", "model=pythia28", "fsdp.wrap_policy={min_num_params: 1000}"])
-    assert (
-        cfg.fsdp.wrap_policy == {"min_num_params": 1000} and cfg.model.block_name is None
-    )  # command line wins over the group file
-    cfg, _ = load_config(["seed=5"])
-    assert cfg.fsdp.seed == 5
-    cfg, _ = load_config(
-        ["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"]
-    )  # same knob, same value
-    assert cfg.fsdp.model_dtype == "bfloat16"
-    with pytest.raises(
-        ConfigError, match="set the same knob"
-    ):  # a block class and a size policy: no longer one dropped silently
-        load_config(["trainer=FSDPTrainer", "model.block_name=Block", "fsdp.wrap_policy={min_num_params: 1000}"])
+    assert cfg.fsdp.wrap_policy == {"min_num_params": 1000}
+    cfg, _ = load_config(["trainer=FSDPTrainer", "fsdp.wrap_policy.transformer_layer_cls_to_wrap=Block"])
+    assert cfg.fsdp.wrap_policy == {BLOCKS: ["Block"]}
+    cfg, _ = load_config(["fsdp.seed=5"])
+    assert cfg.seed == 5
+    cfg, _ = load_config(["trainer=FSDPTrainer", "model.policy_dtype=bf16", "fsdp.model_dtype=bfloat16"])
+    assert cfg.fsdp.model_dtype == "bfloat16"  # same knob, same value
+    for args in (  # a block class and a size policy: neither dropped silently, in either order
+        ["model.block_name=Block", "fsdp.wrap_policy={min_num_params: 1000}"],
+        ["fsdp.wrap_policy={min_num_params: 1000}", "model.block_name=Block"],
+        ["fsdp.model_dtype=fp32", "model.policy_dtype=bf16"],
+        ["seed=1", "fsdp.seed=2"],
+    ):
+        with pytest.raises(ConfigError, match="set the same knob to different values; set only") as info:
+            load_config(["trainer=FSDPTrainer", *args])
+        assert all(key.partition("=")[0] in str(info.value) for key in args)
 
 
 def test_exp_name_is_derived_when_null():
