@@ -2,8 +2,10 @@
 
 Each loss has the original DPO signature `(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
 reference_rejected_logps, *, <hyperparameters named as their config keys>) -> (losses, chosen_rewards,
-rejected_rewards)`, each Shape (batch,), and is registered in `LOSSES`. `compute_loss`, the only thing the trainer
-calls, turns summed log-probs and token counts into what each loss wants (sum or per-token mean, reference or
+rejected_rewards)`, each Shape (batch,), and is registered in `LOSSES`. `compute_loss`, the loss step of the trainer,
+takes the policy's and the reference's log-probs as logps.py hands them over (SequenceLogps: sums and token counts
+per row, and per token or WPO's statistic where `logps_needed` asks), applies the modifiers (LD-DPO, WPO, DPOP,
+beta-DPO, whose running state is a `BetaDPO`), gives each loss what it wants (sum or per-token mean, reference or
 zeros), sums the weighted losses and builds the batch metrics. How log-probs are computed is logps.py's concern.
 
 To add a loss (README: "Adding a loss"): write a function like `dpo_loss`, add a line to `LOSSES`, a LossConfig
@@ -38,6 +40,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from logps import IGNORE_INDEX, SequenceLogps  # the hand-off: what forward_logps returns, its unscored label
 
 
 def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -> Tensor:
@@ -493,6 +497,29 @@ def beta_dpo(
     return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
 
 
+class BetaDPO:
+    """beta-DPO's running threshold and spread (M_0, sigma) across steps: the trainer holds one, its checkpoint keeps
+    it (state_dict), and compute_loss calls it with each batch's margins."""
+
+    def __init__(self, seed: int = 0):
+        self.seed, self.running = seed, None
+
+    def state_dict(self) -> dict:
+        return {"beta_dpo_running": self.running}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.running = state.get("beta_dpo_running")
+
+    def __call__(self, margins: Tensor, hp, step: int | None) -> tuple[float, Tensor]:
+        """beta_batch and the filter's `keep` (beta_dpo). A training step (`step`) draws the filter, seeded by (seed,
+        step) so that a resume redraws it exactly, and moves the running statistics; evaluation (None) reads them."""
+        draw = None if step is None else torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        drop = 0.0 if step is None else hp.dynamic_beta_filter
+        beta, keep, running = beta_dpo(margins, hp.beta, hp.dynamic_beta, self.running, drop, draw)
+        self.running = self.running if step is None else running
+        return beta, keep
+
+
 # --- A mixture of experts' router ---
 def load_balancing_loss(routing: Tensor) -> Tensor:
     """Switch Transformer's auxiliary load-balancing loss (Fedus et al. 2021, arXiv:2101.03961, Eq. 4-6) of each
@@ -528,9 +555,15 @@ def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     return not reference_free and any(spec.needs_reference for spec in _specs(names)[1])
 
 
-def average_log_prob(spec: LossSpec, hparams) -> bool:
+def logps_needed(hp) -> dict:
+    """What compute_loss reads of the log-probs beyond sums and counts, as forward_logps' options: each token's
+    log-prob (LD-DPO) and WPO's statistic."""
+    return {"per_token": getattr(hp, "ld_alpha", 1.0) != 1, "sum_sq": bool(getattr(hp, "wpo", False))}
+
+
+def average_log_prob(spec: LossSpec, hp) -> bool:
     """Whether a loss sees per-token mean log-probs: loss.average_log_prob, or the loss's own default when null."""
-    average = hparams.get("average_log_prob")
+    average = getattr(hp, "average_log_prob", None)
     return spec.average_log_prob if average is None else bool(average)
 
 
@@ -548,11 +581,12 @@ def _hyperparameters(fn: Callable) -> tuple[tuple[str, bool], ...]:
     )
 
 
-def _kwargs_for(name: str, fn: Callable, hparams, chosen_nll: Tensor | None) -> dict:
-    """The hyperparameters `fn` declares, taken from hparams (None counts as unset)."""
+def _kwargs_for(name: str, fn: Callable, hp, given: dict) -> dict:
+    """The keyword-only parameters `fn` declares: from `given` (SUPPLIED, beta-DPO's beta), else from hp; None
+    counts as unset."""
     kwargs = {}
     for param, required in _hyperparameters(fn):
-        value = chosen_nll if param == "chosen_nll" else hparams.get(param)
+        value = given[param] if given.get(param) is not None else getattr(hp, param, None)
         if value is not None:
             kwargs[param] = value
         elif required:
@@ -563,171 +597,127 @@ def _kwargs_for(name: str, fn: Callable, hparams, chosen_nll: Tensor | None) -> 
 def compute_loss(
     names: str | list[str],
     weights: list[float] | None,
-    hparams,
-    policy_chosen_sum: Tensor,
-    policy_chosen_len: Tensor,
-    policy_rejected_sum: Tensor | None = None,
-    policy_rejected_len: Tensor | None = None,
-    reference_chosen_sum: Tensor | None = None,
-    reference_rejected_sum: Tensor | None = None,
+    hp,
+    policy: SequenceLogps,
+    reference: SequenceLogps | None = None,
+    *,
+    paired: bool = True,
+    labels: Tensor | None = None,
     desirable: Tensor | None = None,
     kl: Tensor | None = None,
-    policy_tokens: Tensor | None = None,
-    reference_tokens: Tensor | None = None,
-    scored: Tensor | None = None,
-    policy_sum_sq: Tensor | None = None,
-    keep: Tensor | None = None,
-    beta_batch: float | None = None,
+    beta_dpo: BetaDPO | None = None,
+    step: int | None = None,
 ) -> LossOutput:
     """Weighted sum of the named losses, with the batch metrics (per example, detached).
 
     names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
-    for all 1.0. hparams: a mapping with .get (dict or the config's loss section): the keys the named losses read,
-    reference_free, and average_log_prob (None: each loss's own default). policy_*_sum, reference_*_sum: summed
-    token log-probs per sequence; policy_*_len: scored tokens per sequence; all Shape (batch,). The reference scores
-    the same tokens, so its sums are normalized by the policy's lengths; reference_free replaces it by one giving
-    every sequence log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
-    Modifiers of the paired losses, from hparams: ld_alpha != 1 (LD-DPO) weighs the tokens of policy_tokens and
-    reference_tokens, (2B, T) chosen rows then rejected rows with their `scored` mask, instead of the sums; wpo (WPO)
-    weighs each pair's losses by wpo_weights from policy_sum_sq (2B,); dpop_lambda > 0 (DPOP): `_paired_losses`.
-    beta-DPO's `beta_batch` replaces loss.beta, its `keep` (B,) bool makes the mean loss the kept pairs' (the
-    others' 0, the kept ones' scaled by B / kept). The logged logps/* stay the plain sums."""
+    for all 1.0. hp: the config's loss section (any object with its attributes; one left out takes its default): the
+    keys the named losses read, reference_free, average_log_prob (None: each loss's own default) and the modifiers.
+    policy, reference: logps.forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
+    the chosen rows (or unpaired completions) alone: `sums` of token log-probs and scored-token `counts` per row,
+    (N,). The reference scores the same tokens, so its sums are normalized by the policy's counts; reference None or
+    reference_free gives every row log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
+    Modifiers of the paired losses, from hp: ld_alpha != 1 (LD-DPO) weighs the rows' `tokens` (scored where `labels`,
+    (N, T), are) instead of taking their sums; wpo (WPO) weighs each pair's losses by wpo_weights from the policy's
+    log_sum_sq; dpop_lambda > 0 (DPOP) penalizes the chosen log-prob (dpop_chosen_logps); dynamic_beta > 0 with
+    `beta_dpo` (beta-DPO, BetaDPO; `step`: the training step, None in evaluation) replaces loss.beta by the batch's
+    beta, and its filter's `keep` makes the mean loss the kept pairs' (the others' 0, the kept ones' scaled by
+    B / kept). LD-DPO's sums and DPOP's penalty reach the losses that compare with a reference (sft and ORPO's odds
+    keep the plain log-probs: rpo = [dpo, sft] still). The logged rewards keep their meaning: no DPOP penalty, the
+    configured beta (a second call of the loss, without gradients, when either differs); logps/* stay the sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
-    if not (sft_only or unpaired) and (policy_rejected_sum is None or policy_rejected_len is None):
+    if not (paired or sft_only or unpaired):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
-    reference_free = bool(hparams.get("reference_free"))
-    if reference_free:
-        reference_chosen_sum = torch.zeros_like(policy_chosen_sum)
-        reference_rejected_sum = None if policy_rejected_sum is None else torch.zeros_like(policy_rejected_sum)
-    missing = reference_chosen_sum is None or (policy_rejected_sum is not None and reference_rejected_sum is None)
-    if needs_reference(names, reference_free) and missing:
+    free = getattr(hp, "reference_free", False)
+    reference = None if free else reference
+    if reference is None and not free and any(spec.needs_reference for spec in specs):
         raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
+    sums, counts, device = policy.sums, policy.counts, policy.sums.device
+    ref = torch.zeros_like(sums) if reference is None else reference.sums.to(device)
     if unpaired:
-        return _unpaired_loss(
-            names,
-            weights,
-            hparams,
-            policy_chosen_sum,
-            policy_chosen_len,
-            policy_rejected_sum,
-            policy_rejected_len,
-            reference_chosen_sum,
-            reference_rejected_sum,
-            desirable,
-            kl,
-        )
-    chosen_nll = -sequence_logps(policy_chosen_sum, policy_chosen_len, average_log_prob=True)
-    plain = [policy_chosen_sum, policy_rejected_sum, reference_chosen_sum, reference_rejected_sum]
-    lengths, n = [policy_chosen_len, policy_rejected_len] * 2, len(policy_chosen_sum)
-    wpo = wpo_weights(*plain[:2], policy_sum_sq[:n], policy_sum_sq[n:], *lengths[:2]) if hparams.get("wpo") else None
-    modified, ld_alpha = plain, hparams.get("ld_alpha", 1.0)
+        return _unpaired_loss(names[0], weights[0], hp, sums, counts, ref, paired, desirable, kl)
+    n = len(sums) // 2 if paired else len(sums)
+    chosen_nll = -sequence_logps(sums[:n], counts[:n], average_log_prob=True)
+    wpo = None
+    if getattr(hp, "wpo", False):
+        wpo = wpo_weights(sums[:n], sums[n:], policy.log_sum_sq[:n], policy.log_sum_sq[n:], counts[:n], counts[n:])
+    modified, ld_alpha = (sums, ref), getattr(hp, "ld_alpha", 1.0)
     if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
+        # output t predicts token t+1: a row's first token is never scored
+        scored = (labels.to(device) != IGNORE_INDEX) & (torch.arange(labels.size(1), device=device) > 0)
         ld = [
-            length_desensitized_logps(tokens, scored, ld_alpha)
-            for tokens in (policy_tokens, reference_tokens)
-            if tokens is not None
-        ]  # reference_tokens is None when reference_free: its sums stay 0
-        modified = [ld[0][:n], ld[0][n:], *((ld[1][:n], ld[1][n:]) if len(ld) > 1 else plain[2:])]
-    total, (chosen_rewards, rejected_rewards) = _paired_losses(
-        names, specs, weights, hparams, plain, modified, lengths, chosen_nll, wpo, beta_batch
-    )
+            length_desensitized_logps(x.tokens.to(device), scored, ld_alpha)
+            for x in (policy, reference)
+            if x is not None
+        ]
+        modified = (ld[0], ld[1] if reference is not None else ref)  # no reference: its sums stay 0
+    beta, keep = None, None
+    if beta_dpo is not None and getattr(hp, "dynamic_beta", 0.0):  # the margins of the first loss that reads beta
+        average = average_log_prob(next(s for s in specs if "beta" in dict(_hyperparameters(s.fn))), hp)
+        ratios = sequence_logps(sums - ref, counts, average).detach()
+        beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
+    dpop, total, rewards = getattr(hp, "dpop_lambda", 0.0), 0, (None, None)
+    given = {"chosen_nll": chosen_nll, "beta": beta}  # beta None: loss.beta
+    for name, spec, weight in zip(names, specs, weights, strict=True):
+        average, sides = average_log_prob(spec, hp), modified if spec.needs_reference else (sums, ref)
+        policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in sides)
+        logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
+        penalized = logps
+        if dpop and spec.needs_reference:  # DPOP: the penalty inside the chosen log-ratio
+            penalized = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]]
+        losses, chosen, rejected = spec.fn(*penalized, **_kwargs_for(name, spec.fn, hp, given))
+        total = total + weight * losses * (1.0 if wpo is None else wpo)
+        if rewards[0] is None and chosen is not None:
+            if penalized is not logps or beta is not None:
+                with torch.no_grad():
+                    _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hp, {"chosen_nll": chosen_nll}))
+            rewards = (chosen, rejected)
     if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
         total = total * keep * (len(keep) / keep.sum())
 
-    metrics = {"logps/chosen": policy_chosen_sum.detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
+    metrics = {"logps/chosen": sums[:n].detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
     if not sft_only:
-        metrics["logps/rejected"] = policy_rejected_sum.detach()
+        metrics["logps/rejected"] = sums[n:].detach()
     if wpo is not None:
         metrics["wpo/weights"] = wpo
+    chosen_rewards, rejected_rewards = rewards
     if chosen_rewards is not None:
-        metrics.update(
-            {
-                "rewards/chosen": chosen_rewards,
-                "rewards/rejected": rejected_rewards,
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-                "rewards/margins": chosen_rewards - rejected_rewards,
-            }
-        )
+        metrics["rewards/chosen"], metrics["rewards/rejected"] = chosen_rewards, rejected_rewards
+        metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
+        metrics["rewards/margins"] = chosen_rewards - rejected_rewards
+    if keep is not None:
+        metrics["beta_dpo/beta"] = torch.full_like(keep, beta, dtype=torch.float)
+        metrics["beta_dpo/kept"] = keep.float()
     return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
 
 
-def _paired_losses(
-    names,
-    specs,
-    weights,
-    hparams,
-    plain: list,
-    modified: list,
-    lengths: list,
-    chosen_nll: Tensor,
-    wpo: Tensor | None,
-    beta_batch: float | None,
-) -> tuple[Tensor, tuple]:
-    """The weighted sum of the paired losses and the first one's rewards. LD-DPO's sums and DPOP's penalty reach the
-    losses that compare with a reference (sft and ORPO's odds keep the plain log-probs: rpo = [dpo, sft] still);
-    beta-DPO's beta_batch replaces loss.beta. The logged rewards keep their meaning: no DPOP penalty, the configured
-    beta (a second call of the loss, without gradients, when either differs)."""
-    dpop, total, rewards = hparams.get("dpop_lambda", 0.0), 0, (None, None)
-    stepped = hparams if beta_batch is None else dict(hparams, beta=beta_batch)
-    for name, spec, weight in zip(names, specs, weights, strict=True):
-        average = average_log_prob(spec, hparams)
-        sums = modified if spec.needs_reference else plain
-        logps = [None if s is None else sequence_logps(s, length, average) for s, length in zip(sums, lengths)]
-        scored = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]] if dpop and spec.needs_reference else logps
-        losses, chosen, rejected = spec.fn(*scored, **_kwargs_for(name, spec.fn, stepped, chosen_nll))
-        total = total + weight * losses * (1.0 if wpo is None else wpo)
-        if rewards[0] is None and chosen is not None:
-            if scored is not logps or beta_batch is not None:
-                with torch.no_grad():
-                    _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hparams, chosen_nll))
-            rewards = (chosen, rejected)
-    return total, rewards
-
-
-def _unpaired_loss(
-    names,
-    weights,
-    hparams,
-    policy_chosen_sum,
-    policy_chosen_len,
-    policy_rejected_sum,
-    policy_rejected_len,
-    reference_chosen_sum,
-    reference_rejected_sum,
-    desirable,
-    kl,
-) -> LossOutput:
+def _unpaired_loss(name, weight, hp, sums, counts, ref, paired, desirable, kl) -> LossOutput:
     """compute_loss for a loss on labelled completions (KTO), checks done.
 
-    Unpaired batch: policy_chosen_* are the completions (n,), `desirable` (n,) bool their labels. Paired batch (eval
-    of pairs): chosen (desirable) and rejected (undesirable) are 2n completions, and accuracies and margins compare
-    each pair as for DPO. `kl`: the trainer's KL estimate of the step, see kto_loss.
+    Unpaired batch: the rows are completions (n,), `desirable` (n,) bool their labels. Paired batch (eval of pairs):
+    chosen (desirable) and rejected (undesirable) are 2n completions, and accuracies and margins compare each pair
+    as for DPO. `kl`: the trainer's KL estimate of the step, see kto_loss.
     Metrics per completion: rewards/ and logps/chosen on desirable completions, rewards/ and logps/rejected on
     undesirable ones, NaN on the others (the trainer's averages skip NaN); on every row kl, the raw estimate, and
     kl_clamped, the z0 = max(0, kl) the loss uses."""
-    name, spec, n = names[0], LOSSES[names[0]], policy_chosen_sum.shape[0]
-    policy_sum, lengths, reference_sum = policy_chosen_sum, policy_chosen_len, reference_chosen_sum
-    paired = policy_rejected_sum is not None
+    spec, n = LOSSES[name], len(sums) // 2
     if paired:
-        policy_sum, lengths = torch.cat([policy_sum, policy_rejected_sum]), torch.cat([lengths, policy_rejected_len])
-        reference_sum = torch.cat([reference_sum, reference_rejected_sum])
-        desirable = torch.arange(2 * n, device=policy_sum.device) < n
+        desirable = torch.arange(2 * n, device=sums.device) < n
     elif desirable is None:
         raise ValueError(f"loss {name!r} scores labelled completions: `desirable` (n,) is missing")
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
-    average = average_log_prob(spec, hparams)
+    average, desirable, kl = average_log_prob(spec, hp), desirable.to(sums.device).bool(), kl.to(sums.device)
     losses, rewards = spec.fn(
-        sequence_logps(policy_sum, lengths, average),
-        sequence_logps(reference_sum, lengths, average),
+        sequence_logps(sums, counts, average),
+        sequence_logps(ref, counts, average),
         desirable,
         kl,
-        **_kwargs_for(name, spec.fn, hparams, None),
+        **_kwargs_for(name, spec.fn, hp, {}),
     )
-    total, desirable = weights[0] * losses, desirable.bool()
-    nan, logps = torch.full_like(rewards, float("nan")), policy_sum.detach()
+    total, nan, logps = weight * losses, torch.full_like(rewards, float("nan")), sums.detach()
     metrics = {
         "loss": total.detach(),
         "rewards/chosen": torch.where(desirable, rewards, nan),

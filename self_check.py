@@ -15,6 +15,7 @@ that avoids it. `self_check=false` turns it off. Cost: a few forwards of at most
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -157,15 +158,14 @@ def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> 
     """The run's loss on the probe (mean over all ranks) with `ref` as the reference's sums; the policy's own sums
     give its value at zero margin. Modifiers weighing tokens or pairs by the policy alone are left out: equal on both
     sides."""
-    c, n, sums, counts = t.config, len(probe["chosen_input_ids"]), ours.sums, ours.counts
-    kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], reference_chosen_sum=ref[:n])
-    if "rejected_input_ids" in probe:
-        kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:], reference_rejected_sum=ref[n:])
-    if t.unpaired:  # KTO: the KL reference point is 0 where reference = policy
-        desirable = probe["desirable"].to(sums.device) if "desirable" in probe else None
-        kwargs.update(kl=sums.new_zeros(1), desirable=desirable)
-    hparams = dict(c.loss.to_dict(), wpo=False, ld_alpha=1.0)
-    loss = losses.compute_loss(c.loss_names, c.loss.weights, hparams, **kwargs).losses.mean()
+    c = t.config
+    kl = ours.sums.new_zeros(1) if t.unpaired else None  # KTO: the KL reference point is 0 where reference = policy
+    hp = dataclasses.replace(c.loss, wpo=False, ld_alpha=1.0)
+    paired, desirable = "rejected_input_ids" in probe, probe.get("desirable")
+    out = losses.compute_loss(
+        c.loss_names, c.loss.weights, hp, ours, SequenceLogps(ref, None), paired=paired, desirable=desirable, kl=kl
+    )
+    loss = out.losses.mean()
     return t.sharding.gather(loss.float().reshape(1)).mean().item()
 
 

@@ -39,9 +39,9 @@ import losses
 import preference_datasets as data
 import self_check
 import ulysses
-from config import flatten, loss_registry
+from config import flatten
 from estimate import DEVICES
-from logps import IGNORE_INDEX, SequenceLogps, concatenated_inputs, forward_logps
+from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
 from utils import (
     all_gather_object,
@@ -156,11 +156,8 @@ class BasicTrainer:
             use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
         )
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.stop, self.log, self.beta_dpo_running = (
-            {"signal": None},
-            RunLog(self.run_dir, rank, config),
-            None,
-        )  # beta-DPO's
+        self.stop, self.log = {"signal": None}, RunLog(self.run_dir, rank, config)
+        self.beta_dpo = losses.BetaDPO(seed)  # beta-DPO's running margins (a checkpoint keeps them)
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         self.splits = splits or data.load_splits(c, tokenizer)  # train.py hands on what its checks loaded
         train, test = self.splits["train"], self.splits["test"]
@@ -251,58 +248,47 @@ class BasicTrainer:
         """Mean loss of `batch` and its per-example metrics, named as the original (`rewards_train/chosen`)."""
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
         n, paired, c = batch["chosen_input_ids"].size(0), "rejected_input_ids" in batch, self.config
-        entropy_grad = bool(c.loss.entropy_coeff)
-        ld = c.loss.ld_alpha != 1  # the loss modifiers that need more than sums: LD-DPO's tokens, WPO's statistic
+        entropy_grad, needed = bool(c.loss.entropy_coeff), losses.logps_needed(c.loss)
         with self.autocast():
-            out = forward_logps(
+            policy = forward_logps(
                 self.policy,
                 inputs,
                 entropy=self.entropy_options,
                 entropy_grad=entropy_grad,
-                per_token=ld,
-                sum_sq=c.loss.wpo,
                 routing=self.routed,
                 routing_grad=self.router_coef > 0,
+                **needed,
                 **self.forward_options(entropy_grad),
             )
-        sums, counts, entropy, routing = *out[:3], out.routing
-        kwargs = dict(policy_chosen_sum=sums[:n], policy_chosen_len=counts[:n], policy_sum_sq=out.log_sum_sq)
-        if paired:
-            kwargs.update(policy_rejected_sum=sums[n:], policy_rejected_len=counts[n:])
-        ref = self.reference.logps(batch, inputs, split, per_token=ld)
-        if ref is not None:
-            kwargs.update(
-                reference_chosen_sum=ref.sums[:n].to(sums.device),
-                reference_rejected_sum=ref.sums[n:].to(sums.device) if paired else None,
-            )
-        if ld:  # output t predicts token t+1: a row's first token is never scored
-            scored = (inputs["labels"].to(sums.device) != IGNORE_INDEX) & (
-                torch.arange(inputs["labels"].size(1), device=sums.device) > 0
-            )
-            kwargs.update(
-                policy_tokens=out.tokens,
-                reference_tokens=None if ref is None else ref.tokens.to(sums.device),
-                scored=scored,
-            )
-        if self.unpaired:
+        kl = None
+        if self.unpaired:  # KTO's reference point: the step's (step_statistics), or this evaluation batch's
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
-            kwargs.update(
-                kl=kl.to(sums.device), desirable=batch["desirable"].to(sums.device) if "desirable" in batch else None
-            )
-        extra_metrics = beta_dpo_step(self, kwargs, split) if c.loss.dynamic_beta and paired else {}
-        out = losses.compute_loss(c.loss_names, c.loss.weights, c.loss, **kwargs)
-        metrics = dict(out.metrics, **extra_metrics, **{"entropy/chosen": entropy[:n].detach()})
+        out = losses.compute_loss(
+            c.loss_names,
+            c.loss.weights,
+            c.loss,
+            policy,
+            self.reference.logps(batch, inputs, split, per_token=needed["per_token"]),
+            paired=paired,
+            labels=inputs["labels"],
+            desirable=batch.get("desirable"),
+            kl=kl,
+            beta_dpo=self.beta_dpo,
+            step=self.batch_counter if split == "train" else None,
+        )
+        metrics = dict(out.metrics, **{"entropy/chosen": policy.entropy[:n].detach()})
         if paired:
-            metrics["entropy/rejected"] = entropy[n:].detach()
+            metrics["entropy/rejected"] = policy.entropy[n:].detach()
         loss = out.losses.mean()
         if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
-            loss = loss - c.loss.entropy_coeff * entropy.mean()
-        if routing is not None:  # per example (a pair: its two sequences' mean), weighted like the loss in train_step
-            aux = losses.load_balancing_loss(routing)
+            loss = loss - c.loss.entropy_coeff * policy.entropy.mean()
+        if policy.routing is not None:  # per example (a pair: its two sequences' mean), weighted like the loss
+            aux = losses.load_balancing_loss(policy.routing)
             aux = (aux[:n] + aux[n:]) / 2 if paired else aux
             metrics["router_aux_loss"] = aux.detach()
             loss = loss + self.router_coef * aux.mean() if self.router_coef else loss
-        return loss, {split_name(k, split): v for k, v in metrics.items()}
+        # 'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)
+        return loss, {k.replace("/", f"_{split}/", 1) if "/" in k else f"{k}/{split}": v for k, v in metrics.items()}
 
     def step_statistics(self, batch: dict) -> dict:
         """What a loss needs from the whole step before it is split: KTO's KL reference point, stored per row (split
@@ -650,8 +636,7 @@ class Reference:
         parts, real = micro_batches(rows, c, t.sharding)
         total = torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
         for i, part in enumerate(parts):
-            width = int(part["chosen_attention_mask"].sum(1).max())  # right-padded: no forward over padding columns
-            chunk = {k.removeprefix("chosen_"): v[:, :width].to(t.device) for k, v in part.items()}
+            chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in cut_padding(part, "chosen").items()}
             with t.autocast():
                 sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
@@ -779,33 +764,6 @@ class Reference:
         return table
 
 
-def beta_dpo_step(t: BasicTrainer, kwargs: dict, split: str) -> dict:
-    """beta-DPO: `kwargs` (compute_loss's, the whole step: config.py refuses a split step) gain the batch-level beta
-    and the filter's `keep`; returns their metrics. Training moves the running margins; evaluation reads them. The
-    filter's draw is seeded by (seed, step): a resume redraws it exactly."""
-    c = t.config
-    name = next(n for n in c.loss_names if "beta" in loss_registry()[n]["reads"])  # the margins of the loss it scales
-    average = losses.average_log_prob(losses.LOSSES[name], c.loss)
-    ratio = {
-        s: losses.sequence_logps(
-            kwargs[f"policy_{s}_sum"] - kwargs.get(f"reference_{s}_sum", 0), kwargs[f"policy_{s}_len"], average
-        ).detach()
-        for s in ("chosen", "rejected")
-    }
-    train, draw = split == "train", torch.Generator().manual_seed(t.seed * 1_000_003 + t.batch_counter)
-    beta, keep, running = losses.beta_dpo(
-        ratio["chosen"] - ratio["rejected"],
-        c.loss.beta,
-        c.loss.dynamic_beta,
-        t.beta_dpo_running,
-        c.loss.dynamic_beta_filter * train,
-        draw,
-    )
-    t.beta_dpo_running = running if train else t.beta_dpo_running
-    kwargs.update(keep=keep, beta_batch=beta)
-    return {"beta_dpo/beta": torch.full_like(keep, beta, dtype=torch.float), "beta_dpo/kept": keep.float()}
-
-
 # --- Checkpoints ---
 class Checkpoints:
     """run_dir/step-N: written as step-N.tmp and renamed when complete, LATEST swapped atomically, a manifest of
@@ -851,7 +809,7 @@ class Checkpoints:
                     "seed": t.seed,
                     "batch_size": t.config.batch_size,
                     "world_size": t.world_size,
-                    "beta_dpo_running": t.beta_dpo_running,
+                    **t.beta_dpo.state_dict(),
                 },
                 tmp / "trainer_state.pt",
             )
@@ -913,7 +871,7 @@ class Checkpoints:
             )
         t.example_counter, t.batch_counter = state["example_counter"], state["batch_counter"]
         t.nonfinite_in_a_row, t.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
-        t.beta_dpo_running = state.get("beta_dpo_running")
+        t.beta_dpo.load_state_dict(state)
         set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
         t.log.truncate(t.example_counter)
         rank0_print(f"resumed from {ckpt.resolve()} at {t.example_counter} examples ({t.batch_counter} steps)")
@@ -1091,12 +1049,6 @@ def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
     return int(np.random.SeedSequence([seed, examples_seen, group]).generate_state(1)[0])
 
 
-def split_name(name: str, split: str) -> str:
-    """'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)."""
-    head, _, tail = name.partition("/")
-    return f"{head}_{split}/{tail}" if tail else f"{head}/{split}"
-
-
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
     """The rows in micro-batches (token budget, else gradient_accumulation_steps slices) and how many are real: every
     forward and backward is a collective under FSDP, so a rank with fewer repeats its last one."""
@@ -1129,10 +1081,18 @@ def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -
     for group in groups:
         micro = {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()}
         for s in sides:
-            width = int(micro[f"{s}_attention_mask"].sum(1).max())
-            micro.update({f"{s}_{k}": micro[f"{s}_{k}"][:, :width] for k in ("input_ids", "attention_mask", "labels")})
+            micro = cut_padding(micro, s)
         micro_batches.append(micro)
     return micro_batches
+
+
+def cut_padding(rows: dict, side: str) -> dict:
+    """The rows with their `side` (chosen, rejected) sequences cut to the longest one's real tokens: they are
+    right-padded, so no forward runs over padding columns only."""
+    width = int(rows[f"{side}_attention_mask"].sum(1).max())
+    return dict(
+        rows, **{f"{side}_{k}": rows[f"{side}_{k}"][:, :width] for k in ("input_ids", "attention_mask", "labels")}
+    )
 
 
 def split_batch(batch: dict, k: int) -> list[dict]:

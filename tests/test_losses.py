@@ -13,6 +13,7 @@ import math
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -23,7 +24,8 @@ import yaml
 
 import losses
 from config import LossConfig
-from losses import LOSSES, compute_loss, needs_reference, sequence_logps
+from logps import IGNORE_INDEX, SequenceLogps
+from losses import LOSSES, needs_reference, sequence_logps
 
 ATOL = 1e-6
 REF_CHOSEN = [-10.0, -20.0, -30.0]
@@ -41,6 +43,41 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "config" / "loss"
 
 def t(values):
     return torch.tensor(values, dtype=torch.float64)
+
+
+def compute_loss(
+    names,
+    weights,
+    hparams,
+    policy_chosen_sum,
+    policy_chosen_len,
+    policy_rejected_sum=None,
+    policy_rejected_len=None,
+    reference_chosen_sum=None,
+    reference_rejected_sum=None,
+    policy_tokens=None,
+    reference_tokens=None,
+    scored=None,
+    policy_sum_sq=None,
+    **kwargs,
+):
+    """losses.compute_loss on a batch written per side, as the tests below write it: chosen and rejected sums and
+    counts become the rows of one SequenceLogps (chosen then rejected), hparams a dict of config keys (the rest at
+    their defaults), `scored` the labels of its scored tokens."""
+    paired = policy_rejected_sum is not None
+    cat = lambda chosen, rejected: chosen if not paired else torch.cat([chosen, rejected])  # noqa: E731
+    policy = SequenceLogps(
+        cat(policy_chosen_sum, policy_rejected_sum),
+        cat(policy_chosen_len, policy_rejected_len),
+        tokens=policy_tokens,
+        log_sum_sq=policy_sum_sq,
+    )
+    reference = None
+    if reference_chosen_sum is not None and (reference_rejected_sum is not None or not paired):
+        reference = SequenceLogps(cat(reference_chosen_sum, reference_rejected_sum), None, tokens=reference_tokens)
+    labels = None if scored is None else torch.where(scored, 0, IGNORE_INDEX)
+    hp = SimpleNamespace(**hparams)
+    return losses.compute_loss(names, weights, hp, policy, reference, paired=paired, labels=labels, **kwargs)
 
 
 def neg_log_sigmoid(x):
@@ -886,8 +923,12 @@ def test_beta_dpo_hand_worked():
     assert beta == pytest.approx(0.1) and keep.all() and running == pytest.approx((2.0, math.sqrt(2)))
     beta, keep, running = losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0))
     assert beta == pytest.approx(0.145) and running == pytest.approx((1.1, 0.9 + 0.1 * math.sqrt(2)))
-    out = pairs_loss(dict(beta=beta), [1, 3], [0, 0], [0, 0], [0, 0])
+    beta_dpo = losses.BetaDPO()
+    beta_dpo.load_state_dict({"beta_dpo_running": (1.0, 1.0)})
+    out = pairs_loss(dict(beta=0.1, dynamic_beta=0.5), [1, 3], [0, 0], [0, 0], [0, 0], beta_dpo=beta_dpo, step=0)
     close(out.losses, [neg_log_sigmoid(0.145), neg_log_sigmoid(0.435)])
+    close(out.metrics["beta_dpo/beta"], [0.145, 0.145])
+    assert beta_dpo.state_dict()["beta_dpo_running"] == pytest.approx(running)  # a training step moved them
     sigma = 0.9 + 0.1 * math.sqrt(2)
     density = [math.exp(-0.5 * ((m - 1.1) / sigma) ** 2) for m in (1.0, 3.0)]
     draws = [losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)]
@@ -896,9 +937,27 @@ def test_beta_dpo_hand_worked():
     assert first == pytest.approx(density[0] / sum(density), abs=0.03)  # 0.840
     for b, k, _ in draws[:5]:
         assert b == pytest.approx(0.1 * (1 + 0.5 * ((1.0 if k[0] else 3.0) - 1.1)))
-    keep = torch.tensor([True, False])
-    out = pairs_loss(dict(beta=0.1), [1, 3], [0, 0], [0, 0], [0, 0], keep=keep)
+    kept = lambda margins, hp, step: (0.1, torch.tensor([True, False]))  # noqa: E731 - the filter kept pair 0
+    out = pairs_loss(dict(beta=0.1, dynamic_beta=0.5), [1, 3], [0, 0], [0, 0], [0, 0], beta_dpo=kept)
     close(out.losses, [2 * neg_log_sigmoid(0.1), 0.0])  # its mean: pair 0's loss
+    close(out.metrics["beta_dpo/kept"], [1.0, 0.0])
+
+
+def test_beta_dpo_state_moves_in_training_only_and_its_filter_repeats_for_a_step():
+    """BetaDPO (the trainer's one instance): an evaluation batch (step None) reads the running statistics and
+    filters nothing; a training step moves them, and its filter's draw depends only on (seed, step), so a resumed
+    run (load_state_dict of the saved state_dict) redraws it exactly. Margins [1, 3, 5, 7], filter 0.5."""
+    hp = SimpleNamespace(beta=0.1, dynamic_beta=0.5, dynamic_beta_filter=0.5)
+    margins, beta_dpo = t([1.0, 3.0, 5.0, 7.0]), losses.BetaDPO(seed=3)
+    beta_dpo.load_state_dict({"beta_dpo_running": (2.0, 1.0)})
+    _, keep = beta_dpo(margins, hp, None)
+    assert keep.all() and beta_dpo.running == (2.0, 1.0)
+    _, keep = beta_dpo(margins, hp, 7)
+    assert int(keep.sum()) == 2 and beta_dpo.running != (2.0, 1.0)
+    resumed = losses.BetaDPO(seed=3)
+    resumed.load_state_dict({"beta_dpo_running": (2.0, 1.0)})
+    assert torch.equal(resumed(margins, hp, 7)[1], keep) and resumed.state_dict() == beta_dpo.state_dict()
+    assert losses.BetaDPO().state_dict() == {"beta_dpo_running": None}  # the checkpoint's key, None before a step
 
 
 def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_meaning():
@@ -915,7 +974,9 @@ def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_mea
     rpo = compute_loss(["rpo"], None, dict(LossConfig(), rpo_alpha=1.0, **mods), *args, **extra)
     dpo_sft = compute_loss(["dpo", "sft"], [1.0, 1.0], dict(LossConfig(), **mods), *args, **extra)
     close(rpo.losses, dpo_sft.losses.tolist(), atol=1e-12)
-    out = pairs_loss(dict(beta=0.1, dpop_lambda=2.0), [-10, -20], [-15, -18], [-12, -15], [-14, -19], beta_batch=0.3)
+    beta_batch = lambda margins, hp, step: (0.3, torch.ones(2, dtype=torch.bool))  # noqa: E731 - beta-DPO's beta 0.3
+    hparams = dict(beta=0.1, dpop_lambda=2.0, dynamic_beta=0.5)
+    out = pairs_loss(hparams, [-10, -20], [-15, -18], [-12, -15], [-14, -19], beta_dpo=beta_batch)
     close(out.metrics["rewards/chosen"], [0.2, -0.5])  # 0.1 a, a = [2, -5]: no penalty, the configured beta
     close(out.losses, [neg_log_sigmoid(0.3 * 3), neg_log_sigmoid(0.3 * -16)])  # beta_batch and the penalty in the loss
 
