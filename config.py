@@ -66,6 +66,9 @@ DTYPES = {
     "float16": "float16",
 }  # spelling -> torch name
 DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
+RANKS = (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number")  # fsdp.fsdp_size
+SP_SIZE = (lambda v: v >= 1, "a positive integer (1 = off)")  # fsdp.ulysses_sequence_parallel_size
+DATASETS = (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +79,7 @@ class EngineConfig(BaseConfig):
     optimizer_offload: bool = param(False, "keep optimizer state on CPU between optimizer steps")
     seed: Optional[int] = param(None, "verl's engine seed: fsdp.seed=N sets `seed`, the same knob (this stays null)")
     full_determinism: bool = param(False, "torch.use_deterministic_algorithms: slower, for debugging")
-    dtype: str = param(
-        "bfloat16", "dtype of mixed-precision compute: param_dtype where fsdp.mixed_precision has none", DTYPE
-    )
+    dtype: str = param("bfloat16", "mixed precision's compute dtype if fsdp.mixed_precision sets no param_dtype", DTYPE)
     forward_only: bool = param(False, "run no optimizer: load, evaluate (and sample) once, then exit")
 
 
@@ -87,36 +88,21 @@ class FSDPEngineConfig(EngineConfig):
     """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. The original code's model.block_name,
     model.policy_dtype and model.fsdp_policy_mp still parse: they set wrap_policy, model_dtype and mixed_precision."""
 
-    wrap_policy: dict = param(
-        {},
-        "FSDP auto-wrap: {transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each transformer block",
-    )
+    wrap_policy: dict = param({}, "{transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each block")
     offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU)")
-    reshard_after_forward: bool = param(
-        True, "free gathered params after forward (FULL_SHARD); false: after backward (SHARD_GRAD_OP)"
-    )
-    fsdp_size: int = param(
-        -1,
-        "ranks per shard group; -1 = all; 1 < fsdp_size < world = hybrid (replicate x shard)",
-        (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number"),
-    )
+    reshard_after_forward: bool = param(True, "free gathered params after forward (FULL_SHARD); false: after backward")
+    fsdp_size: int = param(-1, "ranks per shard group: -1 = all; 1 < it < world = hybrid (replicate x shard)", RANKS)
     forward_prefetch: bool = param(False, "issue the next block's all-gather before the current forward finishes")
     model_dtype: str = param("fp32", "dtype of the master weights (the original's model.policy_dtype)", DTYPE)
-    use_orig_params: bool = param(
-        False, "FSDP1: keep the original nn.Parameters visible (for per-parameter optimizer groups)"
-    )
+    use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters (for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(
         None,
         "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
     )
     ulysses_sequence_parallel_size: int = param(
-        1,
-        "Ulysses sequence parallelism: ranks that split every sequence (FSDPTrainer; divides world size and attention heads); 1 = off",
-        (lambda v: v >= 1, "a positive integer (1 = off)"),
+        1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
     )
-    entropy_from_logits_with_chunking: bool = param(
-        False, "compute the logged policy entropy in row chunks (less memory)"
-    )
+    entropy_from_logits_with_chunking: bool = param(False, "the logged policy entropy in row chunks (less memory)")
     use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA")
     entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
@@ -141,15 +127,12 @@ class ModelConfig(BaseConfig):
     name_or_path: str = param("toy/tiny-llama", "Hugging Face hub id or local directory of the policy")
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
     archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
-    reference_dtype: Optional[str] = param(
-        None, "dtype of the reference; null = the policy's: fp16 overflows bf16-native models", DTYPE
-    )
+    reference_dtype: Optional[str] = param(None, "null = the policy's (but fp16 overflows bf16-native models)", DTYPE)
     reference_mixed_precision: Optional[bool] = param(
         None, "compute the reference under fsdp.mixed_precision; null = as the policy does; false = in reference_dtype"
     )
     chat_template: Optional[str] = param(
-        None,
-        "chat template for chat-form data (replaces the tokenizer's): chatml, or a Jinja file; null = the tokenizer's",
+        None, "template of chat-form data: chatml, or a Jinja file; null = the tokenizer's (which it replaces)"
     )
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
 
@@ -166,15 +149,9 @@ class LossConfig(BaseConfig):
     weights: Optional[list] = param(
         None, "one weight per loss name; null = all 1.0", (lambda v: all(type(w) in (int, float) for w in v), "numbers")
     )
-    reference_free: bool = param(
-        False, "use a uniform reference (all reference log-probs 0); no reference model is built"
-    )
-    average_log_prob: Optional[bool] = param(
-        None, "per-token mean instead of sum of sequence log-probs; null = the loss's own default"
-    )
-    entropy_coeff: float = param(
-        0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy over responses (0 = only logged)"
-    )
+    reference_free: bool = param(False, "a uniform reference (reference log-probs 0); no reference model is built")
+    average_log_prob: Optional[bool] = param(None, "per-token mean, not sum, of sequence log-probs; null = the loss's")
+    entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy (0 = logged only)")
     # null (off): the released MoE configs (Mixtral, Qwen3-MoE, OLMoE, gpt-oss) have output_router_logits false, so
     # transformers and TRL (which follows it) add nothing either; DPO's few, small steps against a reference that routes
     # as the base model does not need a pretraining-sized push toward uniform load
@@ -186,9 +163,7 @@ class LossConfig(BaseConfig):
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
     label_smoothing: float = param(
-        0.0,
-        "assumed fraction of flipped labels: dpo with it is cDPO (as the original code); robust DPO's and EXO's epsilon",
-        "[0, 0.5)",
+        0.0, "flipped-label fraction assumed: cDPO with dpo (as the original); robust DPO's, EXO's epsilon", "[0, 0.5)"
     )
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
@@ -197,14 +172,10 @@ class LossConfig(BaseConfig):
         "reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
     )
     f_alpha: float = param(
-        0.5,
-        "alpha of f-DPO's alpha_divergence: 0 -> reverse KL, 1 = forward KL; TRL 1.x's f_alpha_divergence_coef is 1 - f_alpha",
-        "(0, 1]",
+        0.5, "f-DPO alpha_divergence's: 0 -> reverse KL, 1 forward; TRL 1.x's f_alpha_divergence_coef: 1 - it", "(0, 1]"
     )
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", POSITIVE)
-    desirable_weight: float = param(
-        1.0, "KTO lambda_D, weight of desirable completions; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE
-    )
+    desirable_weight: float = param(1.0, "KTO lambda_D; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE)
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
     # Modifiers of every paired loss (losses.compute_loss)
     wpo: bool = param(
@@ -237,12 +208,8 @@ class LossConfig(BaseConfig):
 class RefUpdateConfig(BaseConfig):
     """TR-DPO (arXiv:2404.09656): every `tau` optimizer steps, ref <- alpha * policy + (1 - alpha) * ref."""
 
-    tau: Optional[int] = param(
-        None, "update the reference every tau optimizer steps; null = frozen reference (plain DPO)", POSITIVE
-    )
-    alpha: float = param(
-        0.6, "weight of the policy in the update: 0.6 = TR-DPO's soft update, 1.0 = the hard update", "(0, 1]"
-    )
+    tau: Optional[int] = param(None, "optimizer steps between reference updates; null = frozen (plain DPO)", POSITIVE)
+    alpha: float = param(0.6, "the policy's weight in the update: 0.6 = TR-DPO's soft update, 1 = hard", "(0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,16 +217,12 @@ class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
 
     r: Optional[int] = param(
-        None,
-        "LoRA rank; null = full fine-tuning (no adapters)",
-        (lambda v: v >= 1, "a positive rank, or null (no adapters)"),
+        None, "LoRA rank; null = full fine-tuning", (lambda v: v >= 1, "a positive rank, or null (no adapters)")
     )
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
     target_modules: Union[str, list] = param(
-        "all-linear",
-        "names (q_proj, ...) or peft's 'all-linear' (every linear layer but the LM head)",
-        (bool, "module names or 'all-linear'"),
+        "all-linear", "names, or all-linear (peft: each linear but the LM head)", (bool, "module names or 'all-linear'")
     )
 
 
@@ -281,15 +244,8 @@ SCORER = (
 class OnlineConfig(BaseConfig):
     """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
 
-    rounds: Optional[int] = param(
-        None, "rounds of generate, score, pair and train; null = offline DPO on the datasets' pairs", POSITIVE
-    )
-    prompts_per_round: int = param(
-        64,
-        "prompts of a round, the next ones in order (cycling); at most one pair each, so "
-        "at most prompts_per_round // batch_size steps",
-        POSITIVE,
-    )
+    rounds: Optional[int] = param(None, "sample-score-pair-train rounds; null = offline DPO on the data", POSITIVE)
+    prompts_per_round: int = param(64, "prompts per round, next in order (cycling); each one pair at most", POSITIVE)
     samples_per_prompt: int = param(
         4, "completions sampled per prompt; the best and the worst make its pair", (lambda v: v >= 2, "at least 2")
     )
@@ -300,21 +256,11 @@ class OnlineConfig(BaseConfig):
         SCORER,
     )
     prompts: Optional[str] = param(
-        None,
-        "a .jsonl of {prompt: ...} rows (strings or chat messages); null = the prompt "
-        "fields of the datasets' .jsonl train files",
+        None, "a .jsonl of {prompt: ...} rows (text or chat messages); null = the datasets' .jsonl train prompts"
     )
-    min_score_gap: float = param(
-        0.0, "a pair is kept when its best score exceeds its worst by more than this (ties never)", NON_NEGATIVE
-    )
-    unfinished_penalty: float = param(
-        1.0, "subtracted from the score of a completion with no EOS within online.max_new_tokens", NON_NEGATIVE
-    )
-    max_new_tokens: int = param(
-        64,
-        "tokens sampled per completion; with max_prompt_length at most max_length, so pairs train untruncated",
-        POSITIVE,
-    )
+    min_score_gap: float = param(0.0, "keep a pair whose best score beats its worst by more (ties never)", NON_NEGATIVE)
+    unfinished_penalty: float = param(1.0, "subtracted from the score of a completion without EOS", NON_NEGATIVE)
+    max_new_tokens: int = param(64, "tokens sampled per completion (+ max_prompt_length <= max_length)", POSITIVE)
     temperature: float = param(1.0, "sampling temperature of the rounds", POSITIVE)
     top_p: float = param(1.0, "nucleus sampling threshold of the rounds", "(0, 1]")
     prompts_per_generate: int = param(
@@ -332,66 +278,40 @@ class Config(BaseConfig):
     batch_size: int = param(4, "pairs per optimizer step, over all ranks and accumulation steps", POSITIVE)
     eval_batch_size: int = param(16, "pairs per evaluation step, over all ranks", POSITIVE)
     debug: bool = param(False, "debug mode: no W&B and no checkpoints")
-    fsdp_port: Optional[int] = param(
-        None, "port of the rendezvous for the single-node FSDP launcher; null = a free port"
-    )
-    datasets: list = param(
-        ["toy"],
-        "dataset names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths",
-        (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)"),
-    )
+    fsdp_port: Optional[int] = param(None, "rendezvous port of the single-node FSDP launcher; null = a free port")
+    datasets: list = param(["toy"], "names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths", DATASETS)
     wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
     local_dirs: list = param(
-        [".cache"],
-        "directories for caches and runs; the first that exists or can be made is used",
-        (bool, "at least one directory"),
+        [".cache"], "dirs for caches and runs: the first that exists or can be made", (bool, "at least one directory")
     )
     sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
     n_eval_model_samples: int = param(16, "prompts sampled at each evaluation", NON_NEGATIVE)
     do_first_eval: bool = param(True, "evaluate before the first training step")
-    lr: float = param(
-        5e-7, "peak learning rate (the DPO paper's 1e-6 at batch 64; the original config's 5e-7)", POSITIVE
-    )
+    lr: float = param(5e-7, "peak learning rate (DPO paper: 1e-6 at batch 64; the original config: 5e-7)", POSITIVE)
     gradient_accumulation_steps: int = param(1, "micro-batches per optimizer step", POSITIVE)
-    max_grad_norm: float = param(
-        10.0, "clip the gradient norm to this (the pre-clip norm is logged as grad_norm)", POSITIVE
-    )
+    max_grad_norm: float = param(10.0, "clip the gradient norm to this (logged before: grad_norm)", POSITIVE)
     max_length: int = param(512, "max tokens of prompt + response", POSITIVE)
     max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)", POSITIVE)
-    truncation_mode: Optional[str] = param(
-        None, "how prompts are truncated; null = each source's default (hh: keep_end)", ("keep_start", "keep_end")
-    )
+    truncation_mode: Optional[str] = param(None, "null = each source's own (hh: keep_end)", ("keep_start", "keep_end"))
     drop_identical_pairs: bool = param(
-        True,
-        "drop pairs whose chosen equals their rejected, as text or once truncated "
-        "(no preference to learn); false keeps them. Counted either way",
+        True, "drop pairs whose chosen = rejected, as text or once truncated (nothing to learn); counted either way"
     )
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
-    n_examples: Optional[int] = param(
-        None, "train on this many pairs, then stop (exactly one of n_epochs, n_examples)", POSITIVE
-    )
+    n_examples: Optional[int] = param(None, "train on this many pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
     trainer: str = param(
-        "BasicTrainer",
-        "BasicTrainer (one process) or FSDPTrainer (sharded, one process per device)",
-        ("BasicTrainer", "FSDPTrainer"),
+        "BasicTrainer", "one process, or FSDPTrainer: sharded, one process per device", ("BasicTrainer", "FSDPTrainer")
     )
     optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD", ("RMSprop", "AdamW", "SGD"))
     weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD", NON_NEGATIVE)
     scheduler: str = param(
-        "constant",
-        "after warmup: constant (the original), linear or cosine decay to 0",
-        ("constant", "linear", "cosine"),
+        "constant", "after warmup: constant (the original), linear or cosine to 0", ("constant", "linear", "cosine")
     )
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
-    eval_every: int = param(
-        20_000, "evaluate (and checkpoint) every this many training pairs; a multiple of batch_size", POSITIVE
-    )
+    eval_every: int = param(20_000, "evaluate and checkpoint every this many pairs, a multiple of batch_size", POSITIVE)
     log_every_steps: int = param(
-        1,
-        "write training metrics (metrics.jsonl, W&B) every this many steps: the same config logs the same steps",
-        POSITIVE,
+        1, "write training metrics (metrics.jsonl, W&B) every this many steps: same config, same steps", POSITIVE
     )
     minimum_log_interval_secs: float = param(
         30.0,
@@ -403,9 +323,7 @@ class Config(BaseConfig):
     top_p: float = param(1.0, "nucleus sampling threshold during evaluation", "(0, 1]")
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
-    padding_free: bool = param(
-        False, "pack the chosen and rejected sequences of a micro-batch into rows without padding"
-    )
+    padding_free: bool = param(False, "pack a micro-batch's chosen and rejected sequences into rows, no padding")
     prefix_sharing: bool = param(
         False,
         "each pair as one sequence prompt + chosen + rejected: the prompt computed once, the rejected never attending to the chosen (the same log-probs)",
@@ -414,12 +332,8 @@ class Config(BaseConfig):
         False,
         "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs",
     )
-    tiled_lm_head: bool = param(
-        True, "project only scored positions through the LM head, in tiles (under FSDP inside the root unit's forward)"
-    )
-    precompute_ref_log_probs: bool = param(
-        False, "run the reference once over the data before training, cache its log-probs, free it"
-    )
+    tiled_lm_head: bool = param(True, "LM head on scored positions only, in tiles (FSDP: in the root's forward)")
+    precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
     self_check: bool = param(
         True,
         "before the first optimizer step, check on a few of the run's pairs that the tiled"
@@ -443,20 +357,12 @@ class Config(BaseConfig):
         "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged mfu (6N FLOPs per token); null = from a table of known GPUs, else no mfu",
         POSITIVE,
     )
-    max_nonfinite_steps: int = param(
-        3, "a non-finite loss or gradient skips the step; more than this many in a row stops the run", NON_NEGATIVE
-    )
-    collective_timeout_secs: int = param(
-        600, "a distributed collective waiting longer than this raises (a dead rank ends the job)", POSITIVE
-    )
-    n_workers: Optional[int] = param(
-        None, "FSDPTrainer without torchrun: processes to start; null = one per GPU, 2 on CPU", POSITIVE
-    )
+    max_nonfinite_steps: int = param(3, "skip non-finite steps; more than this many in a row stop a run", NON_NEGATIVE)
+    collective_timeout_secs: int = param(600, "a collective waiting longer raises (a dead rank ends the job)", POSITIVE)
+    n_workers: Optional[int] = param(None, "FSDPTrainer's processes (no torchrun); null: 1 per GPU, 2 on CPU", POSITIVE)
     model: ModelConfig = param(ModelConfig(), "the policy model")
     loss: LossConfig = param(LossConfig(), "the loss and its hyperparameters")
-    ref_update: RefUpdateConfig = param(
-        RefUpdateConfig(), "TR-DPO: move the reference toward the policy during training"
-    )
+    ref_update: RefUpdateConfig = param(RefUpdateConfig(), "TR-DPO: move the reference toward the policy as it trains")
     lora: LoraSettings = param(LoraSettings(), "LoRA adapters (peft) instead of full fine-tuning")
     fsdp: FSDPEngineConfig = param(FSDPEngineConfig(), "the FSDP engine")
     online: OnlineConfig = param(OnlineConfig(), "semi-online DPO: pairs sampled from the policy and scored, in rounds")
