@@ -479,6 +479,12 @@ RENAMED = {
 }
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()
+# Sections read only when their switch is set: {section: (switch, what its null means)}
+SWITCHED = {
+    "lora": ("r", "full fine-tuning, no adapters"),
+    "ref_update": ("tau", "the reference never changes"),
+    "online": ("rounds", "offline DPO on the datasets' pairs"),
+}
 # FSDP2 always keeps the original parameters (as DTensors); CPUOffloadPolicy is FSDP2's (FSDP1: param_offload).
 STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
 # Names other trainers (TRL, Hugging Face's Trainer, the DPO paper) give keys of this config.
@@ -554,45 +560,29 @@ def _flag(name: Any, flag: str) -> bool:
 def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
     """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
-    readers = {
-        f"loss.{k}": sorted(n for n, spec in loss_registry().items() if k in spec["reads"]) for k in LossConfig()
-    }
-    why = {
-        k: f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(r)}"
-        for k, r in readers.items()
-        if r and not set(r) & set(names)
-    }
+    why = {}
+    for key in LossConfig():
+        readers = sorted(n for n, spec in loss_registry().items() if key in spec["reads"])
+        if readers and not set(readers) & set(names):
+            why[f"loss.{key}"] = (
+                f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(readers)}"
+            )
     if cfg.loss.f_divergence != "alpha_divergence":
-        why.setdefault(
-            "loss.f_alpha", f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})"
-        )
-    if cfg.lora.r is None:
-        why |= {
-            f"lora.{k}": "read only with lora.r set (null: full fine-tuning, no adapters)"
-            for k in ("alpha", "dropout", "target_modules")
-        }
-    if cfg.ref_update.tau is None:
-        why["ref_update.alpha"] = "read only with ref_update.tau set (null: the reference never changes)"
-    if cfg.online.rounds is None:
-        why |= {
-            f"online.{k}": "read only with online.rounds set (null: offline DPO on the datasets' pairs)"
-            for k in OnlineConfig()
-            if k != "rounds"
-        }
+        reason = f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})"
+        why.setdefault("loss.f_alpha", reason)
+    for section, (switch, off) in SWITCHED.items():
+        if cfg[section][switch] is None:
+            reason = f"read only with {section}.{switch} set (null: {off})"
+            why |= {f"{section}.{k}": reason for k in cfg[section] if k != switch}
     if cfg.trainer == "BasicTrainer":
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:
-        why |= {
-            f"fsdp.{k}": f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
-            for k, s in STRATEGY_ONLY.items()
-            if s != cfg.fsdp.strategy
-        }
-    flat, defaults = flatten(cfg.to_dict()), {k: d for k, (_, d, _) in schema().items()}
-    return [
-        f"{key}={flat[key]!r}: {reason}"
-        for key, reason in why.items()
-        if key in explicit and flat[key] != defaults[key]
-    ]
+        for k, s in STRATEGY_ONLY.items():
+            if s != cfg.fsdp.strategy:
+                why[f"fsdp.{k}"] = f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
+    flat = flatten(cfg.to_dict())
+    default = flatten(Config().to_dict())
+    return [f"{k}={flat[k]!r}: {reason}" for k, reason in why.items() if k in explicit and flat[k] != default[k]]
 
 
 # --- Loading: YAML files + command line -> {dotted key: value} -> Config ---
