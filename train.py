@@ -107,17 +107,15 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         utils.disable_dropout(model)
         return model
 
-    mixed = cfg.fsdp.mixed_precision and cfg.reference_mixed  # the reference's; the policy's is
+    compute = (cfg.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")  # None: no mixed precision
+    mixed = compute and cfg.reference_mixed  # the reference's; the policy's is compute alone
     utils.rank0_print(
-        f"loading policy {path} in {cfg.fsdp.model_dtype}"  # fsdp.mixed_precision alone
-        + (f", computing in {cfg.model.fsdp_policy_mp}" if cfg.fsdp.mixed_precision else "")
+        f"loading policy {path} in {cfg.fsdp.model_dtype}" + (f", computing in {compute}" if compute else "")
     )
     policy, reference = load(cfg.fsdp.model_dtype), None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:
         dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
-        utils.rank0_print(
-            f"loading reference {path} in {dtype}, computing in {cfg.model.fsdp_policy_mp if mixed else dtype}"
-        )
+        utils.rank0_print(f"loading reference {path} in {dtype}, computing in {compute if mixed else dtype}")
         reference = load(dtype).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
