@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import sys
 import traceback
 import types
@@ -57,14 +58,10 @@ class BaseConfig(collections.abc.Mapping):
         return dataclasses.asdict(self)
 
 
+# spelling -> torch name: fp32 -> float32, float32 -> float32, bf16 -> bfloat16, ...
 DTYPES = {
-    "fp32": "float32",
-    "float32": "float32",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-}  # spelling -> torch name
+    s: name for short, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")) for s in (short, name)
+}
 DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 RANKS = (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number")  # fsdp.fsdp_size
 SP_SIZE = (lambda v: v >= 1, "a positive integer (1 = off)")  # fsdp.ulysses_sequence_parallel_size
@@ -228,14 +225,7 @@ class LoraSettings(BaseConfig):
 
 # online.scorer: rule, reward_model=<dir> or python=<module>:<function>
 SCORER = (
-    lambda v: (
-        v == "rule"
-        or v.startswith("reward_model=")
-        and len(v) > 13
-        or v.startswith("python=")
-        and v.count(":") == 1
-        and all(v[7:].split(":"))
-    ),
+    lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
     "rule, reward_model=<directory> or python=<module>:<function>",
 )
 
@@ -807,15 +797,8 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})",
         ),
     ]
-    compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
-    for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute)):
-        rules.append(
-            (
-                DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
-                f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
-                "supported yet; use bf16 (the same memory, fp32's range)",
-            )
-        )
+    if c.fsdp.mixed_precision is not None or DTYPES.get(c.fsdp.model_dtype) == "float16":
+        rules += _fp16_rules(c)
     for key, subkeys in SUBKEYS.items():  # fsdp.mixed_precision, fsdp.wrap_policy
         for k, v in (c.fsdp[key.partition(".")[2]] or {}).items():
             if k not in subkeys:
@@ -846,6 +829,19 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     if c.online.rounds is not None:
         rules += _online_rules(c)
     return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in rules if broken]
+
+
+def _fp16_rules(c: Config) -> list[tuple[bool, str]]:
+    """fp16 weights or compute."""
+    compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
+    return [
+        (
+            DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
+            f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
+            "supported yet; use bf16 (the same memory, fp32's range)",
+        )
+        for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute))
+    ]
 
 
 def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, str]]:
