@@ -614,3 +614,35 @@ def test_padded_rows_reach_the_model_without_a_mask(arch):
     if model.config._attn_implementation == "sdpa" and arch != "mistral-window":
         assert attention_of_padded and all(m is None and causal for m, causal in attention_of_padded), arch
     torch.testing.assert_close(out.tokens, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_kernel_for_tiled_and_untiled_rows_and_the_entropy_bonus():
+    """forward_logps' per-sequence sums, mean entropy and summed log sum p^2 equal the plain computation from the
+    model's own logits (log_softmax over every position, then the scored ones), tiled or not: both go through
+    _LabelLogProbs on the scored rows. The entropy bonus (untiled, `entropy_grad`) is differentiable and its
+    gradient is that of the plain entropy."""
+    import architectures
+
+    transformers = pytest.importorskip("transformers")
+    cls, kwargs, _ = architectures.ARCHITECTURES["llama"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**architectures.COMMON, **kwargs}))
+    inputs = padded_rows(architectures.VOCAB)
+    logp = torch.log_softmax(model(input_ids=inputs["input_ids"]).logits.float(), -1)[:, :-1]
+    targets = inputs["labels"][:, 1:]
+    scored = (targets != -100).float()
+    token = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    sum_sq = torch.logsumexp(2 * logp, -1)
+    counts = scored.sum(1)
+    plain_entropy = (entropy * scored).sum(1) / counts
+    (plain_grad,) = torch.autograd.grad(plain_entropy.sum(), model.lm_head.weight)
+    for options in (dict(tiled=True), dict(tiled=False), dict(tiled=False, entropy_grad=True)):
+        out = logps.forward_logps(model, inputs, entropy={}, sum_sq=True, **options)
+        assert out.counts.tolist() == counts.long().tolist(), options
+        torch.testing.assert_close(out.sums, (token * scored).sum(1), rtol=1e-5, atol=1e-5, msg=str(options))
+        torch.testing.assert_close(out.entropy, plain_entropy, rtol=1e-5, atol=1e-5, msg=str(options))
+        torch.testing.assert_close(out.log_sum_sq, (sum_sq * scored).sum(1), rtol=1e-5, atol=1e-5, msg=str(options))
+        assert out.entropy.requires_grad == bool(options.get("entropy_grad")), options
+    (grad,) = torch.autograd.grad(out.entropy.sum(), model.lm_head.weight)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-4, atol=1e-6)
