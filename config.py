@@ -315,12 +315,10 @@ class Config(BaseConfig):
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack a micro-batch's chosen and rejected sequences into rows, no padding")
     prefix_sharing: bool = param(
-        False,
-        "each pair as one sequence prompt + chosen + rejected: the prompt computed once, the rejected never attending to the chosen (the same log-probs)",
+        False, "each pair one sequence, prompt + chosen + rejected: the prompt computed once, the same log-probs"
     )
     pairs_to_unpaired: bool = param(
-        False,
-        "unpaired losses (kto) on pair data: each pair gives a desirable (chosen) and an undesirable (rejected) completion; eval keeps pairs",
+        False, "kto on pair data: chosen a desirable, rejected an undesirable completion; eval keeps pairs"
     )
     tiled_lm_head: bool = param(True, "LM head on scored positions only, in tiles (FSDP: in the root's forward)")
     precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
@@ -334,18 +332,14 @@ class Config(BaseConfig):
         None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE
     )
     balance_batch: bool = param(
-        True,
-        "deal each step's pairs to the data-parallel ranks in equal counts of near-equal tokens; false = consecutive shares, as the original",
+        True, "each step, equal pair counts of near-equal tokens per rank; false: consecutive shares (the original)"
     )
     no_sync_accumulation: bool = param(
-        False,
-        "FSDP: reduce-scatter gradients after a step's last micro-batch, not after each (less communication; each rank holds unsharded gradients, fp32 under FSDP2, meanwhile)",
+        False, "FSDP: reduce-scatter gradients once per step, not per micro-batch (less traffic; unsharded grads held)"
     )
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
     peak_tflops: Optional[float] = param(
-        None,
-        "the device's dense bf16/fp16 matmul peak in TFLOP/s for the logged mfu (6N FLOPs per token); null = from a table of known GPUs, else no mfu",
-        POSITIVE,
+        None, "device's dense bf16 peak, TFLOP/s, for the logged mfu; null = from known GPUs, else no mfu", POSITIVE
     )
     max_nonfinite_steps: int = param(3, "skip non-finite steps; more than this many in a row stop a run", NON_NEGATIVE)
     collective_timeout_secs: int = param(600, "a collective waiting longer raises (a dead rank ends the job)", POSITIVE)
@@ -477,28 +471,28 @@ SWITCHED = {
 }
 # FSDP2 always keeps the original parameters (as DTensors); CPUOffloadPolicy is FSDP2's (FSDP1: param_offload).
 STRATEGY_ONLY = {"use_orig_params": "fsdp", "offload_policy": "fsdp2"}
-# Names other trainers (TRL, Hugging Face's Trainer, the DPO paper) give keys of this config.
-OTHER_NAMES = {
-    "learning_rate": "lr",
-    "num_train_epochs": "n_epochs",
-    "epochs": "n_epochs",
-    "beta": "loss.beta",
-    "warmup": "warmup_steps",
-    "label_smoothing": "loss.label_smoothing",
-    "loss_type": "loss.name",
-    "max_prompt_len": "max_prompt_length",
-    "seq_len": "max_length",
-    "per_device_train_batch_size": "batch_size",
-    "model_name_or_path": "model.name_or_path",
-    "gradient_checkpointing": "activation_checkpointing",
-}
 
 
 def _suggest(word: str, candidates) -> str:
     """ " (did you mean X?)": another trainer's name for the key, else the closest candidate ignoring case."""
+    # Names other trainers (TRL, Hugging Face's Trainer, the DPO paper) give keys of this config.
+    other_names = {
+        "learning_rate": "lr",
+        "num_train_epochs": "n_epochs",
+        "epochs": "n_epochs",
+        "beta": "loss.beta",
+        "warmup": "warmup_steps",
+        "label_smoothing": "loss.label_smoothing",
+        "loss_type": "loss.name",
+        "max_prompt_len": "max_prompt_length",
+        "seq_len": "max_length",
+        "per_device_train_batch_size": "batch_size",
+        "model_name_or_path": "model.name_or_path",
+        "gradient_checkpointing": "activation_checkpointing",
+    }
     lower = {c.lower(): c for c in candidates}
-    if OTHER_NAMES.get(word) in lower.values():
-        return f" (did you mean {OTHER_NAMES[word]}?)"
+    if other_names.get(word) in lower.values():
+        return f" (did you mean {other_names[word]}?)"
     close = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.6)
     return f" (did you mean {lower[close[0]]}?)" if close else ""
 
