@@ -3,9 +3,10 @@ each a contiguous slice of every row's positions, so everything per token (embed
 log-probs) and its activations shrink by `sp`. Around attention an all-to-all turns sequence slices into head
 slices: each rank attends over WHOLE sequences with `heads / sp` heads, and a second all-to-all turns the result back.
 
-trainers.py calls `make_group` and `install` (`paused()` turns it off for sampling); logps.py calls the
-methods of the `SequenceParallel` it is handed: `whole_row_inputs`, `local_slice` and `sum_over_group`. Every rank of a group computes the same loss from the summed
-log-probs and the backward of a sum is a sum, so FSDP's average over all `dp x sp` ranks is the data-parallel mean.
+trainers.py calls `make_group` and `install` (`paused()` turns it off for sampling); logps.py calls the methods of
+the `SequenceParallel` it is handed (`whole_row_inputs`, `local_slice`, `sum_over_group`) and never imports this file.
+Every rank of a group computes the same loss from the summed log-probs and the backward of a sum is a sum, so FSDP's
+average over all `dp x sp` ranks is the data-parallel mean.
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ def _eager_attention(module):
 
 def _wrap(inner_of, takes_is_causal: bool):
     """An attention function for the registry: all-to-all, `inner_of(module)` over whole sequences for this rank's
-    heads, all-to-all back. SequenceParallel.whole_row_inputs' causal stand-in becomes is_causal=True for sdpa (its O(T) causal kernel;
-    a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a causal mask per call. A
-    FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to FlexAttention."""
+    heads, all-to-all back. The causal stand-in of SequenceParallel.whole_row_inputs becomes is_causal=True for sdpa
+    (its O(T) causal kernel; a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a
+    causal mask per call. A FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to
+    FlexAttention."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = inner_of(module)
@@ -202,4 +204,4 @@ def paused():
         _PAUSED[0] = paused_before
 
 
-whole_row_inputs = SequenceParallel.whole_row_inputs  # the self-check's tests build the stand-in too
+whole_row_inputs = SequenceParallel.whole_row_inputs  # also by its module name: tests build the stand-in alone
