@@ -770,11 +770,6 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             "budget decides the micro-batches; leave accumulation at 1",
         ),
         (
-            c.model.reference_mixed_precision and c.fsdp.mixed_precision is None,
-            "model.reference_mixed_precision=true: there is no mixed precision to "
-            "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
-        ),
-        (
             c.no_sync_accumulation and c.trainer != "FSDPTrainer",
             f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})",
         ),
@@ -791,8 +786,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})",
         ),
     ]
-    if c.fsdp.mixed_precision is not None or DTYPES.get(c.fsdp.model_dtype) == "float16":
-        rules += _fp16_rules(c)
+    fp16_weights = DTYPES.get(c.fsdp.model_dtype) == "float16"
+    if c.fsdp.mixed_precision is not None or c.model.reference_mixed_precision or fp16_weights:
+        rules += _precision_rules(c)
     for key, subkeys in SUBKEYS.items():  # fsdp.mixed_precision, fsdp.wrap_policy
         for k, v in (c.fsdp[key.partition(".")[2]] or {}).items():
             if k not in subkeys:
@@ -825,16 +821,23 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in rules if broken]
 
 
-def _fp16_rules(c: Config) -> list[tuple[bool, str]]:
-    """fp16 weights or compute."""
+def _precision_rules(c: Config) -> list[tuple[bool, str]]:
+    """Mixed precision, the reference's share of it, fp16 weights."""
     compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
     return [
         (
-            DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
-            f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
-            "supported yet; use bf16 (the same memory, fp32's range)",
-        )
-        for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute))
+            c.model.reference_mixed_precision and c.fsdp.mixed_precision is None,
+            "model.reference_mixed_precision=true: there is no mixed precision to "
+            "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
+        ),
+        *(
+            (
+                DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
+                f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
+                "supported yet; use bf16 (the same memory, fp32's range)",
+            )
+            for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute))
+        ),
     ]
 
 
