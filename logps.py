@@ -6,7 +6,9 @@
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
   3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
   4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
-     their count and the mean entropy.
+     their count and the mean entropy. The default (right-padded rows, the tiled head) reads straight through
+     `_score` and `_label_logps`; each option off it is one call: packed, shared-prefix or Ulysses rows
+     (`_other_rows`), FSDP's root forward (`_root_forward`), a mixture of experts' routing (`_routing`).
 
 Output t predicts token t+1 everywhere: position t's target is labels[t+1]. None of the options (packing, the
 tiled head, sequence parallelism) changes what the log-probs are, only how they are computed; tests/test_logps.py
@@ -332,7 +334,8 @@ def entropy_from_logits(
 ) -> Tensor:
     """Entropy of softmax(logits) at every position, (..., V) -> (...,) in fp32. `chunking`: chunk_size rows at a
     time (one chunk's fp32 softmax at once); `checkpointing`: backward recomputes each chunk instead of keeping it
-    (matters only when the entropy is differentiated); `use_compile`: the per-chunk function through torch.compile."""
+    (matters only when the entropy is differentiated); `use_compile`: the per-chunk function through torch.compile.
+    forward_logps calls it for the entropy bonus (differentiable); the logged entropy comes from _LabelLogProbs."""
     fn = _COMPILED_ENTROPY_CHUNK if use_compile else _entropy_chunk
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] == 0:
@@ -541,9 +544,8 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
     def additive(m: Tensor) -> Tensor:  # added to scores of any dtype, bf16's min still zeroes the softmax
         if not eager or getattr(m, "causal_only", False):
             return m
-        return torch.full(m.shape, torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=m.device).masked_fill_(
-            m, 0.0
-        )
+        low = torch.full(m.shape, torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=m.device)
+        return low.masked_fill_(m, 0.0)
 
     def banded(window: int) -> Tensor:
         if positions is None:  # query i sees keys i-window+1..i: a band, built in bool (no int64 position differences)
