@@ -99,9 +99,9 @@ class FSDPEngineConfig(EngineConfig):
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
     )
-    entropy_from_logits_with_chunking: bool = param(False, "the logged policy entropy in row chunks (less memory)")
-    use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy kernel; null = only on CUDA")
-    entropy_checkpointing: bool = param(False, "recompute the entropy in backward instead of storing it")
+    entropy_from_logits_with_chunking: bool = param(False, "the entropy bonus (loss.entropy_coeff) in row chunks")
+    use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy bonus's kernel; null = only on CUDA")
+    entropy_checkpointing: bool = param(False, "recompute the entropy bonus in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, str]]:
@@ -558,6 +558,8 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         if cfg[section][switch] is None:
             reason = f"read only with {section}.{switch} set (null: {off})"
             why |= {f"{section}.{k}": reason for k in cfg[section] if k != switch}
+    if not cfg.loss.entropy_coeff and cfg.fsdp.use_torch_compile:  # the logged entropy: the log-prob kernel's tiles
+        why["fsdp.use_torch_compile"] = "compiles the entropy bonus, read only with loss.entropy_coeff > 0"
     if cfg.trainer == "BasicTrainer":
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:

@@ -63,7 +63,7 @@ NOT_MODELLED = {
     "fsdp.offload_policy": "parameters, gradients and optimizer state counted on the device",
     "fsdp.forward_only": "counted as training (gradients, optimizer state, backward)",
     "fsdp.wrap_policy": "one FSDP unit per transformer block, not by size",
-    "fsdp.entropy_checkpointing": "the entropy's work counted as kept for backward, not recomputed",
+    "fsdp.entropy_checkpointing": "the entropy bonus's work counted as kept for backward, not recomputed",
     "online.rounds": "training on pairs as given: the rounds' sampling and a reward model scorer are not counted",
 }
 Geometry = namedtuple(
@@ -252,7 +252,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
         logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
         head_backward = 0 if lora else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
     else:  # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or
-        entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking else tokens  # their gradient (backward)
+        chunked = cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff  # the bonus's: as set
+        entropy_rows = chunk_rows if chunked else tokens  # their gradient (backward)
         logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
     return {"activations": act, "logits": logits, "LM-head backward": head_backward, "block activations": block}
 

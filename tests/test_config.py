@@ -432,3 +432,12 @@ def test_the_sweep_example_starts_from_the_sft_checkpoint_and_targets_a_metric_t
         assert cfg.model.archive and cfg.loss_names == ["dpo"] and cfg.sample_during_eval
         assert cfg.n_eval_model_samples >= 256 and cfg.n_eval_examples >= cfg.n_eval_model_samples
     assert "python sweeps/run_grid.py sweeps/dpo_beta_lr.yaml" in (REPO / "README.md").read_text()
+
+
+def test_compiling_the_entropy_is_refused_without_the_entropy_bonus():
+    """The logged entropy comes from the log-prob kernel's own tiles: fsdp.use_torch_compile=true compiles nothing
+    unless loss.entropy_coeff > 0 adds the bonus, so it is refused; false, and the bonus with true, are accepted."""
+    with pytest.raises(ConfigError, match="fsdp.use_torch_compile=True: compiles the entropy bonus, read only with"):
+        load_config(["loss=dpo", "fsdp.use_torch_compile=true"])
+    load_config(["loss=dpo", "fsdp.use_torch_compile=false"])
+    load_config(["loss=dpo", "fsdp.use_torch_compile=true", "loss.entropy_coeff=0.01"])

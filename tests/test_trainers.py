@@ -313,7 +313,7 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
 
 
 def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
-    """null (the default) compiles the entropy kernel only on CUDA; true set explicitly is honoured on CPU."""
+    """null (the default) compiles the entropy bonus's kernel only on CUDA; true set explicitly is honoured on CPU."""
     default, explicit = tiny_trainer_cpu
     assert default.entropy_options["use_compile"] is False
     assert explicit.entropy_options["use_compile"] is True
@@ -322,7 +322,7 @@ def test_torch_compile_is_on_by_default_only_on_cuda(tiny_trainer_cpu):
 @pytest.fixture(scope="module")
 def tiny_trainer_cpu(tmp_path_factory):
     out = []
-    for extra in ([], ["fsdp.use_torch_compile=true"]):
+    for extra in ([], ["fsdp.use_torch_compile=true", "loss.entropy_coeff=0.01"]):
         cfg, _ = load_config(
             [
                 "model=tiny",
