@@ -499,7 +499,8 @@ def beta_dpo(
 
 class BetaDPO:
     """beta-DPO's running threshold and spread (M_0, sigma) across steps: the trainer holds one, its checkpoint keeps
-    it (state_dict), and compute_loss calls it with each batch's margins."""
+    it (state_dict), and compute_loss calls it with each batch's margins (the whole step's: config.py refuses a split
+    step)."""
 
     def __init__(self, seed: int = 0):
         self.seed, self.running = seed, None
