@@ -699,13 +699,13 @@ def _disagree(first: tuple, second: tuple, before: Any, after: Any) -> list[str]
     return [f"{old[0]}={old[1]!r} and {new[0]}={new[1]!r} set the same knob to different values; set only {new[0]}"]
 
 
-def _build(cls, values: dict, prefix: str, problems: list[str]):
+def build(cls, values: dict, prefix: str, problems: list[str]):
     """`cls` from {dotted key: value}, each leaf type-checked (the values are checked by validate())."""
     hints, kwargs = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         t, key = hints[f.name], prefix + f.name
         if isinstance(t, type) and issubclass(t, BaseConfig):
-            kwargs[f.name] = _build(t, values, key + ".", problems)
+            kwargs[f.name] = build(t, values, key + ".", problems)
         else:
             ok, kwargs[f.name] = _coerce(values[key], t)
             if not ok:
@@ -1039,7 +1039,7 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     """Compose, type-check and validate (world_size None: $WORLD_SIZE if set). Returns (config, flags)."""
     values, explicit, flags = compose(sys.argv[1:] if argv is None else argv)
     problems = []
-    cfg = _build(Config, values, "", problems)
+    cfg = build(Config, values, "", problems)
     if problems:  # types must be right before the cross-field rules can read them
         raise ConfigError(problems)
     if "eval_every" not in explicit and (bs := cfg.batch_size) > 0:

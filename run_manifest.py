@@ -164,7 +164,7 @@ def replay_config(original_dir, overrides: list[str]):
             resume_from=None, run_dir=f"{Path(original_dir).resolve()}-replay-{datetime.now():%Y%m%d_%H%M%S_%f}"
         )
         flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
-        cfg = config._build(config.Config, flat, "", problems)
+        cfg = config.build(config.Config, flat, "", problems)
         problems += config.validate(cfg)
     if problems:
         raise config.ConfigError(problems)
