@@ -648,12 +648,9 @@ def compute_loss(
     if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
         # output t predicts token t+1: a row's first token is never scored
         scored = (labels.to(device) != IGNORE_INDEX) & (torch.arange(labels.size(1), device=device) > 0)
-        ld = [
-            length_desensitized_logps(x.tokens.to(device), scored, ld_alpha)
-            for x in (policy, reference)
-            if x is not None
-        ]
-        modified = (ld[0], ld[1] if reference is not None else ref)  # no reference: its sums stay 0
+        modified = [length_desensitized_logps(policy.tokens, scored, ld_alpha), ref]
+        if reference is not None:  # no reference: its sums stay 0
+            modified[1] = length_desensitized_logps(reference.tokens.to(device), scored, ld_alpha)
     beta, keep = None, None
     if beta_dpo is not None and getattr(hp, "dynamic_beta", 0.0):  # the margins of the first loss that reads beta
         average = average_log_prob(next(s for s in specs if "beta" in dict(_hyperparameters(s.fn))), hp)
