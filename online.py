@@ -47,7 +47,7 @@ def train(t) -> None:
     t.total_steps = o.rounds * (o.prompts_per_round // c.batch_size)  # the schedule's length: every round full
     rank0_print(f"online: {o.rounds} rounds of {o.prompts_per_round} of {len(prompts)} prompts, {t.total_steps} steps")
     t.build_optimizer()
-    t.log.start(t.checkpoints.resume())
+    t.log.start(t.checkpoints.resume() if c.resume_from else None)
     t.sharding.barrier()
     self_check.run(t)  # on the datasets' training pairs: the head, layout and reference are the round pairs' too
     resumed_at = t.example_counter if c.resume_from else None

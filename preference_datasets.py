@@ -855,10 +855,10 @@ def balance_shares(items: list[int], sizes: list[int], n_shares: int) -> list[li
     return [[items[p] for p in share] for share in best]
 
 
-def row_tokens(prompt, chosen, rejected, shared_prompt: bool = False):
-    """Real tokens of the rows each example becomes, from its prompt, chosen and rejected lengths (arrays, numpy or
-    torch; rejected 0 without one): the prompt before each response, or once when shared (prefix_sharing) or alone."""
-    return prompt * (1 if shared_prompt or not rejected.any() else 2) + chosen + rejected
+def row_tokens(sequences: list, prompt, shared_prompt: bool = False):
+    """Real tokens of the rows each example becomes: its sequences (prompt + response, one length array per side,
+    numpy or torch), less the prompt's second copy when chosen and rejected share it (prefix_sharing: one row)."""
+    return sum(sequences) - (prompt if shared_prompt else 0)
 
 
 def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows: bool = False) -> dict[str, Any]:
@@ -912,7 +912,10 @@ def get_batch_iterator(
     """This rank's share of each global batch (iter_batch_indices: `order` its arguments batch_size, seed, n_epochs,
     n_examples, rank, world_size, start_example, shuffle), collated, with `example_index`; raises at once. `balance`
     deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
-    sizes = row_tokens(*split.lengths, shared_prompt) if balance else None
+    sizes = None
+    if balance:
+        prompt, chosen, rejected = split.lengths
+        sizes = row_tokens([prompt + chosen] + [prompt + rejected] * bool(rejected.any()), prompt, shared_prompt)
     return (
         dict(collate(split.rows(idx), pad_token_id, kl_rows), example_index=torch.as_tensor(idx))
         for idx in iter_batch_indices(len(split), sizes=sizes, **order)

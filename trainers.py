@@ -40,7 +40,6 @@ import preference_datasets as data
 import self_check
 import ulysses
 from config import flatten
-from estimate import DEVICES
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
 from utils import (
@@ -196,9 +195,12 @@ class BasicTrainer:
                 f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
                 f"{share:g}: top-k of the experts run per token); memory holds all of them"
             )
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        # throughput/mfu divides by the device's dense bf16 peak (estimate.DEVICES, datasheets); peak_tflops wins
-        peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
+        peak = 0.0  # throughput/mfu divides by the device's dense bf16 peak (datasheets); peak_tflops wins
+        if self.device.type == "cuda":
+            from estimate import DEVICES
+
+            gpu = torch.cuda.get_device_name(self.device)
+            peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
         self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
         ranks = (
@@ -353,10 +355,11 @@ class BasicTrainer:
 
             return online.train(self)
         self.build_optimizer()
-        self.log.start(self.checkpoints.resume())
+        self.log.start(self.checkpoints.resume() if c.resume_from else None)
         self.sharding.barrier()  # W&B starts on rank 0 alone (up to minutes online): the others wait here
         self_check.run(self)  # on the resumed weights, before the first step and before precompute frees the reference
-        self.reference.precompute()
+        if c.precompute_ref_log_probs:
+            self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
         with (
@@ -413,7 +416,8 @@ class BasicTrainer:
         seconds = time.time() - start
         self.batch_counter += 1
         self.example_counter += self.config.batch_size
-        self.reference.update()
+        if self.config.ref_update.tau is not None:  # TR-DPO
+            self.reference.update()
         tokens = metrics.pop("tokens")
         metrics.update(
             {
@@ -664,7 +668,7 @@ class Reference:
         * ref, in place. Both are sharded alike: local shards match element by element (no gather); names lose the
         wrapper prefixes (activation checkpointing wraps the policy's blocks only)."""
         c = self.trainer.config.ref_update
-        if c.tau is None or self.trainer.batch_counter % c.tau:
+        if self.trainer.batch_counter % c.tau:
             return
         policy = {clean_name(k): v for k, v in self.trainer.policy.named_parameters()}
         reference = {clean_name(k): v for k, v in self.model.named_parameters()}
@@ -684,7 +688,7 @@ class Reference:
         """precompute_ref_log_probs: one pass of the reference over the pairs this run uses (train and eval), cached on
         disk, then the model is freed: training runs one model, not two."""
         t, c = self.trainer, self.trainer.config
-        if not c.precompute_ref_log_probs or self.model is None:
+        if self.model is None:  # nothing to precompute: reference_free, or a loss without a reference
             return
         used = data.iter_batch_indices(
             t.n_train_pairs,
@@ -848,10 +852,8 @@ class Checkpoints:
 
     def resume(self) -> Optional[str]:
         """Weights, optimizer, schedule (this run's lr and schedule from the loaded step), RNG and data position from
-        run_dir/LATEST; returns the W&B run id to continue (None without a resume)."""
+        run_dir/LATEST (resume_from set); returns the W&B run id to continue."""
         t, c = self.trainer, self.trainer.config
-        if not c.resume_from:
-            return None
         ckpt = Path(c.resume_from) / "LATEST"  # validated before any model loaded (train.check_inputs)
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         check_compatible(state, c, t.world_size)
@@ -1061,11 +1063,9 @@ def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int
 
 
 def pair_tokens(batch: dict, shared_prefix: bool = False) -> torch.Tensor:
-    """(B,) real tokens of the rows each example becomes: its sequences, the prompt once when it is shared."""
-    sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
-    return sum(batch[f"{s}_attention_mask"].sum(1) for s in sides) - (
-        batch["prompt_attention_mask"].sum(1) if shared_prefix else 0
-    )
+    """(B,) real tokens of the rows each example becomes (preference_datasets.row_tokens), from the attention masks."""
+    sides = [batch[f"{s}_attention_mask"].sum(1) for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
+    return data.row_tokens(sides, batch["prompt_attention_mask"].sum(1) if shared_prefix else 0, shared_prefix)
 
 
 def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:

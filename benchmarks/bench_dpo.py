@@ -764,7 +764,8 @@ def profile_child(spec: dict) -> None:
         policy, cfg, cfg.seed, str(tmp / "run"), reference_model=reference, tokenizer=tokenizer
     )
     trainer.build_optimizer()
-    trainer.reference.precompute()
+    if cfg.precompute_ref_log_probs:
+        trainer.reference.precompute()
     batches = trainer.train_batches()
 
     # wrap the tiled LM head (looked up in logps at each forward_logps) so that its forward shows as one range
