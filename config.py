@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import difflib
 import functools
-import inspect
 import os
 import re
 import sys
@@ -518,11 +517,7 @@ def loss_registry() -> dict[str, dict]:
                 f"losses.py: LOSSES[{name!r}] = {spec!r}: expected LossSpec(<loss function>, needs_reference=..., ...)"
             )
             continue
-        reads = [
-            p.name
-            for p in inspect.signature(spec.fn).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.name not in losses.SUPPLIED
-        ]
+        reads = losses.config_keys(spec.fn)
         code = getattr(spec.fn, "__code__", None)
         where = f"{code.co_filename}:{code.co_firstlineno}" if code else "losses.py"
         problems += [

@@ -582,6 +582,12 @@ def _hyperparameters(fn: Callable) -> tuple[tuple[str, bool], ...]:
     )
 
 
+def config_keys(fn: Callable) -> list[str]:
+    """The `loss.<key>`s a loss function reads: its keyword-only parameters, SUPPLIED excepted (config.py's registry
+    and its refusal of keys no selected loss reads come from here)."""
+    return [name for name, _ in _hyperparameters(fn) if name not in SUPPLIED]
+
+
 def _kwargs_for(name: str, fn: Callable, hp, given: dict) -> dict:
     """The keyword-only parameters `fn` declares: from `given` (SUPPLIED, beta-DPO's beta), else from hp; None
     counts as unset."""
@@ -653,7 +659,7 @@ def compute_loss(
             modified[1] = length_desensitized_logps(reference.tokens.to(device), scored, ld_alpha)
     beta, keep = None, None
     if beta_dpo is not None and getattr(hp, "dynamic_beta", 0.0):  # the margins of the first loss that reads beta
-        average = average_log_prob(next(s for s in specs if "beta" in dict(_hyperparameters(s.fn))), hp)
+        average = average_log_prob(next(s for s in specs if "beta" in config_keys(s.fn)), hp)
         ratios = sequence_logps(sums - ref, counts, average).detach()
         beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
     dpop, total, rewards = getattr(hp, "dpop_lambda", 0.0), 0, (None, None)
