@@ -98,7 +98,7 @@ class FSDPEngineConfig(EngineConfig):
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
     )
-    entropy_from_logits_with_chunking: bool = param(False, "the entropy bonus (loss.entropy_coeff) in row chunks")
+    entropy_from_logits_with_chunking: bool = param(False, "the entropy bonus in row chunks (the logged one always is)")
     use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy bonus's kernel; null = only on CUDA")
     entropy_checkpointing: bool = param(False, "recompute the entropy bonus in backward instead of storing it")
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
@@ -553,8 +553,10 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         if cfg[section][switch] is None:
             reason = f"read only with {section}.{switch} set (null: {off})"
             why |= {f"{section}.{k}": reason for k in cfg[section] if k != switch}
-    if not cfg.loss.entropy_coeff and cfg.fsdp.use_torch_compile:  # the logged entropy: the log-prob kernel's tiles
-        why["fsdp.use_torch_compile"] = "compiles the entropy bonus, read only with loss.entropy_coeff > 0"
+    if not cfg.loss.entropy_coeff:  # the logged entropy comes from the log-prob kernel's tiles (never compiled)
+        for k in ("use_torch_compile", "entropy_checkpointing"):  # chunked, it is: entropy_from_logits_with_chunking
+            if getattr(cfg.fsdp, k):
+                why[f"fsdp.{k}"] = "applies to the entropy bonus, read only with loss.entropy_coeff > 0"
     if cfg.trainer == "BasicTrainer":
         why |= {f"fsdp.{k}": "only applies to trainer=FSDPTrainer (this run uses BasicTrainer)" for k in FSDP_ONLY}
     else:
@@ -641,6 +643,8 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     required = {}  # {key: the key as given} set to ??? by a layer and by no later one
     for origin, layer, flat in layers:
         for spelling, given in flat.items():
+            if spelling == "fsdp.seed" and given is None:  # null: the top-level seed, as verl's default
+                continue
             key = RENAMED.get(spelling, spelling)
             value = given
             head, _, sub = key.rpartition(".")
@@ -671,7 +675,7 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
             before, last = values[key], setting.get(key)
             values[key], setting[key] = value, (spelling, given, layer)
             if last and last[2] == layer > 0 and last[0] != spelling:  # two spellings of one key, one layer
-                problems += _disagree(last, setting[key], before, value)
+                problems += _disagree(last, setting[key], before, value, values["fsdp.dtype"])
     problems += [f"{k}: a value is required (set it on the command line: {k}=...)" for k in required.values()]
     if problems:
         raise ConfigError(problems)
@@ -679,16 +683,19 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     return values, explicit, flags
 
 
-def _disagree(first: tuple, second: tuple, before: Any, after: Any) -> list[str]:
+def _disagree(first: tuple, second: tuple, before: Any, after: Any, dtype: str) -> list[str]:
     """Two settings (key as given, value, layer) of one key by one layer: a problem where one is a renamed key, the other
-    sets its knob too and they differ (`before`, `after`: the key's value before and after the second setting)."""
+    sets its knob too and they differ (`before`, `after`: the key's value before and after the second setting; a
+    mixed_precision without param_dtype computes in fsdp.dtype, `dtype`)."""
     old, new = (first, second) if first[0] in RENAMED else (second, first)
     if old[0] not in RENAMED:
         return []
     head, _, part = RENAMED[old[0]].rpartition(".")
     if head in SUBKEYS and new[0] not in (head, RENAMED[old[0]]):  # another sub-key: another knob
         return []
-    knobs = [v.get(part) if isinstance(v, dict) else v for v in (before, after)] if head in SUBKEYS else [before, after]
+    default = dtype if head == "fsdp.mixed_precision" else None
+    knobs = [v.get(part, default) if isinstance(v, dict) else v for v in (before, after)]
+    knobs = knobs if head in SUBKEYS else [before, after]
     if len({DTYPES.get(str(k), str(k)) for k in knobs}) == 1:  # bf16 and bfloat16 are one dtype
         return []
     return [f"{old[0]}={old[1]!r} and {new[0]}={new[1]!r} set the same knob to different values; set only {new[0]}"]
@@ -794,6 +801,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
                 )
             else:
                 rules.append((not subkeys[k][0](v), f"{key}.{k}={v!r}: expected {subkeys[k][1]}"))
+    policy = c.fsdp.wrap_policy or {}
+    if policy.get(BLOCKS) and policy.get("min_num_params") is not None:  # sharding.py would read the size alone
+        rules.append((True, f"fsdp.wrap_policy={policy}: expected {BLOCKS} or min_num_params, not both (one policy)"))
     for n in c.loss_names:
         if isinstance(n, str) and n not in known:
             preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()

@@ -81,8 +81,9 @@ Saved = namedtuple("Saved", "compute fp32 stream norm_grad copies repeat_kv")
 class EstimateError(config.ConfigError):
     """A config.json or a config the estimator cannot read, or a device it does not know: bad input, exit code 2."""
 
-    def __init__(self, message: str):
-        super().__init__([message])
+    def __init__(self, message: str):  # printed as it is, not as a list of configuration problems
+        ValueError.__init__(self, message)
+        self.problems = [message]
 
 
 def geometry(config: dict) -> Geometry:

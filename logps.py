@@ -1,8 +1,9 @@
 """Sequence log-probs from a causal LM, top to bottom:
-  1. Log-probs of labels, a tile of rows at a time, from given logits (`target_logps`) or through the LM head
-     (`linear_token_logps`, the tiled head: only scored positions, never (rows, vocab) logits; the head's scale or
-     softcap by model type, `tiled_head`, which refuses heads it does not know). No full-vocabulary fp32 copy is
-     ever made; backward recomputes each tile.
+  1. Log-probs of labels, a tile of rows at a time, by one kernel (`_LabelLogProbs`) on the scored positions: of
+     the backbone's hidden states through the LM head (the tiled head: never (rows, vocab) logits; the head's scale
+     or softcap by model type, `tiled_head`, which refuses heads it does not know), or with tiled_lm_head=false of
+     the model's own logits (their scored rows copied); backward recomputes each tile. `target_logps` and
+     `linear_token_logps` are the same kernel for given logits or a given head.
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
   3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
   4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
@@ -335,7 +336,8 @@ def entropy_from_logits(
     """Entropy of softmax(logits) at every position, (..., V) -> (...,) in fp32. `chunking`: chunk_size rows at a
     time (one chunk's fp32 softmax at once); `checkpointing`: backward recomputes each chunk instead of keeping it
     (matters only when the entropy is differentiated); `use_compile`: the per-chunk function through torch.compile.
-    forward_logps calls it for the entropy bonus (differentiable); the logged entropy comes from _LabelLogProbs."""
+    forward_logps calls it for the entropy bonus (differentiable, also logged); otherwise the logged entropy comes
+    from _LabelLogProbs."""
     fn = _COMPILED_ENTROPY_CHUNK if use_compile else _entropy_chunk
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] == 0:

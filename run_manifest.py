@@ -151,7 +151,7 @@ def replay_config(original_dir, overrides: list[str]):
     if not path.is_file():
         raise config.ConfigError([f"--replay {original_dir}: no config.yaml there (expected a train.py run directory)"])
     keys = config.schema()
-    # config.yaml is already resolved (aliases, derived eval_every): rebuilt as it is, over the defaults
+    # config.yaml is already resolved (renamed keys, derived eval_every): rebuilt as it is, over the defaults
     flat = {**{k: d for k, (_, d, _) in keys.items()}, **config.flatten(yaml.safe_load(path.read_text()))}
     _, given, flags, problems = config.parse_argv(overrides)
     problems += [

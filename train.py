@@ -21,7 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from config import ConfigError, data_parallel_size, help_text, load_config, loss_registry, to_yaml, validate
+from config import DTYPES, ConfigError, data_parallel_size, help_text, load_config, loss_registry, to_yaml, validate
 
 if __name__ == "__main__":  # before the imports below: they take seconds (torch), and they import losses.py
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -107,7 +107,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         utils.disable_dropout(model)
         return model
 
-    compute = (cfg.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")  # None: no mixed precision
+    compute = DTYPES.get((cfg.fsdp.mixed_precision_dtypes() or {}).get("param_dtype"))  # None: no mixed precision
     mixed = compute and cfg.reference_mixed  # the reference's; the policy's is compute alone
     utils.rank0_print(
         f"loading policy {path} in {cfg.fsdp.model_dtype}" + (f", computing in {compute}" if compute else "")
@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
         if estimating:  # from config.json alone: no weights
-            import estimate  # only --estimate reads its tables
+            import estimate  # its tables: off a training run's path (a CUDA trainer reads the GPU peaks)
 
             print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size_of(cfg), gpu))
             return 0

@@ -437,7 +437,19 @@ def test_the_sweep_example_starts_from_the_sft_checkpoint_and_targets_a_metric_t
 def test_compiling_the_entropy_is_refused_without_the_entropy_bonus():
     """The logged entropy comes from the log-prob kernel's own tiles: fsdp.use_torch_compile=true compiles nothing
     unless loss.entropy_coeff > 0 adds the bonus, so it is refused; false, and the bonus with true, are accepted."""
-    with pytest.raises(ConfigError, match="fsdp.use_torch_compile=True: compiles the entropy bonus, read only with"):
+    with pytest.raises(ConfigError, match="fsdp.use_torch_compile=True: applies to the entropy bonus, read only with"):
         load_config(["loss=dpo", "fsdp.use_torch_compile=true"])
     load_config(["loss=dpo", "fsdp.use_torch_compile=false"])
     load_config(["loss=dpo", "fsdp.use_torch_compile=true", "loss.entropy_coeff=0.01"])
+    with pytest.raises(ConfigError, match="fsdp.entropy_checkpointing=True: applies to the entropy bonus"):
+        load_config(["loss=dpo", "fsdp.entropy_checkpointing=true"])
+
+
+def test_original_and_new_spellings_that_agree_are_accepted_and_one_wrap_policy_is_asked():
+    """A mixed_precision without param_dtype computes in fsdp.dtype: model.fsdp_policy_mp=bf16 beside it agrees;
+    fsdp.seed=null is unset; block classes and a size policy together are refused (the size would win silently)."""
+    cfg, _ = load_config(["loss=dpo", "fsdp.mixed_precision={reduce_dtype: fp32}", "model.fsdp_policy_mp=bf16"])
+    assert cfg.fsdp.mixed_precision_dtypes()["param_dtype"] in ("bf16", "bfloat16")
+    assert load_config(["loss=dpo", "fsdp.seed=null"])[0].seed == 0
+    with pytest.raises(ConfigError, match="expected transformer_layer_cls_to_wrap or min_num_params, not both"):
+        load_config(["trainer=FSDPTrainer", "model.block_name=Y", "fsdp.wrap_policy.min_num_params=5"])
