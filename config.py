@@ -62,6 +62,15 @@ DTYPES = {
     s: name for short, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")) for s in (short, name)
 }
 DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
+
+
+def dtype_of(name: str):
+    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype; torch is imported here, on first use (--help needs none)."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
 RANKS = (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number")  # fsdp.fsdp_size
 SP_SIZE = (lambda v: v >= 1, "a positive integer (1 = off)")  # fsdp.ulysses_sequence_parallel_size
 DATASETS = (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)")

@@ -26,7 +26,8 @@ import losses
 import ulysses
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import unwrap
-from utils import all_gather_object, atomic_write_text, dtype_of, rank0_print
+from config import dtype_of
+from utils import all_gather_object, atomic_write_text, rank0_print
 
 REPORT = "self_check.json"  # in run_dir, beside run_manifest.json
 PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to cost a fraction of a step

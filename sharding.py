@@ -49,10 +49,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 from torch.distributed.tensor import DTensor
 
 import ulysses
+from config import dtype_of
 from utils import (
     all_gather_if_needed,
     all_ranks_true,
-    dtype_of,
     find_block_class_names,
     get_block_class_from_model,
     rank0_print,

@@ -21,7 +21,17 @@ import sys
 import warnings
 from pathlib import Path
 
-from config import DTYPES, ConfigError, data_parallel_size, help_text, load_config, loss_registry, to_yaml, validate
+from config import (
+    DTYPES,
+    ConfigError,
+    dtype_of,
+    data_parallel_size,
+    help_text,
+    load_config,
+    loss_registry,
+    to_yaml,
+    validate,
+)
 
 if __name__ == "__main__":  # before the imports below: they take seconds (torch), and they import losses.py
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -95,7 +105,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     path, remote = resolve_local(cfg.model.name_or_path), cfg.model.trust_remote_code
 
     def load(dtype_name: str):
-        dtype = utils.dtype_of(dtype_name)
+        dtype = dtype_of(dtype_name)
         if on_meta:
             with torch.device("meta"):
                 config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)

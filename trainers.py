@@ -39,7 +39,7 @@ import losses
 import preference_datasets as data
 import self_check
 import ulysses
-from config import flatten
+from config import dtype_of, flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
 from utils import (
@@ -47,7 +47,6 @@ from utils import (
     atomic_write_text,
     broadcast_object,
     file_sha256,
-    dtype_of,
     first_usable_dir,
     formatted_dict,
     fsync_dir,

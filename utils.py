@@ -13,8 +13,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import DTYPES
-
 
 def get_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
@@ -71,11 +69,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     ):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype (config.py validated the spelling)."""
-    return getattr(torch, DTYPES[name])
 
 
 def use_shape_free_attention(device: torch.device) -> None:
