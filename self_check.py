@@ -23,7 +23,6 @@ import time
 import torch
 
 import losses
-import ulysses
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import unwrap
 from config import dtype_of
@@ -82,7 +81,8 @@ def probe_pairs(t, batch: dict) -> dict:
 def policy_logps(t, inputs: dict, entropy: dict | None = None, **options) -> SequenceLogps:
     """The policy's log-probs, entropies and per-token log-probs of `inputs` in the run's precision; without
     `sequence_parallel`, whole rows through plain attention on every rank."""
-    plain = ulysses.paused() if options.get("sequence_parallel") is None else contextlib.nullcontext()
+    whole = t.sp is not None and options.get("sequence_parallel") is None  # a Ulysses run's plain path
+    plain = t.sp.paused() if whole else contextlib.nullcontext()
     with t.autocast(), plain:
         entropy = t.entropy_options if entropy is None else entropy
         return forward_logps(t.policy, inputs, entropy=entropy, per_token=True, **options)

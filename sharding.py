@@ -48,7 +48,6 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 
-import ulysses
 from config import dtype_of
 from utils import (
     all_gather_if_needed,
@@ -222,6 +221,8 @@ class Sharded(OneProcess):
 
         if lm is not model:  # else (FSDP2 without LoRA) generate's call is the root's already
             lm.forward = forward
+        import ulysses  # its attention hook, installed or not, stands aside while every rank generates
+
         try:
             with ulysses.paused():
                 return model.generate(**kwargs, synced_gpus=True)

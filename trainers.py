@@ -38,7 +38,6 @@ import yaml
 import losses
 import preference_datasets as data
 import self_check
-import ulysses
 from config import dtype_of, flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
@@ -1195,6 +1194,8 @@ class FSDPTrainer(BasicTrainer):
             else torch.device("cpu")
         )
         if config.fsdp.ulysses_sequence_parallel_size > 1:  # before sharding: recomputed blocks attend through it too
+            import ulysses  # sequence parallelism: off every other run's path
+
             self.sp = ulysses.make_group(device, world_size, config.fsdp.ulysses_sequence_parallel_size)
             for model in filter(None, (policy, reference_model)):
                 ulysses.install(model, self.sp)

@@ -33,6 +33,11 @@ class SequenceParallel:
     rank: int
     size: int
 
+    @staticmethod
+    def paused():
+        """paused() below, reached through the group by code that does not import this file (self_check.py)."""
+        return paused()
+
     def sum_over_group(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the group's ranks (any shape), differentiable when x requires grad."""
         return _SelfAdjoint.apply(x, _all_reduce, self.group)
