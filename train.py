@@ -623,6 +623,20 @@ def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
     return f"interrupted at step {e.step} ({e.examples} pairs, {name}); {resume}"
 
 
+def valued_flags(argv: list[str]) -> tuple[list[str], str | None, str | None]:
+    """(argv without them, gpu, replay_of) of the flags that take a value: `--estimate [gpu=NAME]`, `--replay DIR`
+    (replay_of "" when DIR is missing)."""
+    gpu = replay_of = None
+    if "--estimate" in argv:
+        i = argv.index("--estimate")
+        gpu = argv[i + 1][len("gpu=") :] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
+        argv = argv[:i] + argv[i + 1 + (gpu is not None) :]
+    if "--replay" in argv:
+        i = argv.index("--replay")
+        replay_of, argv = (argv + [""])[i + 1], argv[:i] + argv[i + 2 :]
+    return argv, gpu, replay_of
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: flags, then config; returns the exit code (--help lists both)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -630,16 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     estimating, replay_of, gpu = "--estimate" in argv, None, None
-    if estimating:
-        i = argv.index("--estimate")
-        gpu = argv[i + 1][len("gpu=") :] if i + 1 < len(argv) and argv[i + 1].startswith("gpu=") else None
-        argv = argv[:i] + argv[i + 1 + (gpu is not None) :]
-    if "--replay" in argv:
-        i = argv.index("--replay")
-        if i + 1 >= len(argv):
+    if estimating or "--replay" in argv:
+        argv, gpu, replay_of = valued_flags(argv)
+        if replay_of == "":
             print("error: --replay needs the run directory to replay: --replay <run dir>", file=sys.stderr)
             return 2
-        replay_of, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     try:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
