@@ -824,6 +824,8 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         rules += _unpaired_rules(c, world_size)
     if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
         rules += _modifier_rules(c)
+    if c.precompute_ref_log_probs:
+        rules += _per_token_reference_rule(c)
     if c.prefix_sharing:
         rules += _prefix_sharing_rules(c)
     if c.fsdp.ulysses_sequence_parallel_size > 1:
@@ -907,6 +909,23 @@ def _unpaired_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, st
     ]
 
 
+def _per_token_reference_rule(c: Config) -> list[tuple[bool, str]]:
+    """The precomputed reference table holds sums: refused for whatever reads each token's reference log-prob (LD-DPO,
+    or a token-level loss: losses.logps_needed says which, so such a loss is written in losses.py alone)."""
+    import losses  # loss_registry() has imported it
+
+    ld = c.loss.ld_alpha != 1
+    what = f"loss.name={c.loss.name!r} reads the reference's log-prob of each token"
+    what = "LD-DPO weighs the reference's tokens too" if ld else what
+    return [
+        (
+            losses.logps_needed(c.loss)["per_token"],
+            f"{f'loss.ld_alpha={c.loss.ld_alpha} and ' * ld}precompute_ref_log_probs=true: {what}, and the "
+            "precomputed table holds sums only; set one of them off",
+        )
+    ]
+
+
 def _modifier_rules(c: Config) -> list[tuple[bool, str]]:
     """The modifiers of paired losses: WPO, LD-DPO, DPOP, beta-DPO."""
     loss = c.loss
@@ -951,11 +970,6 @@ def _modifier_rules(c: Config) -> list[tuple[bool, str]]:
             loss.dpop_lambda > 0 and (loss.reference_free or not compares),
             f"loss.dpop_lambda={loss.dpop_lambda}: DPOP penalizes "
             f"the chosen log-prob falling below the reference's, and loss.name={loss.name!r} runs no reference",
-        ),
-        (
-            loss.ld_alpha != 1 and c.precompute_ref_log_probs,
-            f"loss.ld_alpha={loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO "
-            "weighs the reference's tokens too, and the precomputed table holds sums only; set one of them off",
         ),
     ]
 

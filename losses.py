@@ -623,7 +623,8 @@ def compute_loss(
     policy, reference: logps.forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
     the chosen rows (or unpaired completions) alone: `sums` of token log-probs and scored-token `counts` per row,
     (N,). The reference scores the same tokens, so its sums are normalized by the policy's counts; reference_free
-    (or a reference None where no selected loss needs one) gives every row log p = 0. desirable, kl: for an unpaired loss (KTO) only, see `_unpaired_loss`.
+    (or a reference None where no selected loss needs one) gives every row log p = 0. desirable, kl: for an unpaired
+    loss (KTO) only, see `_unpaired_loss`.
     Modifiers of the paired losses, from hp: ld_alpha != 1 (LD-DPO) weighs the rows' `tokens` (scored where `labels`,
     (N, T), are) instead of taking their sums; wpo (WPO) weighs each pair's losses by wpo_weights from the policy's
     log_sum_sq; dpop_lambda > 0 (DPOP) penalizes the chosen log-prob (dpop_chosen_logps); dynamic_beta > 0 with
