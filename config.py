@@ -1,7 +1,8 @@
 """Typed configuration and the YAML loader that replaces Hydra. Layers, later ones winning: the dataclass defaults;
-config/<group>/<choice>.yaml (`model=pythia28 loss=dpo`; config/config.yaml picks the defaults); `key=value` overrides in
-YAML (`--key=value` too, as W&B sweeps pass it). The frozen `Config` reads like a dict, as the original DictConfig did; all
-problems are raised at once, as one ConfigError. losses.py (and torch) loads on first need, so `--help` answers at once."""
+config/<group>/<choice>.yaml (`model=pythia28 loss=dpo`; config/config.yaml picks the defaults); `key=value`
+overrides in YAML (`--key=value` too, as W&B sweeps pass it). The frozen `Config` reads like a dict, as the original
+DictConfig did; all problems are raised at once, as one ConfigError. losses.py (and torch) loads on first need, so
+`--help` answers at once."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 
 
 def dtype_of(name: str):
-    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype; torch is imported here, on first use (--help needs none)."""
+    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype; torch is imported here, on first use (--help needs
+    none)."""
     import torch
 
     return getattr(torch, DTYPES[name])
@@ -102,7 +104,8 @@ class FSDPEngineConfig(EngineConfig):
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters (for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(
         None,
-        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
+        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, "
+        "the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
     )
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
@@ -185,26 +188,31 @@ class LossConfig(BaseConfig):
     # Modifiers of every paired loss (losses.compute_loss)
     wpo: bool = param(
         False,
-        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, aligned to its own sampling, clamped at 1 and detached",
+        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, "
+        "aligned to its own sampling, clamped at 1 and detached",
     )
     ld_alpha: float = param(
         1.0,
-        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference alike; 1 = off, 0.2-0.8 typical",
+        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference "
+        "alike; 1 = off, 0.2-0.8 typical",
         "[0, 1]",
     )
     dynamic_beta: float = param(
         0.0,
-        "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running mean)); 0 = off, 0.2-1 typical",
+        "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running "
+        "mean)); 0 = off, 0.2-1 typical",
         NON_NEGATIVE,
     )
     dynamic_beta_filter: float = param(
         0.0,
-        "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the running mean; 0 = none, 0.2 in the paper",
+        "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the "
+        "running mean; 0 = none, 0.2 in the paper",
         "[0, 1)",
     )
     dpop_lambda: float = param(
         0.0,
-        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; 0 = off, 50 in the paper",
+        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; "
+        "0 = off, 50 in the paper",
         NON_NEGATIVE,
     )
 
@@ -313,7 +321,8 @@ class Config(BaseConfig):
     )
     minimum_log_interval_secs: float = param(
         30.0,
-        "without a terminal, print a progress line at most this often (the original's key, which timed W&B records: those follow log_every_steps)",
+        "without a terminal, print a progress line at most this often (the original's key, which timed W&B records: "
+        "those follow log_every_steps)",
         NON_NEGATIVE,
     )
     max_new_tokens: int = param(64, "tokens generated per sample during evaluation", POSITIVE)
@@ -420,7 +429,8 @@ def _type_name(t) -> str:
 
 
 def _coerce(value: Any, t) -> tuple[bool, Any]:
-    """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's 1e-6) a float."""
+    """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's
+    1e-6) a float."""
     for a in _members(t):
         if a is float and type(value) in (int, str):
             with contextlib.suppress(ValueError, OverflowError):
@@ -470,7 +480,10 @@ RENAMED = {
     "fsdp.seed": "seed",
 }
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
-FSDP_ONLY = "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload optimizer_offload".split()
+FSDP_ONLY = (
+    "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload "
+    "optimizer_offload"
+).split()
 # Sections read only when their switch is set: {section: (switch, what its null means)}
 SWITCHED = {
     "lora": ("r", "full fine-tuning, no adapters"),
@@ -508,7 +521,8 @@ def _suggest(word: str, candidates) -> str:
 # --- The loss registry, read from losses.py on first use ---
 @functools.cache
 def loss_registry() -> dict[str, dict]:
-    """{loss name: {"reads": [loss.* keys its function takes], **its LossSpec flags}}; a broken losses.py is a ConfigError."""
+    """{loss name: {"reads": [loss.* keys its function takes], **its LossSpec flags}}; a broken losses.py is a
+    ConfigError."""
     try:
         import losses
     except Exception as e:  # noqa: BLE001 - the researcher's own edit: say where, without a traceback
@@ -530,8 +544,8 @@ def loss_registry() -> dict[str, dict]:
         code = getattr(spec.fn, "__code__", None)
         where = f"{code.co_filename}:{code.co_firstlineno}" if code else "losses.py"
         problems += [
-            f"{where}: loss {name!r} ({getattr(spec.fn, '__name__', spec.fn)}) reads loss.{key}, which is not a config key: add the "
-            f"field `{key}` to LossConfig in config.py (its default, doc and range)"
+            f"{where}: loss {name!r} ({getattr(spec.fn, '__name__', spec.fn)}) reads loss.{key}, which is not a "
+            f"config key: add the field `{key}` to LossConfig in config.py (its default, doc and range)"
             for key in reads
             if key not in LossConfig()
         ]
@@ -553,7 +567,8 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         readers = sorted(n for n, spec in loss_registry().items() if key in spec["reads"])
         if readers and not set(readers) & set(names):
             why[f"loss.{key}"] = (
-                f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by {', '.join(readers)}"
+                f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by "
+                f"{', '.join(readers)}"
             )
     if cfg.loss.f_divergence != "alpha_divergence":
         reason = f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})"
@@ -593,7 +608,8 @@ def _group_choices(group: str) -> list[str]:
 
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
-    """(group choices, overrides [(key, YAML value, raw text)], flags, problems); `[a/{b}.jsonl]`, not YAML, splits at commas."""
+    """(group choices, overrides [(key, YAML value, raw text)], flags, problems); `[a/{b}.jsonl]`, not YAML, splits
+    at commas."""
     choices, overrides, flags, problems = {}, [], set(), []
     for arg in argv:
         key, eq, raw = arg.removeprefix("--").partition("=")
@@ -630,7 +646,8 @@ def typed(keys: dict, key: str, value, raw: str):
 
 
 def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
-    """Defaults, group files, overrides -> ({dotted key: value}, {key: layer that set it: 1 group file, 2 command line}, flags)."""
+    """Defaults, group files, overrides -> ({dotted key: value}, {key: layer that set it: 1 group file, 2 command
+    line}, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
     keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
     choices = {
@@ -693,8 +710,8 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
 
 
 def _disagree(first: tuple, second: tuple, before: Any, after: Any, dtype: str) -> list[str]:
-    """Two settings (key as given, value, layer) of one key by one layer: a problem where one is a renamed key, the other
-    sets its knob too and they differ (`before`, `after`: the key's value before and after the second setting; a
+    """Two settings (key as given, value, layer) of one key by one layer: a problem where one is a renamed key, the
+    other sets its knob too and they differ (`before`, `after`: the key's value before and after the second setting; a
     mixed_precision without param_dtype computes in fsdp.dtype, `dtype`)."""
     old, new = (first, second) if first[0] in RENAMED else (second, first)
     if old[0] not in RENAMED:
@@ -1103,11 +1120,13 @@ def help_text() -> str:
                 for key, (t, default, doc) in schema().items()
             ),
             "",
-            "flags: --cfg                  run every check that needs no weights, print the resolved config as YAML, exit",
+            "flags: --cfg                  run every check that needs no weights, print the resolved config as "
+            "YAML, exit",
             "       --estimate [gpu=NAME]  memory per rank and FLOPs per step from config.json alone (gpu=: time, fit)",
             "       --replay <run dir>     run a recorded run again into a new directory, compare every logged metric",
             "",
-            "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than max_nonfinite_steps",
+            "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than "
+            "max_nonfinite_steps",
             "  non-finite steps in a row (checkpoint written); 4 a self-check failed before the first optimizer",
             "  step (nothing trained; run_dir/self_check.json); 130 / 143 SIGINT / SIGTERM: stopped after a step,",
             "  checkpoint written, resume command printed",

@@ -678,8 +678,8 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
             raise DataError(
                 f"{path or f'dataset {name!r}'}: "
                 + (
-                    "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), this "
-                    "one needs pairs"
+                    "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), "
+                    "this one needs pairs"
                     if src.unpaired
                     else "holds pairs, but loss kto needs {prompt, completion, label} "
                     "rows; set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"

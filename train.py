@@ -88,7 +88,8 @@ def load_tokenizer(cfg):
         if template not in CHAT_TEMPLATES and not Path(template).is_file():
             raise ConfigError(
                 [
-                    f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja template file"
+                    f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja "
+                    "template file"
                 ]
             )
         tokenizer.chat_template = CHAT_TEMPLATES.get(template) or Path(template).read_text()
@@ -619,7 +620,8 @@ def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
         )
     resume = f"resume with: python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}"
     if e.at_once:
-        return f"interrupted ({name}) at once, without a checkpoint; the latest is step {e.step} ({e.examples} pairs): {resume}"
+        latest = f"the latest is step {e.step} ({e.examples} pairs)"
+        return f"interrupted ({name}) at once, without a checkpoint; {latest}: {resume}"
     return f"interrupted at step {e.step} ({e.examples} pairs, {name}); {resume}"
 
 

@@ -112,7 +112,8 @@ def stop_on_signals(stop: dict):
             raise KeyboardInterrupt
         stop["signal"] = signum
         rank0_print(
-            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint (Ctrl-C again: now, without one)"
+            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
+            "(Ctrl-C again: now, without one)"
         )
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -202,7 +203,8 @@ class BasicTrainer:
         self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
         ranks = (
-            f"data-parallel {self.dp_size} (world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
+            f"data-parallel {self.dp_size} "
+            f"(world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
             if self.sp_size > 1
             else f"world size {world_size}"
         )
@@ -211,10 +213,11 @@ class BasicTrainer:
             if c.pairs_to_unpaired
             else ""
         )
+        micro = c.batch_size // self.dp_size // c.gradient_accumulation_steps
         rank0_print(
-            f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation {c.gradient_accumulation_steps} x "
-            f"micro-batch {c.batch_size // self.dp_size // c.gradient_accumulation_steps}; train {unit} {self.n_train_pairs}"
-            f"{doubled}; total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
+            f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation "
+            f"{c.gradient_accumulation_steps} x micro-batch {micro}; train {unit} {self.n_train_pairs}{doubled}; "
+            f"total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
         )
         original = (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150)
         rank0_print(
@@ -1158,7 +1161,8 @@ def expert_lora_layers(model: nn.Module) -> dict[str, tuple[str, int, bool]]:
 
 
 def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
-    """State-dict stems of the LoRA layers whose base weight is stored (in, out) (peft sets fan_in_fan_out for Conv1D)."""
+    """State-dict stems of the LoRA layers whose base weight is stored (in, out) (peft sets fan_in_fan_out for
+    Conv1D)."""
     return frozenset(
         clean_name(name) for name, module in model.named_modules() if getattr(module, "fan_in_fan_out", False)
     )
