@@ -481,8 +481,8 @@ RENAMED = {
 }
 # Engine fields that only mean something when parameters are sharded; set under BasicTrainer they would be ignored.
 FSDP_ONLY = (
-    "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy param_offload "
-    "optimizer_offload"
+    "wrap_policy offload_policy reshard_after_forward fsdp_size forward_prefetch use_orig_params strategy "
+    "param_offload optimizer_offload"
 ).split()
 # Sections read only when their switch is set: {section: (switch, what its null means)}
 SWITCHED = {
