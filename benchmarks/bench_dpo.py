@@ -768,14 +768,14 @@ def profile_child(spec: dict) -> None:
         trainer.reference.precompute()
     batches = trainer.train_batches()
 
-    # wrap the tiled LM head (looked up in logps at each forward_logps) so that its forward shows as one range
-    original_head = logps.linear_token_logps
+    # wrap the LM head's kernel (looked up on its class at each forward_logps) so that its forward shows as one range
+    original_head = logps._LabelLogProbs.apply
 
     def head(*a, **kw):
         with record_function("lm_head.forward"):
             return original_head(*a, **kw)
 
-    logps.linear_token_logps = head
+    logps._LabelLogProbs.apply = head
 
     def step(batch):  # BasicTrainer.train_step's phases for one micro-batch, timed apart
         trainer.policy.train()
@@ -811,7 +811,7 @@ def profile_child(spec: dict) -> None:
 
     # inclusive times of non-nested ranges/ops
     head_fwd = total(lambda k: k == "lm_head.forward")
-    head_bwd = total(lambda k: "evaluate_function" in k and "LinearLabelLogProbs" in k)
+    head_bwd = total(lambda k: "evaluate_function" in k and "_LabelLogProbsBackward" in k)
     attn_fwd = total(lambda k: k == "aten::scaled_dot_product_attention")
     attn_bwd = total(lambda k: "evaluate_function" in k and ("ScaledDotProduct" in k or "Attention" in k))
     mm_self = self_total(lambda k: k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mm", "aten::baddbmm"))
