@@ -717,6 +717,7 @@ def _label_logps(
     if extra is not None:  # the rejected's first tokens, from the prompts' last positions
         extra = tuple(x.to(hidden.device) for x in extra)
         rows, labels = torch.cat([rows, hidden.flatten(0, 1)[extra[0]]]), torch.cat([labels, extra[1]])
+    del hidden  # untiled: the full logits go before the kernel runs (only the scored rows are kept, for backward)
     bonus = entropy is not None and entropy_grad and not tiled and torch.is_grad_enabled()
     logps, token_entropy, token_sq = _LabelLogProbs.apply(
         rows, weight, bias, labels, chunk, scale, softcap, entropy is not None and not bonus, sum_sq
