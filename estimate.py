@@ -49,7 +49,6 @@ DEVICES = {
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
 USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
 STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per parameter (SGD without momentum)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by torch name, as config.DTYPES maps each spelling
 # Mixtures of experts with Llama's attention: a router (E x h) and E experts (gate, up, down of moe_intermediate_size,
 # else intermediate_size) in place of the MLP
 MOE = {"mixtral", "qwen3_moe", "olmoe"}
@@ -69,7 +68,6 @@ NOT_MODELLED = {
 Geometry = namedtuple(
     "Geometry",
     "hidden layers vocab tied block_params embed_params head_params saved widest linears kv_width params active",
-    defaults=(None,),
 )  # active: a token's (MoE), else None
 # Elements autograd keeps per token in one block (tests/test_estimate.py measures them), by the dtype they are kept in:
 # compute (the compute dtype), fp32 (always), stream and norm_grad (the weights' dtype under autocast, else compute;
@@ -100,25 +98,16 @@ def geometry(config: dict) -> Geometry:
         )
     kv, d = get("num_key_value_heads", default=heads), get("head_dim", default=h // heads)
     act = get("activation_function", "hidden_act", default="gelu_new" if family == "gpt2" else None)
-    mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
     experts, k = (get("num_local_experts", "num_experts"), get("num_experts_per_tok")) if family in MOE else (1, 1)
     if family in LLAMA_LIKE:
         i = get("moe_intermediate_size", "intermediate_size") if family in MOE else config["intermediate_size"]
         qkv_bias, o_bias = config.get("attention_bias", family == "qwen2"), config.get("attention_bias", False)
         mlp_bias = 2 * i + h if config.get("mlp_bias") else 0  # gate, up, down
         qk_norms = {"qwen3": 2 * d, "qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(family, 0)  # OLMoE: full width
-        block = (
-            h * heads * d
-            + 2 * h * kv * d
-            + heads * d * h
-            + experts * 3 * h * i
-            + 2 * h
-            + mlp_bias
-            + ((heads + 2 * kv) * d if qkv_bias else 0)
-            + (h if o_bias else 0)
-            + qk_norms
-            + (experts * h if family in MOE else 0)
-        )  # the router
+        qkv = (heads + 2 * kv) * d  # the q, k and v projections' outputs
+        attention = qkv * h + heads * d * h + (qkv if qkv_bias else 0) + (h if o_bias else 0) + qk_norms
+        router = experts * h if family in MOE else 0
+        block = attention + experts * 3 * h * i + mlp_bias + router + 2 * h  # + the 2 norms
         tied, positions, norm = config.get("tie_word_embeddings", False), 0, h
         # compute: the norms' outputs 2h (the linears' input), q and the attention output a*d, k and v kv*d, MLP 4i
         # (gate, up, act(gate), act*up); fp32: each RMSNorm's upcast input and rsqrt, the kernel's logsumexp per head;
@@ -126,24 +115,12 @@ def geometry(config: dict) -> Geometry:
         # Qwen3 normalizes q and k per head (kept: the upcast input, rsqrt, the normalized).
         # a mixture of experts: each token's k experts keep the MLP's 4i each, its router E probabilities (fp32)
         qk = (heads + kv) * d if family in ("qwen3", "qwen3_moe") else 0
-        saved = Saved(
-            2 * h + 2 * heads * d + 2 * kv * d + 4 * k * i + qk,
-            2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0),
-            0,
-            2 * h,
-            3 * h,
-            2 * (heads - kv) * d,
-        )
+        compute = 2 * h + 2 * heads * d + 2 * kv * d + 4 * k * i + qk
+        fp32 = 2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0)
+        saved = Saved(compute, fp32, 0, 2 * h, 3 * h, 2 * (heads - kv) * d)
         widest = 3 * k * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, norm's
-        linears = (
-            ("self_attn.q_proj", h, heads * d),
-            ("self_attn.k_proj", h, kv * d),
-            ("self_attn.v_proj", h, kv * d),
-            ("self_attn.o_proj", heads * d, h),
-            ("mlp.gate_proj", h, i),
-            ("mlp.up_proj", h, i),
-            ("mlp.down_proj", i, h),
-        )
+        names = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        ins, outs = (h, h, h, heads * d, h, h, i), (heads * d, kv * d, kv * d, h, i, i, h)
     else:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
@@ -152,6 +129,7 @@ def geometry(config: dict) -> Geometry:
         # compute: the norms' outputs 2h, qkv 3h, attention output h, MLP; GPT-NeoX: rotary q, k 2h and the output's
         # contiguous copy h; fp32: logsumexp per head, each LayerNorm's mean and rstd; stream: the LayerNorms'
         # inputs (one shared input with GPT-NeoX's parallel residual)
+        mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
         neox, parallel = family == "gpt_neox", family == "gpt_neox" and config.get("use_parallel_residual", True)
         saved = Saved(6 * h + 3 * h * neox + mlp_saved * i, heads + 4, h if parallel else 2 * h, 0, 0, 0)
         widest = (4 if mlp_saved == 5 else 2) * i + 2 * h  # the MLP's input, its activation's temporaries
@@ -160,26 +138,14 @@ def geometry(config: dict) -> Geometry:
             if neox
             else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
         )
-        linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))
+        ins, outs = (h, h, h, i), (3 * h, h, i, h)
+    linears = tuple(zip(names, ins, outs))
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
     if family in MOE:  # the attention's; peft's all-linear also adapts the fused experts and router: not counted
         linears = linears[:4]
     params = embed + layers * block + head
-    return Geometry(
-        h,
-        layers,
-        vocab,
-        tied,
-        block,
-        embed,
-        head,
-        saved,
-        widest,
-        linears,
-        kv * d,
-        params=params,
-        active=params - layers * (experts - k) * 3 * h * i if family in MOE else None,
-    )
+    active = params - layers * (experts - k) * 3 * h * i if family in MOE else None
+    return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d, params, active)
 
 
 def lora_linears(cfg, g: Geometry) -> list:
@@ -202,9 +168,8 @@ def lora_linears(cfg, g: Geometry) -> list:
 
 
 def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
-    """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute
-    (every spelling validated by config.py)."""
-    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: DTYPE_BYTES[config.DTYPES[name]]  # noqa: E731
+    """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute."""
+    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: config.dtype_of(name).itemsize  # noqa: E731
     w = size(cfg.fsdp.model_dtype)
     c = size(mp["param_dtype"]) if mp else w
     r = size(mp["reduce_dtype"]) if mp else w
@@ -219,13 +184,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     # keeps its own cast of its input, and of its weight until its backward
     autocast = mp and cfg.trainer != "FSDPTrainer" and w != c
     stream = w if autocast else c
-    per_token = (
-        s.compute * c
-        + s.fp32 * 4
-        + (s.stream + s.norm_grad * (not lora)) * stream
-        + s.copies * c * autocast
-        + s.repeat_kv * c * dense
-    )
+    per_token = s.compute * c + s.fp32 * 4 + (s.stream + s.norm_grad * (not lora)) * stream
+    per_token += s.copies * c * autocast + s.repeat_kv * c * dense
     adapters = lora_linears(cfg, g) if lora else []
     cast, drop = not mp and c != 4, cfg.lora.dropout > 0  # peft keeps the adapters in fp32: inputs cast to them
     a = 4 if cast else c
@@ -241,11 +201,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
         mask = tokens * 2 * cfg.max_length if cfg.prefix_sharing else rows * cfg.max_length**2
         act += mask * (1 + c * (1 if ckpt else g.layers))
     if autocast:  # the weights' cast copies: every block's (checkpointing: the recomputed one's) and the LM head's
-        act += (
-            (g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params)
-            * (1 if ckpt else g.layers)
-            + g.vocab * g.hidden
-        ) * c
+        weights = g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params
+        act += (weights * (1 if ckpt else g.layers) + g.vocab * g.hidden) * c
     chunk_rows, head_backward = min(tokens, DEFAULT_CHUNK_SIZE), 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
@@ -263,6 +220,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     """{name: bytes or count} per rank for one optimizer step of `cfg` on the model of `config`, run on `device`."""
     g = geometry(config)
     fsdp = cfg.trainer == "FSDPTrainer"
+    fsdp2 = fsdp and cfg.fsdp.strategy == "fsdp2"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     w, c, r, ref_w, ref_c = _element_bytes(cfg)
     lora = cfg.lora.r is not None  # the reference is the policy with its adapters off: no copy
@@ -299,20 +257,16 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     gathered = ref_root = root_reduce = forward_units = 0
     if fsdp:  # one block gathered (two with forward_prefetch), its unsharded gradient in backward, and the root unit
         units = 1 + cfg.fsdp.forward_prefetch
-        gathered = (
-            (units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
-            if cfg.fsdp.reshard_after_forward  # false: every unit kept until its backward
-            else P * c + block_trained * c
-        )
+        gathered = (units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
+        if not cfg.fsdp.reshard_after_forward:  # every unit kept until its backward
+            gathered = P * c + block_trained * c
         ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
         forward_units = units * g.block_params + root  # gathered by a forward alone (reference, evaluation)
-        root_reduce = root * (c + r) if cfg.fsdp.strategy == "fsdp2" and not lora else 0  # unsharded grads + buffer
+        root_reduce = root * (c + r) if fsdp2 and not lora else 0  # unsharded grads + buffer
     out.update({"FSDP gathered": gathered, "reference root": ref_root, "root reduce-scatter": root_reduce})
     # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
     # with no_sync_accumulation the whole model's unsharded gradients (FSDP2: in reduce_dtype, FSDP1: param_dtype)
-    unsynced = (
-        trained * (r if cfg.fsdp.strategy == "fsdp2" else c) if fsdp and cfg.no_sync_accumulation and several else 0
-    )
+    unsynced = trained * (r if fsdp2 else c) if fsdp and cfg.no_sync_accumulation and several else 0
     out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
