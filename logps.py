@@ -1,19 +1,17 @@
 """Sequence log-probs from a causal LM, top to bottom:
-  1. Log-probs of labels, a tile of rows at a time, by one kernel (`_LabelLogProbs`) on the scored positions: of
-     the backbone's hidden states through the LM head (the tiled head: never (rows, vocab) logits; the head's scale
-     or softcap by model type, `tiled_head`, which refuses heads it does not know), or with tiled_lm_head=false of
-     the model's own logits (their scored rows copied); backward recomputes each tile. `target_logps` and
-     `linear_token_logps` are the same kernel for given logits or a given head.
+  1. Log-probs of labels by one kernel (`_LabelLogProbs`), a tile of scored rows at a time: the backbone's hidden
+     states through the LM head (the tiled head, the default: never (rows, vocab) logits; `tiled_head` gives its
+     scale or softcap by model type), or the model's own logits (tiled_lm_head=false). Backward recomputes a tile.
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
   3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
   4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
-     their count and the mean entropy. The default (right-padded rows, the tiled head) reads straight through
-     `_score` and `_label_logps`; each option off it is one call: packed, shared-prefix or Ulysses rows
-     (`_other_rows`), FSDP's root forward (`_root_forward`), a mixture of experts' routing (`_routing`).
+     their count and the mean entropy. The default reads straight through `_score` and `_label_logps`; each option
+     is one call off it: packed, shared-prefix or Ulysses rows (`_other_rows`), FSDP (`_root_forward`), a mixture
+     of experts' routing (`_routing`).
 
-Output t predicts token t+1 everywhere: position t's target is labels[t+1]. None of the options (packing, the
-tiled head, sequence parallelism) changes what the log-probs are, only how they are computed; tests/test_logps.py
-and tests/test_trainers.py compare each with the plain path.
+Output t predicts token t+1 everywhere. No option (packing, the tiled head, sequence parallelism) changes what the
+log-probs are, only how they are computed; tests/test_logps.py and tests/test_trainers.py compare each with the
+plain path.
 """
 
 from __future__ import annotations
@@ -157,69 +155,9 @@ class _LabelLogProbs(torch.autograd.Function):
         )
 
 
-def target_logps(logits: Tensor, targets: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
-    """log p(targets[b, t] | logits[b, t]), Shape (batch, seq) from logits (batch, seq, vocab) and targets (batch,
-    seq) already aligned (the caller shifts); fp32 (fp64 for fp64 logits), 0 where targets is IGNORE_INDEX."""
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} and targets "
-            f"{tuple(targets.shape)}"
-        )
-    logps = _LabelLogProbs.apply(
-        logits.reshape(-1, logits.shape[-1]), None, None, targets.reshape(-1), chunk_size, 1.0, None, False
-    )[0]
-    return logps.view(targets.shape)
-
-
 def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a compute-dtype tile passes HEAD_TILE_BYTES."""
     return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
-
-
-def linear_token_logps(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Optional[Tensor] = None,
-    *,
-    chunk_size: Optional[int] = None,
-    with_entropy: bool = False,
-    with_sum_sq: bool = False,
-    logit_scale: float = 1.0,
-    softcap: Optional[float] = None,
-):
-    """log_softmax(softcap(logit_scale * (hidden @ weight.T + bias)))[label] per row, chunk_size rows at a time (None:
-    head_tile_rows): never more than a tile of logits; the matmul in the inputs' dtype, the rest in fp32.
-
-    hidden (N, H): the last hidden states at the positions whose next token is scored; weight (V, H) (tied is
-    fine), the same dtype as hidden; labels (N,), IGNORE_INDEX rows give 0 and no gradient; bias (V,) or None;
-    logit_scale, softcap: what some heads do after the matmul (Cohere, Granite, Gemma). Returns logps (N,) in fp32,
-    differentiable w.r.t. hidden, weight and bias; with `with_entropy` or `with_sum_sq`, (logps, entropy (N,),
-    log_sum_sq (N,)), each statistic detached and empty where not asked for."""
-    if (
-        hidden.dim() != 2
-        or weight.dim() != 2
-        or hidden.shape[1] != weight.shape[1]
-        or labels.shape != hidden.shape[:1]
-        or (bias is not None and bias.shape != weight.shape[:1])
-    ):
-        raise ValueError(
-            f"expected hidden (N, H), weight (V, H), labels (N,), bias (V,) or None; got hidden "
-            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}, bias "
-            f"{None if bias is None else tuple(bias.shape)}"
-        )
-    if len({hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())) > 1:
-        raise TypeError(
-            f"hidden, weight and bias must share a dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
-            + (f", bias {bias.dtype}" if bias is not None else "")
-        )
-    chunk_size = head_tile_rows(weight.shape[0], weight.dtype) if chunk_size is None else chunk_size
-    if chunk_size < 1 or (softcap is not None and softcap <= 0):
-        raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
-    out = _LabelLogProbs.apply(
-        hidden, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy, with_sum_sq
-    )
-    return out if with_entropy or with_sum_sq else out[0]
 
 
 # What a model type's CausalLM does to `hidden @ W.T (+ b)`, read in transformers' modeling files: "*" or "/" by a
@@ -257,7 +195,7 @@ HEAD_KEYS = {key: op for op, key in HEAD_POSTPROCESSING.values()} | {"logits_mup
 
 
 def tiled_head(config) -> tuple[float, Optional[float]]:
-    """(logit_scale, softcap) for linear_token_logps that give the logits of `config`'s model (HEAD_POSTPROCESSING).
+    """(logit_scale, softcap) for _LabelLogProbs that give the logits of `config`'s model (HEAD_POSTPROCESSING).
     Raises ValueError where the tiled head cannot know them: the model's own code (auto_map), or a head key that its
     type's entry does not apply. train.py can call it on config.json alone, before any model loads."""
     kind, text = config.model_type, getattr(config, "text_config", None) or config  # multimodal: the text model's

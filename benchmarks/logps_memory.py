@@ -1,4 +1,4 @@
-"""Peak memory of logps.target_logps (chunked) against the plain fp32 log_softmax gather.
+"""Peak memory of the chunked kernel (logps._LabelLogProbs on logits) against the plain fp32 log_softmax gather.
 
 Measures forward + backward of `sum of label log-probs` on bf16 logits that require grad, the
 realistic case (the lm_head output of a bf16 model). Default: 8 sequences x 1024 tokens, vocab
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import logps
 
-from logps import IGNORE_INDEX, target_logps  # noqa: E402
+from logps import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, _LabelLogProbs  # noqa: E402
 
 GIB = 2**30
 
@@ -44,9 +44,14 @@ def plain_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The same log-probs through target_logps: targets shifted (position t's target is labels[t+1]), the logits
-    whole (a [:, :-1] slice would make target_logps copy them); the last position is unscored. Shape (B, T)."""
-    return target_logps(logits, torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX))
+    """The same log-probs through the kernel forward_logps runs with tiled_lm_head=false, given the logits as its
+    hidden states (weight None): targets shifted (position t's target is labels[t+1]), the logits whole (a [:, :-1]
+    slice would be a copy); the last position is unscored. Shape (B, T)."""
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    rows = _LabelLogProbs.apply(
+        logits.flatten(0, 1), None, None, targets.flatten(), DEFAULT_CHUNK_SIZE, 1.0, None, False
+    )
+    return rows[0].view(targets.shape)
 
 
 VARIANTS = {"plain": plain_logps, "chunked": chunked_logps}

@@ -16,22 +16,17 @@ import torch
 import torch.nn.functional as F
 
 import logps
-from logps import (
-    DEFAULT_CHUNK_SIZE,
-    HEAD_TILE_BYTES,
-    entropy_from_logits,
-    head_tile_rows,
-    linear_token_logps,
-    target_logps,
-)
+from logps import DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES, entropy_from_logits, head_tile_rows
 
 ATOL = 1e-6
 
 
-def per_token_logps(logits, labels, chunk_size=logps.DEFAULT_CHUNK_SIZE):
-    """log p(labels[t+1] | logits[t]) and its mask, (B, T-1) each: target_logps on the labels shifted by one."""
+def per_token_logps(logits, labels, chunk_size=DEFAULT_CHUNK_SIZE):
+    """log p(labels[t+1] | logits[t]) and its mask, (B, T-1) each: the kernel (logps._LabelLogProbs) on the logits
+    themselves (weight None), the labels shifted by one."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-    return target_logps(logits, targets, chunk_size)[:, :-1], targets[:, :-1] != -100
+    flat = logps._LabelLogProbs.apply(logits.flatten(0, 1), None, None, targets.flatten(), chunk_size, 1.0, None, False)
+    return flat[0].view(targets.shape)[:, :-1], targets[:, :-1] != -100
 
 
 def plain_logps(logits, labels, dtype=torch.float32):
@@ -123,11 +118,6 @@ def test_gradient_at_masked_tokens_is_exactly_zero():
     assert (logits.grad[scored_positions] != 0).any(dim=-1).all()
 
 
-def test_shape_mismatch_message_names_both_shapes():
-    with pytest.raises(ValueError, match=re.escape("logits (2, 5, 7) and targets (2, 4)")):
-        target_logps(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
-
-
 # ---------------------------------------------------------------------------------------------
 # Entropy
 # ---------------------------------------------------------------------------------------------
@@ -200,11 +190,22 @@ def test_entropy_with_torch_compile_on_cpu():
 
 
 # ---------------------------------------------------------------------------------------------
-# The LM head in tiles: linear_token_logps against the plain path
+# The LM head in tiles: the kernel against the plain path
 # ---------------------------------------------------------------------------------------------
 
 
-HEAD_PARAMS = ("hidden", "weight", "bias")  # the differentiable inputs of linear_token_logps
+HEAD_PARAMS = ("hidden", "weight", "bias")  # the differentiable inputs of the head's kernel
+
+
+def head_kernel(
+    hidden, weight, labels, bias=None, *, chunk_size=None, with_entropy=False, logit_scale=1.0, softcap=None
+):
+    """The tiled head as _label_logps runs it: logps._LabelLogProbs on hidden (N, H), weight (V, H), labels (N,),
+    bias (V,) or None, in tiles of chunk_size rows (None: head_tile_rows). Log-probs (N,); with `with_entropy`,
+    (log-probs, entropy)."""
+    chunk_size = chunk_size or head_tile_rows(weight.shape[0], weight.dtype)
+    out = logps._LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy)
+    return out[:2] if with_entropy else out[0]
 
 
 def plain_head(hidden, weight, labels, bias=None, dtype=torch.float64, logit_scale=1.0, softcap=None):
@@ -254,7 +255,7 @@ def run_head(fn, params, labels, upstream, **kwargs):
         (50257, 5, 0.5, 3.0),
     ],
 )
-def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_scale, softcap):
+def test_head_kernel_matches_plain_path_fp32(vocab, chunk_size, logit_scale, softcap):
     """10 rows in tiles of 3 (3 + 3 + 3 + 1), 5 (5 + 5) and 1024 (one tile); plain, Cohere-like
     scaling, Gemma-like softcap (small, so that tanh bends) and both. Log-probs and the gradients
     w.r.t. hidden, weight and bias against the plain fp32 path within 1e-5; those and the entropy
@@ -264,7 +265,7 @@ def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_sca
     params, labels, upstream = head_inputs(vocab)
     kwargs = dict(logit_scale=logit_scale, softcap=softcap)
     ours, entropy, grads = run_head(
-        linear_token_logps, params, labels, upstream, chunk_size=chunk_size, with_entropy=True, **kwargs
+        head_kernel, params, labels, upstream, chunk_size=chunk_size, with_entropy=True, **kwargs
     )
     plain, _, plain_grads = run_head(
         functools.partial(plain_head, dtype=torch.float32, **kwargs), params, labels, upstream
@@ -283,14 +284,14 @@ def test_linear_token_logps_matches_plain_path_fp32(vocab, chunk_size, logit_sca
     assert (grads[0][3] == 0).all()  # the masked row gets no gradient
 
 
-def test_linear_token_logps_bf16_within_bf16_rounding():
+def test_head_kernel_bf16_within_bf16_rounding():
     """bf16 hidden/weight/bias, vocab 50257: the logits are the bf16 matmul, upcast, so the
     log-probs equal the plain path on the same bf16 logits to fp32 precision (1e-5), and are
     within the bf16 rounding of those logits (|logit| < 6, half an ulp 2^-7 at most) of the exact
     values. Gradients come back in bf16, within bf16 rounding (rtol 2^-7, and atol 2^-7 of the
     largest entry) of the exact ones, and no further from them than the plain bf16 path's."""
     params, labels, upstream = head_inputs(50257, dtype=torch.bfloat16)
-    ours, _, grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=4)
+    ours, _, grads = run_head(head_kernel, params, labels, upstream, chunk_size=4)
     plain, _, plain_grads = run_head(functools.partial(plain_head, dtype=torch.float32), params, labels, upstream)
     exact, _, exact_grads = run_head(plain_head, [p.double() for p in params], labels, upstream)
     assert ours.dtype == torch.float32
@@ -304,7 +305,7 @@ def test_linear_token_logps_bf16_within_bf16_rounding():
         assert ours_err <= (plain_grad.double() - exact_grad).abs().max() * 1.01, name
 
 
-def test_linear_token_logps_saves_nothing_of_rows_by_vocab():
+def test_head_kernel_saves_nothing_of_rows_by_vocab():
     """What autograd keeps for backward: hidden (N, H), weight (V, H), bias (V,), and per-row
     labels, mask, logsumexp (N,); never an (N, V) tensor, which the plain path does keep."""
     params, labels, _ = head_inputs(50257)
@@ -317,12 +318,12 @@ def test_linear_token_logps_saves_nothing_of_rows_by_vocab():
             fn(leaves[0], leaves[1], labels, leaves[2])
         return shapes
 
-    tiled = saved_shapes(functools.partial(linear_token_logps, chunk_size=3, with_entropy=True))
+    tiled = saved_shapes(functools.partial(head_kernel, chunk_size=3, with_entropy=True))
     assert tiled == {(10, 16), (50257, 16), (50257,), (10,)}, tiled
     assert (10, 50257) in saved_shapes(functools.partial(plain_head, dtype=torch.float32))
 
 
-def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
+def test_head_kernel_tiles_by_bytes_at_llama3_vocab():
     """At Llama-3's vocab 128256 the default tile is head_tile_rows = 128 MiB / (128256 x 4 B) = 261
     rows, not 1024: with 600 scored rows a 1024-row tile would be one (600, 128256) fp32 tensor of
     294 MiB. Every tensor an op creates in forward and backward stays within HEAD_TILE_BYTES, and
@@ -342,11 +343,11 @@ def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
     vocab = 128256
     params, labels, upstream = head_inputs(vocab, rows=600, hidden_size=8)
     with LargestOutput():
-        logps, _, grads = run_head(linear_token_logps, params, labels, upstream)
+        logps, _, grads = run_head(head_kernel, params, labels, upstream)
     assert LargestOutput.largest <= 128 * 2**20, f"{LargestOutput.largest / 2**20:.0f} MiB"
     assert HEAD_TILE_BYTES == 128 * 2**20
     assert head_tile_rows(vocab) == 261 and head_tile_rows(32000) == DEFAULT_CHUNK_SIZE
-    one_tile, _, one_tile_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=600)
+    one_tile, _, one_tile_grads = run_head(head_kernel, params, labels, upstream, chunk_size=600)
     torch.testing.assert_close(logps, one_tile, rtol=0, atol=0)  # rows are independent: bit-identical
     # the gradients' sums run over 128256 vocabulary entries in matmuls blocked by the tile's row count (the BLAS
     # picks kernels by shape): equal to fp32 rounding, seen 1.8e-7 apart on an entry of 7.5e-3
@@ -354,26 +355,26 @@ def test_linear_token_logps_tiles_by_bytes_at_llama3_vocab():
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_linear_token_logps_ignores_autocast():
+def test_head_kernel_ignores_autocast():
     """Under autocast the forward and the backward's recomputation must see the same logits, so
     autocast is switched off inside: fp32 inputs give the fp32 result, gradients included."""
     params, labels, upstream = head_inputs(7)
-    expected, _, expected_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+    expected, _, expected_grads = run_head(head_kernel, params, labels, upstream, chunk_size=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, _, grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+        got, _, grads = run_head(head_kernel, params, labels, upstream, chunk_size=3)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("needs", ["hidden", "weight", "bias", "hidden+weight", "none"])
-def test_linear_token_logps_with_only_some_inputs_requiring_grad(needs):
+def test_head_kernel_with_only_some_inputs_requiring_grad(needs):
     """Gradients only for the inputs that require them, equal to the all-grad run's; with none,
     the output needs no grad and backward is never called (also under torch.no_grad)."""
     params, labels, upstream = head_inputs(7)
-    _, _, all_grads = run_head(linear_token_logps, params, labels, upstream, chunk_size=3)
+    _, _, all_grads = run_head(head_kernel, params, labels, upstream, chunk_size=3)
     leaves = [p.clone().requires_grad_(name in needs) for p, name in zip(params, HEAD_PARAMS)]
-    out = linear_token_logps(leaves[0], leaves[1], labels, leaves[2], chunk_size=3)
+    out = head_kernel(leaves[0], leaves[1], labels, leaves[2], chunk_size=3)
     if needs == "none":
         assert not out.requires_grad
     else:
@@ -384,31 +385,15 @@ def test_linear_token_logps_with_only_some_inputs_requiring_grad(needs):
         else:
             assert leaf.grad is None
     with torch.no_grad():
-        torch.testing.assert_close(linear_token_logps(*params[:2], labels, params[2]), out.detach())
-    no_bias = linear_token_logps(params[0], params[1], labels)  # bias=None
+        torch.testing.assert_close(head_kernel(*params[:2], labels, params[2]), out.detach())
+    no_bias = head_kernel(params[0], params[1], labels)  # bias=None
     torch.testing.assert_close(
         no_bias, plain_head(params[0], params[1], labels, dtype=torch.float32)[0], atol=1e-5, rtol=0
     )
 
 
-def test_linear_token_logps_shape_errors_name_every_shape():
-    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(7, 8), torch.zeros(4, dtype=torch.long)
-    with pytest.raises(ValueError, match=re.escape("got hidden (4, 8), weight (7, 16), labels (4,), bias None")):
-        linear_token_logps(hidden, torch.zeros(7, 16), labels)
-    with pytest.raises(ValueError, match=re.escape("got hidden (2, 4, 8), weight (7, 8)")):
-        linear_token_logps(torch.zeros(2, 4, 8), weight, labels)
-    with pytest.raises(ValueError, match=re.escape("labels (5,)")):
-        linear_token_logps(hidden, weight, torch.zeros(5, dtype=torch.long))
-    with pytest.raises(ValueError, match=re.escape("bias (6,)")):
-        linear_token_logps(hidden, weight, labels, torch.zeros(6))
-    with pytest.raises(TypeError, match="hidden torch.bfloat16, weight torch.float32"):
-        linear_token_logps(hidden.bfloat16(), weight, labels)
-    with pytest.raises(ValueError, match="softcap"):
-        linear_token_logps(hidden, weight, labels, softcap=0.0)
-
-
 @pytest.mark.parametrize("tied", [False, True])
-def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
+def test_head_kernel_on_tiny_llama_matches_per_token_logps(tied):
     """A real 2-layer LlamaForCausalLM (vocab 64), two sequences: a 3-token prompt, then the
     response; the second right-padded by 2. Plain: per_token_logps on model(...).logits. Tiled:
     model.model(...) for the hidden states, select_scored_positions, lm_head.weight in tiles of 5
@@ -443,7 +428,7 @@ def test_linear_token_logps_on_tiny_llama_matches_per_token_logps(tied):
 
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     rows, targets, rows_mask = hidden[:, :-1][mask], labels[:, 1:][mask], mask  # the scored positions
-    logps = linear_token_logps(rows, model.lm_head.weight, targets, chunk_size=5)
+    logps = head_kernel(rows, model.lm_head.weight, targets, chunk_size=5)
     sums = logps.new_zeros(mask.shape).masked_scatter(mask, logps).sum(-1)
     grads = torch.autograd.grad((sums * sequence_weights).sum(), params)
 
