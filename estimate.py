@@ -275,8 +275,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     fused = cfg.fused_optimizer and cfg.optimizer == "AdamW"  # one kernel: no temporary
     optimizer = out["gradients"] + (trained * tw / shard if STATES[cfg.optimizer] and not fused else 0)  # sqrt(v)
     # forwards without gradients of eval_batch_size pairs per data-parallel group: a block's widest moment, the
-    # output hidden states and the rows gathered from them, the logits (or tiles); sampling: a KV cache of
-    # SAMPLE_GROUP prompts
+    # output hidden states and the rows gathered from them, the logits (or tiles); sampling: SAMPLE_GROUP's KV cache
     eval_pairs = max(1, cfg.eval_batch_size // (world_size // sp))
     eval_tokens = -(-eval_pairs * pairs * cfg.max_length // sp)
 
@@ -309,10 +308,9 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     out["FLOPs parameters"], out["mixture of experts"] = n, g.active is not None
     n_tokens = cfg.batch_size * pairs * cfg.max_length
     out["model FLOPs per step"] = (6 + 2 * ref_online) * (n + adapters) * n_tokens
+    forward_flops = (2 + 2 * cfg.activation_checkpointing) * (n + adapters)
     backward_flops = 2 * n + 4 * adapters if lora else 4 * n
-    out["executed FLOPs per step"] = (
-        (2 + 2 * cfg.activation_checkpointing) * (n + adapters) + backward_flops + 2 * ref_online * n
-    ) * n_tokens
+    out["executed FLOPs per step"] = (forward_flops + backward_flops + 2 * ref_online * n) * n_tokens
     return out
 
 
@@ -346,37 +344,23 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     device = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
-    e = estimate(cfg, config, world, device)
+    e, family = estimate(cfg, config, world, device), config.get("model_type")
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2**20)
     lines = [
-        f"estimate for {cfg.trainer} x {world} rank(s), {config.get('model_type')} with {e['parameters'] / 1e6:.2f}M "
+        f"estimate for {cfg.trainer} x {world} rank(s), {family} with {e['parameters'] / 1e6:.2f}M "
         f"parameters{lora} ({e['parameters per rank'] / 1e6:.2f}M per rank); "
         f"micro-batch {e['micro-batch tokens']} tokens "
         f"(every sequence at max_length={cfg.max_length}); no weights read{hint}",
         "memory per rank:",
     ]
-    rows = {
-        name: e[name]
-        for name in (
-            "weights",
-            "reference weights",
-            "gradients",
-            "accumulated gradients",
-            "optimizer state",
-            "activations",
-            "logits",
-            "FSDP gathered",
-        )
-    }
+    state = ("weights", "reference weights", "gradients", "accumulated gradients", "optimizer state")
+    rows = {name: e[name] for name in (*state, "activations", "logits", "FSDP gathered")}  # then a micro-batch's
     rows.update({f"phase {name}": b for name, b in e["phases"].items()}, **{f"peak ({e['peak phase']})": e["peak"]})
     lines += [f"  {name:<22} {b / size:10.1f} {unit}" for name, b in rows.items()]
     if cfg.padding_free or cfg.prefix_sharing:
-        dense = (
-            f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for "
-            f"{config.get('model_type')} on {device})"
-        )
+        dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
     lines += [f"assumes: {note} ({key}={value} is not modelled)" for key, note, value in _not_modelled(cfg)]
     lines.append(
