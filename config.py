@@ -103,9 +103,7 @@ class FSDPEngineConfig(EngineConfig):
     model_dtype: str = param("fp32", "dtype of the master weights (the original's model.policy_dtype)", DTYPE)
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters (for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(
-        None,
-        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, "
-        "the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
+        None, "{param_dtype, reduce_dtype, buffer_dtype} or one param_dtype; unset: fsdp.dtype, fp32; null = off"
     )
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
@@ -160,13 +158,11 @@ class LossConfig(BaseConfig):
     reference_free: bool = param(False, "a uniform reference (reference log-probs 0); no reference model is built")
     average_log_prob: Optional[bool] = param(None, "per-token mean, not sum, of sequence log-probs; null = the loss's")
     entropy_coeff: float = param(0.0, "entropy bonus: loss - entropy_coeff * mean policy entropy (0 = logged only)")
-    # null (off): the released MoE configs (Mixtral, Qwen3-MoE, OLMoE, gpt-oss) have output_router_logits false, so
-    # transformers and TRL (which follows it) add nothing either; DPO's few, small steps against a reference that routes
-    # as the base model does not need a pretraining-sized push toward uniform load
+    # null: the released MoE configs (Mixtral, Qwen3-MoE, OLMoE, gpt-oss) set output_router_logits false, so
+    # transformers and TRL add none either; DPO's few small steps need no pretraining-sized push toward uniform load
     router_aux_loss: Optional[Union[float, str]] = param(
         None,
-        "mixture of experts: coefficient of the router's load-balancing loss (Switch, per sequence over its real "
-        "tokens, logged as router_aux_loss); null = off (logged only), model = the model config's router_aux_loss_coef",
+        "MoE: weight of Switch's load-balancing loss per sequence; null = logged only, model = router_aux_loss_coef",
         (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"),
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
@@ -187,20 +183,14 @@ class LossConfig(BaseConfig):
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
     # Modifiers of every paired loss (losses.compute_loss)
     wpo: bool = param(
-        False,
-        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, "
-        "aligned to its own sampling, clamped at 1 and detached",
+        False, "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses"
     )
     ld_alpha: float = param(
-        1.0,
-        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference "
-        "alike; 1 = off, 0.2-0.8 typical",
-        "[0, 1]",
+        1.0, "LD-DPO (arXiv:2409.06411): weight of tokens past the shorter response; 1 = off, 0.2-0.8 typical", "[0, 1]"
     )
     dynamic_beta: float = param(
         0.0,
-        "beta-DPO (arXiv:2407.08639): alpha of the batch-level beta = beta (1 + alpha (mean margin - its running "
-        "mean)); 0 = off, 0.2-1 typical",
+        "beta-DPO (arXiv:2407.08639): alpha in beta (1 + alpha (batch margin - running mean)); 0 = off, 0.2-1 typical",
         NON_NEGATIVE,
     )
     dynamic_beta_filter: float = param(
@@ -211,8 +201,7 @@ class LossConfig(BaseConfig):
     )
     dpop_lambda: float = param(
         0.0,
-        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; "
-        "0 = off, 50 in the paper",
+        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)); 0 = off, 50 in the paper",
         NON_NEGATIVE,
     )
 
@@ -239,7 +228,6 @@ class LoraSettings(BaseConfig):
     )
 
 
-# online.scorer: rule, reward_model=<dir> or python=<module>:<function>
 SCORER = (
     lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
     "rule, reward_model=<directory> or python=<module>:<function>",
@@ -257,8 +245,7 @@ class OnlineConfig(BaseConfig):
     )
     scorer: str = param(
         "rule",
-        "rule (the data's checkable rule: toy), reward_model=<dir> (a sequence-classification "
-        "model) or python=<module>:<function> (score(prompts, completions) -> list of floats)",
+        "rule (the toy's own), reward_model (a sequence classifier) or python (score(prompts, completions) -> floats)",
         SCORER,
     )
     prompts: Optional[str] = param(
@@ -271,8 +258,7 @@ class OnlineConfig(BaseConfig):
     top_p: float = param(1.0, "nucleus sampling threshold of the rounds", "(0, 1]")
     prompts_per_generate: int = param(
         8,
-        "prompts per generate call, each call its own seeded stream (the same samples "
-        "at any world size); more: faster, more memory",
+        "prompts per generate call, each seeded apart (same samples at any world size); more: faster, more memory",
         POSITIVE,
     )
 
@@ -299,9 +285,7 @@ class Config(BaseConfig):
     max_length: int = param(512, "max tokens of prompt + response", POSITIVE)
     max_prompt_length: int = param(256, "max tokens of the prompt (truncated first)", POSITIVE)
     truncation_mode: Optional[str] = param(None, "null = each source's own (hh: keep_end)", ("keep_start", "keep_end"))
-    drop_identical_pairs: bool = param(
-        True, "drop pairs whose chosen = rejected, as text or once truncated (nothing to learn); counted either way"
-    )
+    drop_identical_pairs: bool = param(True, "drop pairs with chosen = rejected (as text or truncated); always counted")
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_examples: Optional[int] = param(None, "train on this many pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
@@ -316,13 +300,10 @@ class Config(BaseConfig):
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
     eval_every: int = param(20_000, "evaluate and checkpoint every this many pairs, a multiple of batch_size", POSITIVE)
-    log_every_steps: int = param(
-        1, "write training metrics (metrics.jsonl, W&B) every this many steps: same config, same steps", POSITIVE
-    )
+    log_every_steps: int = param(1, "metrics.jsonl and W&B records every this many steps (never by time)", POSITIVE)
     minimum_log_interval_secs: float = param(
         30.0,
-        "without a terminal, print a progress line at most this often (the original's key, which timed W&B records: "
-        "those follow log_every_steps)",
+        "without a terminal, a progress line at most this often (the original timed W&B with it: now log_every_steps)",
         NON_NEGATIVE,
     )
     max_new_tokens: int = param(64, "tokens generated per sample during evaluation", POSITIVE)
@@ -334,16 +315,11 @@ class Config(BaseConfig):
     prefix_sharing: bool = param(
         False, "each pair one sequence, prompt + chosen + rejected: the prompt computed once, the same log-probs"
     )
-    pairs_to_unpaired: bool = param(
-        False, "kto on pair data: chosen a desirable, rejected an undesirable completion; eval keeps pairs"
-    )
+    pairs_to_unpaired: bool = param(False, "kto on pairs: chosen desirable, rejected undesirable; eval keeps pairs")
     tiled_lm_head: bool = param(True, "LM head on scored positions only, in tiles (FSDP: in the root's forward)")
     precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
     self_check: bool = param(
-        True,
-        "before the first optimizer step, check on a few of the run's pairs that the tiled"
-        " head, packed or shared rows and the reference give the plain path's log-probs"
-        " (self_check.py); a failure stops the run with exit code 4",
+        True, "self_check.py: before step 1, fast paths and reference must give the plain log-probs (or exit 4)"
     )
     max_tokens_per_microbatch: Optional[int] = param(
         None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE
