@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask
+from transformers.integrations import flex_attention
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # Called with whole sequences and a 4-D mask; flash kernels take cu_seqlens instead (train.py refuses them).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -26,8 +30,7 @@ _PAUSED = [False]  # True inside paused()
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """One rank's group: `size` consecutive ranks holding the same pairs; this one holds every row's `rank`-th slice.
-    What logps.py needs of Ulysses are its methods: logps is handed this object and never imports this file."""
+    """One rank's group: `size` consecutive ranks holding the same pairs; this one holds every row's `rank`-th slice."""
 
     group: object  # torch.distributed ProcessGroup
     rank: int
@@ -51,11 +54,8 @@ class SequenceParallel:
         ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
         causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
         causal.causal_only = True
-        return {
-            "input_ids": ids,
-            "attention_mask": causal,
-            "position_ids": torch.arange(t, device=ids.device).expand_as(ids),
-        }
+        positions = torch.arange(t, device=ids.device).expand_as(ids)
+        return {"input_ids": ids, "attention_mask": causal, "position_ids": positions}
 
     def local_slice(self, kwargs: dict, *per_position: torch.Tensor):
         """This rank's contiguous slice of positions of input_ids, position_ids and each (rows, T) tensor of
@@ -69,8 +69,6 @@ class SequenceParallel:
 
 def make_group(device: torch.device, world_size: int, size: int) -> SequenceParallel:
     """The (dp x sp) mesh, as verl's: groups of `size` consecutive ranks (FSDP still shards over all); a collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(device.type, (world_size // size, size), mesh_dim_names=("dp", "sp"))
     return SequenceParallel(group=mesh["sp"].get_group(), rank=mesh.get_local_rank("sp"), size=size)
 
@@ -143,15 +141,11 @@ def _wrap(inner_of, takes_is_causal: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = inner_of(module)
         if isinstance(attention_mask, BlockMask):
-            from transformers.integrations import flex_attention
-
             inner = flex_attention.flex_attention_forward
         sp = getattr(module, "ulysses_group", None)  # set by install on the modules of a sequence-parallel model
         if sp is None or _PAUSED[0]:
             return inner(module, query, key, value, attention_mask, **kwargs)
         if key.shape[1] % sp.size:  # fewer KV heads than ranks (or not a multiple): one per query head
-            from transformers.integrations.sdpa_attention import repeat_kv
-
             key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
             module = _AttentionView(module, num_key_value_groups=1)
         if getattr(module, "sinks", None) is not None:  # gpt-oss: a learned sink logit per head; this rank's heads only
@@ -165,10 +159,8 @@ def _wrap(inner_of, takes_is_causal: bool):
         # (B, H, T/sp, d), all heads at my positions -> (B, H/sp, T, d), my heads at all positions
         query, key, value = (_exchange(x, sp) for x in (query, key, value))
         if causal and not takes_is_causal:
-            t = query.size(-2)
-            attention_mask = torch.full(
-                (t, t), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16, device=query.device
-            ).triu_(1)[None, None]
+            t, low = query.size(-2), torch.finfo(torch.bfloat16).min
+            attention_mask = torch.full((t, t), low, dtype=torch.bfloat16, device=query.device).triu_(1)[None, None]
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         # (B, T, H/sp, d) -> (B, T/sp, H, d); no attention weights: they would be per head slice
         return _exchange(out, sp), None
@@ -179,8 +171,6 @@ def _wrap(inner_of, takes_is_causal: bool):
 def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """`model` attends sequence-parallel over `sp` from now on: the all-to-all wraps its modules' attention function
     only, in forward and in checkpointed recomputation."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     implementation = model.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(
@@ -189,10 +179,8 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
         )
     original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
     if not getattr(original, "ulysses", False):
-        wrapped = _wrap(
-            _eager_attention if implementation == "eager" else lambda module: original,
-            takes_is_causal=implementation == "sdpa",
-        )
+        inner_of = _eager_attention if implementation == "eager" else lambda module: original
+        wrapped = _wrap(inner_of, takes_is_causal=implementation == "sdpa")
         wrapped.ulysses = True
         ALL_ATTENTION_FUNCTIONS[implementation] = wrapped
     for module in model.modules():  # the attention function receives the attention module: it finds the group there
