@@ -36,42 +36,29 @@ class ManifestError(ValueError):
 
 def git_state() -> tuple[dict, str]:
     """({commit, dirty, diff_sha256, untracked}, diff text) of the repository this file lives in."""
-    git = lambda *args: (
-        subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
-    )
+    git = lambda *args: subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True)
     try:
-        commit, diff = git("rev-parse", "HEAD").strip(), git("diff", "HEAD")
-        untracked = git("ls-files", "--others", "--exclude-standard").split()
+        commit, diff = git("rev-parse", "HEAD").stdout.strip(), git("diff", "HEAD").stdout
+        untracked = git("ls-files", "--others", "--exclude-standard").stdout.split()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (a copied tree): say so, do not guess
         return {"commit": None, "dirty": None, "diff_sha256": None, "untracked": []}, ""
-    return {
-        "commit": commit,
-        "dirty": bool(diff or untracked),
-        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest(),
-        "untracked": untracked,
-    }, diff
+    sha = hashlib.sha256(diff.encode()).hexdigest()
+    return {"commit": commit, "dirty": bool(diff or untracked), "diff_sha256": sha, "untracked": untracked}, diff
 
 
 def write(run_dir, cfg, splits: dict, world_size: int) -> None:
     """run_dir/run_manifest.json (+ run_manifest.diff when the tree is dirty), once, by rank 0 at the start."""
     code, diff = git_state()
-    device = (
-        {"type": "cuda", "name": torch.cuda.get_device_name(0)}
-        if torch.cuda.is_available()
-        else {"type": "cpu", "name": platform.processor() or platform.machine()}
-    )
-    versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        **{name: version(name) for name in ("transformers", "datasets")},
-    }
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine()
+    versions = {name: version(name) for name in ("transformers", "datasets")}
     manifest = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
         "code": code,
-        "versions": versions,
-        "device": device,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, **versions},
+        "device": {"type": "cuda" if cuda else "cpu", "name": device},
         "world_size": world_size,
         "data": {split: loaded.keys for split, loaded in splits.items()},
         "data_counts": {
@@ -213,10 +200,10 @@ def report(original_dir, replay_dir) -> str:
     )
     if rounds := sorted(Path(original_dir).glob("rounds/*/pairs.jsonl")):  # semi-online DPO: the pairs, sampled again
         again = [Path(replay_dir) / p.relative_to(original_dir) for p in rounds]
-        differ = [p.parent.name for p, q in zip(rounds, again) if not q.is_file() or p.read_bytes() != q.read_bytes()]
+        other = [p.parent.name for p, q in zip(rounds, again) if not q.is_file() or p.read_bytes() != q.read_bytes()]
         lines.append(
             f"online rounds: {len(rounds)} compared, "
-            + (f"rounds {', '.join(differ)} differ" if differ else "identical pairs in every round")
+            + (f"rounds {', '.join(other)} differ" if other else "identical pairs in every round")
         )
     lines.append(
         f"replay differs in {len(differ)} metric(s): {', '.join(differ)}"

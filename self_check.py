@@ -12,8 +12,6 @@ A failure raises SelfCheckError (train.py: exit code 4) naming the check, the di
 that avoids it. `self_check=false` turns it off. Cost: a few forwards of at most PROBE_PAIRS pairs, no backward.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import json
@@ -33,12 +31,10 @@ PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to
 # The head check holds the probe's full logits, what the tiled head exists to avoid: its rows are cut to this many
 # bytes of fp32 logits (1 GiB: about 260 tokens of 4 pairs at Llama-3's vocabulary of 128256).
 HEAD_LOGITS_BYTES = 2**30
-# Nats per scored token, by compute dtype. Measured on six of tests/architectures.py's models and the toy model, heads
-# scaled to a trained model's logits (std 8), packed and shared-prefix vs padded rows: fp32 differs by at most 2e-5
-# (1e-3: 50x that), bf16 by up to 7e-2 (its 8-bit mantissa rounds a logit of 16 in steps of 0.06; 0.2: 3x that);
-# fp16's 3 more bits make its steps 8x finer. Faults sit far above: a 1.1x logit scale or attention leaking between
-# packed sequences moves those models by 1.7 to 11 nats per token in bf16. The matrix's own runs: <= 1e-6 (fp32),
-# 4e-5 (bf16).
+# Nats per scored token, by compute dtype: 50x fp32's largest difference (2e-5) and 3x bf16's (7e-2: its 8-bit mantissa
+# rounds a logit of 16 in steps of 0.06; fp16's steps are 8x finer), measured on tests/architectures.py's models with a
+# trained model's logit scale, packed and shared-prefix rows. Faults (a 1.1x logit scale, attention leaking between
+# packed sequences) move them 1.7 to 11 nats per token in bf16.
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1, torch.float16: 3e-2}
 
 
@@ -127,13 +123,11 @@ def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
         fix = "precompute_ref_log_probs=false (or delete the cached table)"
         checks.append(compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix))
     if not starts_as_policy(t):  # nothing to compare at step 0
-        return checks + [dict(check="reference", passed=True, skipped=NOT_THE_POLICY)]
+        why = "the reference's weights are not the policy's (another archive or dtype, or a resumed run)"
+        return checks + [dict(check="reference", passed=True, skipped=why)]
     check = compare(t, "reference", "the reference vs the policy at step 0", live, ours, dtype, None)
     step0, closed = (zero_margin_loss(t, probe, ours, sums) for sums in (live.sums, ours.sums))
     return checks + [dict(check, step0_loss=step0, zero_margin_loss=closed)]
-
-
-NOT_THE_POLICY = "the reference's weights are not the policy's (another archive or dtype, or a resumed run)"
 
 
 def starts_as_policy(t) -> bool:
@@ -166,8 +160,7 @@ def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> 
     out = losses.compute_loss(
         c.loss_names, c.loss.weights, hp, ours, SequenceLogps(ref, None), paired=paired, desirable=desirable, kl=kl
     )
-    loss = out.losses.mean()
-    return t.sharding.gather(loss.float().reshape(1)).mean().item()
+    return t.sharding.gather(out.losses.mean().float().reshape(1)).mean().item()
 
 
 def compute_dtype(c, mixed: bool, weights: str) -> torch.dtype:
@@ -223,13 +216,8 @@ def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
     if t.rank == 0:
         strict = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731 - JSON: no inf
         as_json = [{k: strict(v) for k, v in c.items()} for c in checks]
-        record = dict(
-            passed=not failed,
-            seconds=round(seconds, 3),
-            example_index=probe,
-            checks=as_json,
-            failure=message if failed else None,
-        )
+        record = dict(passed=not failed, seconds=round(seconds, 3), example_index=probe, checks=as_json)
+        record["failure"] = message if failed else None
         atomic_write_text(t.run_dir / REPORT, json.dumps(record, indent=1) + "\n")
         if t.log.wandb_run is not None:
             summary = {f"self_check/{c['check']}": c["difference"] for c in checks if "difference" in c}

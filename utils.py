@@ -58,15 +58,8 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
         if isinstance(getattr(module, "jitter_noise", None), float):  # Mixtral, PhiMoE, MiniMax: noise on router inputs
             module.jitter_noise = 0.0
-    for key in (
-        "attention_dropout",
-        "hidden_dropout",
-        "resid_pdrop",
-        "embd_pdrop",
-        "attn_pdrop",
-        "dropout",
-        "router_jitter_noise",
-    ):
+    keys = ["attention_dropout", "hidden_dropout", "dropout", "router_jitter_noise"]
+    for key in keys + ["resid_pdrop", "embd_pdrop", "attn_pdrop"]:  # and GPT-2's names
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
 
