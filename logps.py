@@ -48,16 +48,10 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 
 # ---------- 1. Log-probs of labels ----------
-def _tile_logits(
-    hidden: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    logit_scale: float,
-    softcap: Optional[float],
-    dtype: torch.dtype,
-) -> Tensor:
-    """One tile's logits (n, V) in `dtype`, a fresh tensor: `hidden` itself (weight None) or the LM head on it, the
-    matmul in the inputs' dtype (bf16 on tensor cores, as the model's own head), scale and softcap after the upcast."""
+def _tile_logits(hidden, weight, bias, logit_scale: float, softcap, dtype: torch.dtype) -> Tensor:
+    """One tile's logits (n, V) in `dtype`, a fresh tensor: `hidden` (n, V) itself where weight is None, else the LM
+    head (weight (V, H), bias (V,) or None) on hidden (n, H), the matmul in the inputs' dtype (bf16 on tensor cores,
+    as the model's own head), then scale and softcap (None: none) after the upcast."""
     if weight is None:
         return hidden.to(dtype, copy=True)  # copy: the in-place ops must never touch fp32 logits
     logits = F.linear(hidden, weight, bias).to(dtype)
@@ -142,17 +136,9 @@ class _LabelLogProbs(torch.autograd.Function):
                         grad_weight += rest.T @ tile
                     grad_weight.index_add_(0, targets, tile.to(lse.dtype).mul_(label_coef))
                 del logits, rest, slope
-        return (
-            grad_hidden,
-            grad_weight.to(weight.dtype) if need_weight else None,
-            grad_bias.to(bias.dtype) if need_bias else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, *[None] * 6  # labels and the five settings: none
 
 
 def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
@@ -516,17 +502,15 @@ class SequenceLogps(NamedTuple):
 
 def forward_logps(model: nn.Module, inputs: dict[str, Tensor], **options) -> SequenceLogps:
     """Per sequence of `inputs` ({input_ids, attention_mask, labels}, (N, T)): the summed log-probs of its labelled
-    tokens (N,), their count (N,) and what `options` (keywords, all off by default) ask for besides:
-
-    - `entropy` (entropy_from_logits options): the mean entropy over those tokens (N,), detached unless
-      `entropy_grad` (an entropy bonus: from the full logits, so not with `tiled`);
-    - `per_token`: each token's log-prob (N, T), differentiable; `sum_sq`: WPO's per-token statistic summed;
-    - `routing` (`routing_grad`: differentiable): a mixture of experts' per-sequence routing (_routing);
-    - how they are computed, never what they are: `tiled` (the backbone alone, then the scored positions through
-      the LM head in tiles: _label_logps), `packed_capacity` (rows packed without padding: packed_inputs),
-      `prefix_sharing` (inputs: chosen rows, then the rejected rows of the same pairs; each pair's prompt computed
-      once: packed_inputs' shared_prefix), `sequence_parallel` (a ulysses.SequenceParallel: every rank of the group
-      passes the same inputs, runs its slice of the positions, and gets whole sequences' results)."""
+    tokens (N,), their count (N,) and what the `options` (keywords, all off by default) ask for besides:
+    - `entropy` (entropy_from_logits options): their mean entropy (N,), detached unless `entropy_grad` (a bonus:
+      from the full logits, so not with `tiled`); `sum_sq`: WPO's statistic, summed; `per_token`: each token's
+      log-prob (N, T); `routing` (`routing_grad`: differentiable): a mixture of experts' routing (_routing);
+    - how they are computed, never what they are: `tiled` (the backbone, then the LM head in tiles on the scored
+      positions), `packed_capacity` (rows packed without padding: packed_inputs), `prefix_sharing` (inputs: chosen
+      rows, then the rejected of the same pairs; each pair's prompt computed once), `sequence_parallel` (a
+      ulysses.SequenceParallel: each rank of the group passes the same inputs, runs its slice of the positions and
+      gets whole sequences' results)."""
     # FSDP (1 or 2), told by its class names: this file imports nothing of torch.distributed
     if {"FullyShardedDataParallel", "FSDPModule"} & {cls.__name__ for cls in type(model).__mro__}:
         return _root_forward(model, inputs, options)
@@ -605,40 +589,28 @@ def _score(
 
 
 def _label_logps(
-    model: nn.Module,
-    call,
-    kwargs: dict,
-    targets: Tensor,
-    extra: Optional[tuple],
-    *,
-    tiled,
-    entropy,
-    entropy_grad,
-    sum_sq,
+    model, call, kwargs: dict, targets: Tensor, extra: Optional[tuple], *, tiled, entropy, entropy_grad, sum_sq
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
-    """The model on its row inputs: the log-prob of each target (the scored positions in row order, then `extra`'s),
-    with their entropies and log sum p^2 where asked, and the (R, T) mask of scored positions. One kernel
-    (_LabelLogProbs) on the scored rows: of the backbone's hidden states through the LM head (`tiled`), or of the
-    model's own logits; only an entropy bonus (`entropy_grad`) needs those logits' full softmax differentiated."""
-    # use_cache=False: training needs no KV cache
+    """The model on its row inputs: each target's log-prob (the scored positions in row order, then `extra`'s), their
+    entropies and log sum p^2 where asked, and the (R, T) mask of scored positions. One kernel (_LabelLogProbs) on
+    the scored rows: of the backbone's hidden states through the LM head (`tiled`), or of the model's own logits;
+    only an entropy bonus (`entropy_grad`) differentiates the full softmax of those logits."""
     if tiled:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
         backbone, head = lm.base_model, lm.get_output_embeddings()
-        others = [name for name, child in lm.named_children() if child is not backbone and child is not head]
-        why = (
-            f"computes its logits with {', '.join(others)} too, not its output embeddings alone"
-            if others
-            else "has a LoRA adapter on its LM head, whose .weight is the base layer's"
-            if hasattr(head, "base_layer")
-            else None
-        )
-        if why:
+        others = ", ".join(name for name, child in lm.named_children() if child not in (backbone, head))
+        if others or hasattr(head, "base_layer"):  # a head of more than its output embeddings, or with LoRA (peft)
+            why = (
+                f"computes its logits with {others} too, not its output embeddings alone"
+                if others
+                else "has a LoRA adapter on its LM head, whose .weight is the base layer's"
+            )
             raise ValueError(
-                f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not "
-                "reproduce; set tiled_lm_head=false"
+                f"tiled_lm_head=true: {type(lm).__name__} {why}, which the tiled head does not reproduce; set "
+                "tiled_lm_head=false"
             )
         scale, softcap = tiled_head(lm.config)
-        hidden = backbone(**kwargs, use_cache=False).last_hidden_state
+        hidden = backbone(**kwargs, use_cache=False).last_hidden_state  # use_cache=False: training needs no KV cache
         weight, bias = head.weight, head.bias
         if torch.is_autocast_enabled(hidden.device.type):  # the tiles' matmuls in its dtype, as the model's own head
             dtype = torch.get_autocast_dtype(hidden.device.type)  # (the casts' backward: grads in the params' dtype)
