@@ -66,8 +66,7 @@ DTYPE = (lambda v: v in tuple(DTYPES), f"a dtype, one of {', '.join(DTYPES)}")
 
 
 def dtype_of(name: str):
-    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype; torch is imported here, on first use (--help needs
-    none)."""
+    """'bf16' / 'bfloat16' / 'fp32' / ... -> the torch dtype (torch imported on first use: --help needs none)."""
     import torch
 
     return getattr(torch, DTYPES[name])
@@ -114,9 +113,8 @@ class FSDPEngineConfig(EngineConfig):
     strategy: str = param("fsdp", "fsdp (FSDP1, FullyShardedDataParallel) or fsdp2 (fully_shard)", ("fsdp", "fsdp2"))
 
     def mixed_precision_dtypes(self) -> Optional[dict[str, str]]:
-        """mixed_precision with its defaults: param_dtype (the compute dtype) `dtype`, reduce_dtype and buffer_dtype
-        fp32 (as verl: gradients summed in bf16 lose bits, rotary tables rounded to bf16 shift every angle); None:
-        no mixed precision."""
+        """mixed_precision with its defaults, as verl's: param_dtype (compute) `dtype`, reduce_dtype and buffer_dtype
+        fp32 (bf16 gradient sums lose bits, bf16 rotary tables shift every angle); None: no mixed precision."""
         mp = self.mixed_precision
         return None if mp is None else {"param_dtype": self.dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32", **mp}
 
@@ -405,8 +403,7 @@ def _type_name(t) -> str:
 
 
 def _coerce(value: Any, t) -> tuple[bool, Any]:
-    """(fits the type hint `t`, `value` converted): an int is a float, a bool no number, numeric text (YAML 1.1's
-    1e-6) a float."""
+    """(fits the hint `t`, `value` converted): an int or numeric text (YAML 1.1's 1e-6) is a float, a bool no number."""
     for a in _members(t):
         if a is float and type(value) in (int, str):
             with contextlib.suppress(ValueError, OverflowError):
@@ -432,11 +429,8 @@ def _expectation(key: str, allowed: Any, t) -> tuple:
     return (lambda v: (v >= low if low_in else v > low) and (v <= high if high_in else v < high)), words + null
 
 
-RULES = {
-    key: _expectation(key, f.metadata["allowed"], t)  # {key: (test, what is expected)}
-    for key, f, t in _leaves()
-    if f.metadata["allowed"] is not None
-}
+# {key: (test, what is expected)}
+RULES = {key: _expectation(key, a, t) for key, f, t in _leaves() if (a := f.metadata["allowed"]) is not None}
 CHOICES = {key: a for key, f, _ in _leaves() if isinstance(a := f.metadata["allowed"], tuple) and not callable(a[0])}
 BLOCKS = "transformer_layer_cls_to_wrap"  # fsdp.wrap_policy's block class names
 # The sub-keys of dict-valued fields with their rules; the command line may set them one by one (fsdp.wrap_policy.x=1).
@@ -497,8 +491,7 @@ def _suggest(word: str, candidates) -> str:
 # --- The loss registry, read from losses.py on first use ---
 @functools.cache
 def loss_registry() -> dict[str, dict]:
-    """{loss name: {"reads": [loss.* keys its function takes], **its LossSpec flags}}; a broken losses.py is a
-    ConfigError."""
+    """{loss name: {"reads": [loss.* keys its function takes], **LossSpec flags}}; a broken losses.py: ConfigError."""
     try:
         import losses
     except Exception as e:  # noqa: BLE001 - the researcher's own edit: say where, without a traceback
@@ -538,14 +531,12 @@ def _flag(name: Any, flag: str) -> bool:
 def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
     """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
-    why = {}
+    selected, why = ", ".join(names) or "none", {}
     for key in LossConfig():
         readers = sorted(n for n, spec in loss_registry().items() if key in spec["reads"])
         if readers and not set(readers) & set(names):
-            why[f"loss.{key}"] = (
-                f"no selected loss reads it (loss.name: {', '.join(names) or 'none'}); it is read by "
-                f"{', '.join(readers)}"
-            )
+            reason = f"no selected loss reads it (loss.name: {selected}); it is read by {', '.join(readers)}"
+            why[f"loss.{key}"] = reason
     if cfg.loss.f_divergence != "alpha_divergence":
         reason = f"read only with loss.f_divergence=alpha_divergence (this run uses {cfg.loss.f_divergence})"
         why.setdefault("loss.f_alpha", reason)
@@ -563,8 +554,7 @@ def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
         for k, s in STRATEGY_ONLY.items():
             if s != cfg.fsdp.strategy:
                 why[f"fsdp.{k}"] = f"only applies to fsdp.strategy={s} (this run uses {cfg.fsdp.strategy})"
-    flat = flatten(cfg.to_dict())
-    default = flatten(Config().to_dict())
+    flat, default = flatten(cfg.to_dict()), flatten(Config().to_dict())
     return [f"{k}={flat[k]!r}: {reason}" for k, reason in why.items() if k in explicit and flat[k] != default[k]]
 
 
@@ -584,8 +574,7 @@ def _group_choices(group: str) -> list[str]:
 
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
-    """(group choices, overrides [(key, YAML value, raw text)], flags, problems); `[a/{b}.jsonl]`, not YAML, splits
-    at commas."""
+    """(group choices, overrides [(key, YAML value, text)], flags, problems); [a/{b}.jsonl], not YAML, splits at commas"""
     choices, overrides, flags, problems = {}, [], set(), []
     for arg in argv:
         key, eq, raw = arg.removeprefix("--").partition("=")
@@ -622,14 +611,11 @@ def typed(keys: dict, key: str, value, raw: str):
 
 
 def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
-    """Defaults, group files, overrides -> ({dotted key: value}, {key: layer that set it: 1 group file, 2 command
-    line}, flags)."""
+    """Defaults, group files, overrides -> ({dotted key: value}, {key: layer: 1 group file, 2 command line}, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
     keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
-    choices = {
-        **{k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()},
-        **choices,
-    }
+    defaults = {k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()}
+    choices = defaults | choices
     layers = [("config/config.yaml", 0, flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
     for group, name in ((g, choices[g]) for g in GROUPS if choices.get(g) is not None):
         if name in (known := _group_choices(group)):
@@ -696,8 +682,7 @@ def _disagree(first: tuple, second: tuple, before: Any, after: Any, dtype: str) 
     if head in SUBKEYS and new[0] not in (head, RENAMED[old[0]]):  # another sub-key: another knob
         return []
     default = dtype if head == "fsdp.mixed_precision" else None
-    knobs = [v.get(part, default) if isinstance(v, dict) else v for v in (before, after)]
-    knobs = knobs if head in SUBKEYS else [before, after]
+    knobs = [v.get(part, default) if head in SUBKEYS and isinstance(v, dict) else v for v in (before, after)]
     if len({DTYPES.get(str(k), str(k)) for k in knobs}) == 1:  # bf16 and bfloat16 are one dtype
         return []
     return [f"{old[0]}={old[1]!r} and {new[0]}={new[1]!r} set the same knob to different values; set only {new[0]}"]
@@ -718,15 +703,6 @@ def build(cls, values: dict, prefix: str, problems: list[str]):
 
 
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
-def _broken(flat: dict, rules: dict) -> list[str]:
-    """Each non-null value of `flat` that its rule refuses, with what was expected (null is the type's business)."""
-    return [
-        f"{k}={v!r}: expected {rules[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
-        for k, v in flat.items()
-        if k in rules and v is not None and not rules[k][0](v)
-    ]
-
-
 def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
     """Ranks that see different pairs (Ulysses groups share theirs), and how a message names them."""
     ws, sp = world_size or 1, cfg.fsdp.ulysses_sequence_parallel_size
@@ -739,11 +715,13 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet). The rules
     here are the ones every run needs; an optional feature's rules (below) run only when it is on."""
     ws, ranks = data_parallel_size(c, world_size)
-    world = world_size or 0
-    bs = c.batch_size
-    accum = c.gradient_accumulation_steps
-    budget = c.max_tokens_per_microbatch
-    known = sorted(loss_registry())
+    world, bs, accum = world_size or 0, c.batch_size, c.gradient_accumulation_steps
+    flat = flatten(c.to_dict())
+    problems = [  # each non-null value its rule refuses, with what was expected (null is the type's business)
+        f"{k}={v!r}: expected {RULES[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
+        for k, v in flat.items()
+        if k in RULES and v is not None and not RULES[k][0](v)
+    ]
     rules = [  # (broken, what the user reads)
         (
             c.max_prompt_length >= c.max_length,
@@ -771,9 +749,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}",
         ),
         (
-            budget is not None and accum != 1,
-            f"max_tokens_per_microbatch={budget} and gradient_accumulation_steps={accum}: the token "
-            "budget decides the micro-batches; leave accumulation at 1",
+            c.max_tokens_per_microbatch is not None and accum != 1,
+            f"max_tokens_per_microbatch={c.max_tokens_per_microbatch} and gradient_accumulation_steps={accum}: the "
+            "token budget decides the micro-batches; leave accumulation at 1",
         ),
         (
             c.no_sync_accumulation and c.trainer != "FSDPTrainer",
@@ -796,7 +774,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     if c.fsdp.mixed_precision is not None or c.model.reference_mixed_precision or fp16_weights:
         rules += _precision_rules(c)
     for key, subkeys in SUBKEYS.items():  # fsdp.mixed_precision, fsdp.wrap_policy
-        for k, v in (c.fsdp[key.partition(".")[2]] or {}).items():
+        for k, v in (flat[key] or {}).items():
             if k not in subkeys:
                 rules.append(
                     (True, f"{key}.{k}: unknown key; expected one of {', '.join(subkeys)}" + _suggest(k, subkeys))
@@ -806,6 +784,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     policy = c.fsdp.wrap_policy or {}
     if policy.get(BLOCKS) and policy.get("min_num_params") is not None:  # sharding.py would read the size alone
         rules.append((True, f"fsdp.wrap_policy={policy}: expected {BLOCKS} or min_num_params, not both (one policy)"))
+    known = sorted(loss_registry())
     for n in c.loss_names:
         if isinstance(n, str) and n not in known:
             preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
@@ -829,7 +808,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         rules += _ref_update_rules(c)
     if c.online.rounds is not None:
         rules += _online_rules(c)
-    return _broken(flatten(c.to_dict()), RULES) + [message for broken, message in rules if broken]
+    return problems + [message for broken, message in rules if broken]
 
 
 def _precision_rules(c: Config) -> list[tuple[bool, str]]:
@@ -857,14 +836,13 @@ def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[tuple[
     ws, ranks = data_parallel_size(c, world_size)
     batch_level = [n for n in c.loss_names if _flag(n, "batch_statistics")]
     batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
-    accum = c.gradient_accumulation_steps
-    budget = c.max_tokens_per_microbatch
+    accum, budget = c.gradient_accumulation_steps, c.max_tokens_per_microbatch
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1)
     split += [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
     split += [f"{ranks} {ws}"] * (ws > 1)
     return [
         (
-            batch_level and split,
+            split,
             f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
             f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change "
             "the loss by splitting the step; run them with one micro-batch per step on one process",
@@ -1066,9 +1044,8 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if "eval_every" not in explicit and (bs := cfg.batch_size) > 0:
         # the default adapts: the original's `example_counter % eval_every` never fired if batch_size did not divide it
         cfg = dataclasses.replace(cfg, eval_every=max(bs, cfg.eval_every // bs * bs))
-    if problems := validate(cfg, world_size or int(os.environ.get("WORLD_SIZE") or 0) or None) + _ignored_problems(
-        cfg, explicit
-    ):
+    world_size = world_size or int(os.environ.get("WORLD_SIZE") or 0) or None
+    if problems := validate(cfg, world_size) + _ignored_problems(cfg, explicit):
         raise ConfigError(problems)
     if cfg.exp_name is None:
         cfg = dataclasses.replace(cfg, exp_name=f"{'+'.join(cfg.loss_names)}_{Path(cfg.model.name_or_path).name}")
