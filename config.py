@@ -574,7 +574,7 @@ def _group_choices(group: str) -> list[str]:
 
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
-    """(group choices, overrides [(key, YAML value, text)], flags, problems); [a/{b}.jsonl], not YAML, splits at commas"""
+    """(group choices, overrides [(key, YAML value, raw text)], flags, problems); a non-YAML [...] splits at commas."""
     choices, overrides, flags, problems = {}, [], set(), []
     for arg in argv:
         key, eq, raw = arg.removeprefix("--").partition("=")
