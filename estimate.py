@@ -31,6 +31,7 @@ import torch
 
 import config
 import losses
+from config import dtype_of
 from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
 from preference_datasets import SAMPLE_GROUP
 from self_check import HEAD_LOGITS_BYTES, PROBE_PAIRS
@@ -167,16 +168,6 @@ def lora_linears(cfg, g: Geometry) -> list:
     return [(i, o) for path, i, o in g.linears if names is None or any(hit(path, n) for n in names)]
 
 
-def _element_bytes(cfg) -> tuple[int, int, int, int, int]:
-    """Bytes per element of: weights (grads, optimizer state), compute, reductions, reference weights, its compute."""
-    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: config.dtype_of(name).itemsize  # noqa: E731
-    w = size(cfg.fsdp.model_dtype)
-    c = size(mp["param_dtype"]) if mp else w
-    r = size(mp["reduce_dtype"]) if mp else w
-    ref_w = size(cfg.model.reference_dtype or cfg.fsdp.model_dtype)  # null: the policy's
-    return w, c, r, ref_w, c if mp and cfg.reference_mixed else ref_w
-
-
 def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense: bool) -> dict:
     """Per rank: saved activations, logits (or the tiled head's tiles), the head's backward workspace, one block's."""
     s, lora, mp, ckpt = g.saved, cfg.lora.r is not None, bool(cfg.fsdp.mixed_precision), cfg.activation_checkpointing
@@ -222,7 +213,13 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     fsdp = cfg.trainer == "FSDPTrainer"
     fsdp2 = fsdp and cfg.fsdp.strategy == "fsdp2"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
-    w, c, r, ref_w, ref_c = _element_bytes(cfg)
+    # bytes per element of: weights (gradients, optimizer state), compute, reductions, reference weights, its compute
+    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: dtype_of(name).itemsize
+    w = size(cfg.fsdp.model_dtype)
+    c = size(mp["param_dtype"]) if mp else w
+    r = size(mp["reduce_dtype"]) if mp else w
+    ref_w = size(cfg.model.reference_dtype or cfg.fsdp.model_dtype)  # null: the policy's
+    ref_c = c if mp and cfg.reference_mixed else ref_w
     lora = cfg.lora.r is not None  # the reference is the policy with its adapters off: no copy
     adapters = g.layers * cfg.lora.r * sum(i + o for i, o in lora_linears(cfg, g)) if lora else 0
     # what gets gradients and optimizer state: the adapters (fp32: peft casts bf16 ones up), or every parameter
@@ -314,14 +311,6 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     return out
 
 
-def _not_modelled(cfg) -> list:
-    """(key, what the estimate counts instead, its value) of each NOT_MODELLED key set away from its default."""
-    values, schema = config.flatten(cfg.to_dict()), config.schema()
-    # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
-    values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
-    return [(key, note, values[key]) for key, note in NOT_MODELLED.items() if values[key] != schema[key][1]]
-
-
 def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     """The table `train.py --estimate` prints for `world` ranks; a hub id's config.json alone comes from the cache or
     the hub."""
@@ -338,13 +327,13 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
                 f"{model_dir} config.json`, or set model.name_or_path to a local directory"
             ) from None
     try:
-        config = json.loads(path.read_text())
+        model = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise EstimateError(f"--estimate reads the model's config.json: {path} is missing or not JSON ({e})") from None
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     device = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
-    e, family = estimate(cfg, config, world, device), config.get("model_type")
+    e, family = estimate(cfg, model, world, device), model.get("model_type")
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2**20)
@@ -362,7 +351,12 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
-    lines += [f"assumes: {note} ({key}={value} is not modelled)" for key, note, value in _not_modelled(cfg)]
+    values, schema = config.flatten(cfg.to_dict()), config.schema()
+    # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
+    values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
+    for key, note in NOT_MODELLED.items():
+        if values[key] != schema[key][1]:  # set away from its default
+            lines.append(f"assumes: {note} ({key}={values[key]} is not modelled)")
     lines.append(
         f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
         f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)"
