@@ -242,15 +242,15 @@ def reward_model(path: str, c, device):
     """A sequence-classification model's logit for prompt + completion, in batches of eval_batch_size on the device."""
     import transformers
 
+    remote = c.model.trust_remote_code  # the policy's setting: off unless asked
     try:
-        labels = transformers.AutoConfig.from_pretrained(path, trust_remote_code=c.model.trust_remote_code).num_labels
+        labels = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote).num_labels
     except (OSError, ValueError) as e:
         raise ConfigError([f"online.scorer=reward_model={path}: cannot load its config ({e!r})"]) from None
     if labels != 1:
         raise ConfigError([f"online.scorer=reward_model={path}: num_labels={labels}; expected 1 (one reward)"])
     if device is None:
         return None
-    remote = c.model.trust_remote_code  # the policy's setting: off unless asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, truncation_side="left", trust_remote_code=remote)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
