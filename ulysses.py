@@ -131,15 +131,17 @@ def _eager_attention(module):
     raise TypeError(f"{type(module).__name__}: no eager_attention_forward in the modules of its classes; use sdpa")
 
 
-def _wrap(inner_of, takes_is_causal: bool):
-    """An attention function for the registry: all-to-all, `inner_of(module)` over whole sequences for this rank's
-    heads, all-to-all back. The causal stand-in of SequenceParallel.whole_row_inputs becomes is_causal=True for sdpa
-    (its O(T) causal kernel; a (T, T) mask would pick the O(T^2) math kernel) and, for eager (T x T scores anyway), a
-    causal mask per call. A FlexAttention block mask (logps.block_masks: on GPUs, built over whole sequences) goes to
-    FlexAttention."""
+def _wrap(implementation: str):
+    """The registry's attention function for `implementation` (sdpa, eager): all-to-all, the original over whole
+    sequences for this rank's heads, all-to-all back. The causal stand-in of SequenceParallel.whole_row_inputs becomes
+    is_causal=True for sdpa (its O(T) causal kernel; a (T, T) mask would pick the O(T^2) math kernel) and, for eager
+    (T x T scores anyway), a causal mask per call. A FlexAttention block mask (logps.block_masks: on GPUs, built over
+    whole sequences) goes to FlexAttention."""
+    original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
+    takes_is_causal = implementation == "sdpa"
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        inner = inner_of(module)
+        inner = _eager_attention(module) if implementation == "eager" else original
         if isinstance(attention_mask, BlockMask):
             inner = flex_attention.flex_attention_forward
         sp = getattr(module, "ulysses_group", None)  # set by install on the modules of a sequence-parallel model
@@ -165,6 +167,7 @@ def _wrap(inner_of, takes_is_causal: bool):
         # (B, T, H/sp, d) -> (B, T/sp, H, d); no attention weights: they would be per head slice
         return _exchange(out, sp), None
 
+    attention.ulysses = True
     return attention
 
 
@@ -177,12 +180,8 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
             f"fsdp.ulysses_sequence_parallel_size={sp.size} with attention {implementation!r}: not supported"
             f" yet; expected one of {SUPPORTED_ATTENTION} (the model's config._attn_implementation)"
         )
-    original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
-    if not getattr(original, "ulysses", False):
-        inner_of = _eager_attention if implementation == "eager" else lambda module: original
-        wrapped = _wrap(inner_of, takes_is_causal=implementation == "sdpa")
-        wrapped.ulysses = True
-        ALL_ATTENTION_FUNCTIONS[implementation] = wrapped
+    if not getattr(ALL_ATTENTION_FUNCTIONS.get(implementation), "ulysses", False):  # wrapped once per process
+        ALL_ATTENTION_FUNCTIONS[implementation] = _wrap(implementation)
     for module in model.modules():  # the attention function receives the attention module: it finds the group there
         module.ulysses_group = sp
 
