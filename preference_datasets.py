@@ -19,8 +19,6 @@ Departures from the original DPO code:
  11. Each epoch drops its incomplete last global batch; n_examples runs ceil(n_examples / batch_size) steps.
 """
 
-from __future__ import annotations
-
 import difflib
 import hashlib
 import html
@@ -204,17 +202,13 @@ def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | Non
     try:
         dataset = datasets.load_dataset(hub_id, split=hub_split, cache_dir=cache_dir)
     except Exception as e:  # the library raises ConnectionError, FileNotFoundError, ValueError, ... by case
-        offline = hub_offline()
+        why = "could not be loaded from the Hub into"
+        if hub_offline():
+            why = "is not available offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set), not in"
         raise DataError(
-            f"dataset {hub_id!r} (split {hub_split!r}) "
-            + (
-                "is not available offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set), not in"
-                if offline
-                else "could not be loaded from the Hub into"
-            )
-            + f" {cache_dir or 'the default cache'}. Pass datasets=[path/to/file.jsonl] (its rows, as"
-            f" examples/pairs.jsonl), or pre-populate the cache: run datasets.load_dataset({hub_id!r},"
-            f" split={hub_split!r}, cache_dir={cache_dir!r}) where there is network, and copy the cache."
+            f"dataset {hub_id!r} (split {hub_split!r}) {why} {cache_dir or 'the default cache'}. Pass datasets=[path/"
+            f"to/file.jsonl] (its rows, as examples/pairs.jsonl), or pre-populate the cache: run datasets.load_dataset("
+            f"{hub_id!r}, split={hub_split!r}, cache_dir={cache_dir!r}) where there is network, and copy the cache."
             f"\n({type(e).__name__}: {e})"
         ) from e
     if held_out:  # only a train split (SE): as the original, shuffled with seed 42, its first `held_out` is 'test'
@@ -349,11 +343,12 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
     _check_fields(row, where, fields, shape)
     if shape == "SHP" and row["labels"] not in (0, 1):
         raise DataError(f"{where}: field 'labels': expected 0 or 1 (1 = human_ref_A preferred), got {row['labels']}")
-    if len({type(row[name]) for name in fields if fields[name] is TEXT}) > 1:
-        shown = ", ".join(f"{name}={_describe(row[name], short=True)}" for name in fields if fields[name] is TEXT)
+    texts = [name for name in fields if fields[name] is TEXT]
+    if len({type(row[name]) for name in texts}) > 1:
+        shown = ", ".join(f"{name}={_describe(row[name], short=True)}" for name in texts)
         raise DataError(
-            f"{where}: fields {'/'.join(n for n in fields if fields[n] is TEXT)} mix strings and message "
-            f"lists ({shown}); expected all strings or all lists of {{role, content}} messages"
+            f"{where}: fields {'/'.join(texts)} mix strings and message lists ({shown}); expected all strings or all "
+            "lists of {role, content} messages"
         )
     lists = [name for name in fields if isinstance(row[name], list)]  # every text field, or UltraFeedback's two
     for name, (k, message) in ((name, m) for name in lists for m in enumerate(row[name])):
@@ -381,8 +376,7 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file (resolve_source's), checked
-    for its shape."""
+    """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file, checked for its shape."""
 
     def parse(text: str, line: int, expected: str) -> Any:  # json.loads refusing duplicate fields; errors name the line
         def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -398,7 +392,7 @@ def read_rows(path: Path) -> list[dict]:
                 f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); expected {expected}"
             ) from e
 
-    path, what = Path(path), "{prompt, chosen, rejected} rows"
+    path, what = Path(path), "{prompt, chosen, rejected}"
     try:
         text = (data := path.read_bytes()).decode("utf-8-sig")  # -sig: tolerate the byte-order mark editors write
     except UnicodeDecodeError as e:
@@ -412,12 +406,12 @@ def read_rows(path: Path) -> list[dict]:
             for n, chunk in enumerate(text.split("\n"), 1)
             if chunk.strip()
         ]
-    elif not isinstance(rows := parse(text, 0, f"a JSON list of {what[:-5]} objects") if text.strip() else [], list):
-        raise DataError(f"{path}: expected a JSON list of {what[:-5]} objects, got {_describe(rows, short=True)}")
+    elif not isinstance(rows := parse(text, 0, f"a JSON list of {what} objects") if text.strip() else [], list):
+        raise DataError(f"{path}: expected a JSON list of {what} objects, got {_describe(rows, short=True)}")
     else:
         located = [(row, f"{path}, item {n}") for n, row in enumerate(rows, 1)]
     if not located:
-        raise DataError(f"{path}: no rows (the file is empty, or an empty list); expected {what}")
+        raise DataError(f"{path}: no rows (the file is empty, or an empty list); expected {what} rows")
     shape = detect_shape(located[0][0])  # the first row decides; every row must then have that shape
     for row, where in located:
         if shape != "pair" and detect_shape(row) != shape:
@@ -584,11 +578,10 @@ def tokenize_normalized(
     kept in memory); `stats` (source, split, origin, the converter's drops) completed. Dropped, counted: empty_response;
     unless drop_identical_pairs=False, the pairs without signal (listed in no_signal with their first rows either way):
     chosen_equals_rejected, identical_after_truncation (no preference left once cut)."""
-    drops, counts, no_signal, batches, lengths, prompts = Counter(stats.dropped), Counter(), {}, [], [], set()
-    stats.truncation_mode = opts.truncation_mode
+    drops, counts, no_signal, lengths, prompts = Counter(stats.dropped), Counter(), {}, [], set()
     bos, eos, add_bos = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer_adds_bos(tokenizer)
     entries, limits = list(data.values()), dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
-    writer = pa.ipc.new_file(str(file), SCHEMA) if file else None
+    writer = pa.ipc.new_file(sink := str(file) if file else pa.BufferOutputStream(), SCHEMA)  # no file: in memory
     ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
     for start in range(0, len(entries), ENCODE_CHUNK):
         jobs, ids = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal)), {}
@@ -619,26 +612,24 @@ def tokenize_normalized(
             prompts.add(entry.prompt)
             for name, value in zip(SCHEMA.names, (entry.prompt, chosen, rejected, cut, *(*responses, None)[:2], label)):
                 columns[name].append(value)
-        batch = pa.record_batch(columns, schema=SCHEMA)
-        writer.write_batch(batch) if writer else batches.append(batch)
+        writer.write_batch(pa.record_batch(columns, schema=SCHEMA))
         lengths.append(
             [[len(ids or ()) for ids in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")]
         )
-    if writer:
-        writer.close()
+    writer.close()
     # memory-mapped: a page is read when used, and the processes that map the file share it
-    table = pa.ipc.open_file(pa.memory_map(str(file))).read_all() if writer else pa.Table.from_batches(batches, SCHEMA)
+    table = pa.ipc.open_file(pa.memory_map(sink) if file else sink.getvalue()).read_all()
     drops.update({reason: len(rows) for reason, rows in no_signal.items()} if opts.drop_identical_pairs else {})
     prompt, chosen, rejected = lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
-    paired, tokens = len(table) > 0 and table["rejected"].null_count == 0, {}
-    for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected[: len(rejected) * paired]])):
+    paired, tokens = bool(rejected.any()), {}  # a kept rejected response has >= 1 token
+    for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected] if paired else chosen)):
         tokens[f"{kind}_tokens_mean"] = round(float(x.mean()) if len(x) else 0.0, 1)
         tokens[f"{kind}_tokens_max"] = int(x.max(initial=0))
     if paired:  # length bias: chosen responses longer than rejected ones teach length along with the preference
         tokens["chosen_rejected_length_ratio"] = round(float(chosen.mean() / rejected.mean()), 3)
     unit = "sft_targets" if opts.sft_mode else "completions" if opts.unpaired else "pairs"
     stats = replace(stats, **counts, kept=len(table), prompts=len(prompts), unit=unit)
-    stats.tokens, stats.dropped = tokens, dict(sorted(drops.items()))
+    stats.tokens, stats.dropped, stats.truncation_mode = tokens, dict(sorted(drops.items())), opts.truncation_mode
     stats.no_signal = {reason: [len(rows), rows[:5]] for reason, rows in no_signal.items()}  # count, first rows
     if file:  # read whole by every rank that maps the table: a few bytes an example, beside it
         np.save(file.with_name("lengths.npy"), lengths)
@@ -674,16 +665,15 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
         records = rows if path is None else read_rows(path)
         shape = None if source else detect_shape(records[0])  # a local file's shape, picked by its first row
         src = source or SHAPES[shape]
-        if src.unpaired != opts.unpaired and not (opts.unpaired and opts.pairs_to_unpaired):
+        if src.unpaired and not opts.unpaired:
             raise DataError(
-                f"{path or f'dataset {name!r}'}: "
-                + (
-                    "holds unpaired {prompt, completion, label} rows; only an unpaired loss reads them (loss=kto), "
-                    "this one needs pairs"
-                    if src.unpaired
-                    else "holds pairs, but loss kto needs {prompt, completion, label} "
-                    "rows; set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
-                )
+                f"{path or f'dataset {name!r}'}: holds unpaired {{prompt, completion, label}} rows; only an unpaired "
+                "loss reads them (loss=kto), this one needs pairs"
+            )
+        if opts.unpaired and not src.unpaired and not opts.pairs_to_unpaired:
+            raise DataError(
+                f"{path or f'dataset {name!r}'}: holds pairs, but loss kto needs {{prompt, completion, label}} rows; "
+                "set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
             )
         prompt = records[0].get("prompt") if src.truncation_mode is None else None  # a local file's first prompt:
         cues = isinstance(prompt, list) or str(prompt).endswith(HH_MARKER)  # does it cue the reply? (departure 10)
