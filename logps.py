@@ -148,6 +148,7 @@ def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
 
 # What a model type's CausalLM does to `hidden @ W.T (+ b)`, read in transformers' modeling files: "*" or "/" by a
 # config value, or "tanh" (value * tanh(logits / value)). The tiled head does the same; other types do nothing.
+SOFTCAP = ("tanh", "final_logit_softcapping")  # Gemma 2 and its successors
 HEAD_POSTPROCESSING = {
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), ("*", "logit_scale")),
     "hyperclovax": ("*", "logits_scaling"),  # the same key as Granite's, which divides
@@ -157,22 +158,8 @@ HEAD_POSTPROCESSING = {
         ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "minicpm3"),
         ("/", "logits_scaling"),
     ),
-    **dict.fromkeys(
-        (
-            "gemma2",
-            "gemma3_text",
-            "gemma3n",
-            "gemma3n_text",
-            "gemma4",
-            "gemma4_text",
-            "gemma4_unified",
-            "gemma4_unified_text",
-            "vaultgemma",
-            "nanochat",
-            "beam",
-        ),
-        ("tanh", "final_logit_softcapping"),
-    ),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "vaultgemma", "nanochat", "beam"), SOFTCAP),
+    **dict.fromkeys(("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"), SOFTCAP),
     "recurrent_gemma": ("tanh", "logits_soft_cap"),
 }
 # A config carrying one of these keys for a type not listed with it has a head the tiled path does not know (MPT's
@@ -195,9 +182,8 @@ def tiled_head(config) -> tuple[float, Optional[float]]:
         found.append("its own code (auto_map)")
     if found:
         raise ValueError(
-            f"tiled_lm_head=true: the LM head of model type {kind!r} has {', '.join(found)}, which the "
-            "tiled head does not reproduce (its log-probs would differ from the model's); set "
-            "tiled_lm_head=false"
+            f"tiled_lm_head=true: the LM head of model type {kind!r} has {', '.join(found)}, which the tiled head "
+            "does not reproduce (its log-probs would differ from the model's); set tiled_lm_head=false"
         )
     value = getattr(text, key, None) if key else None
     if op == "tanh" or value is None:
@@ -361,9 +347,8 @@ def packed_inputs(
                 source[r, at : at + e - s], unit[r, at : at + e - s] = torch.arange(i * t + s, i * t + e), u
                 if shared_prefix:  # 0 prompt, 1 chosen, 2 rejected
                     branch[r, at + (prompts[u] if k == 0 else 0) : at + e - s] = 1 + k
-                if (
-                    k == 1 and 0 < s < e
-                ):  # (predicting position, the rejected's first token, its label, sequence, column)
+                # (predicting position, the rejected's first token, its label, sequence, column)
+                if k == 1 and 0 < s < e:
                     extra.append((r * width + first + s - 1, r * width + at, i * t + s, i, s))
                 at += e - s
     source, unit, branch = source.to(device), unit.to(device), branch.to(device)
@@ -491,9 +476,7 @@ class SequenceLogps(NamedTuple):
     sums: Tensor  # (N,) summed log-probs of the labelled tokens
     counts: Tensor  # (N,) how many
     entropy: Optional[Tensor] = None  # (N,) their mean entropy, with `entropy`
-    tokens: Optional[Tensor] = (
-        None  # (N, T) each labelled token's log-prob at its input column, 0 elsewhere, with `per_token`
-    )
+    tokens: Optional[Tensor] = None  # (N, T) each labelled token's log-prob at its column, else 0, with `per_token`
     log_sum_sq: Optional[Tensor] = None  # (N,) summed log sum_v p_v^2 (log_sum_sq) over them, detached, with `sum_sq`
     # (N, 2, E) over each sequence's real tokens and routed layers: top-k picks and router probabilities per expert,
     # with `routing` on a mixture of experts (losses.load_balancing_loss)
