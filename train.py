@@ -21,17 +21,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from config import (
-    DTYPES,
-    ConfigError,
-    dtype_of,
-    data_parallel_size,
-    help_text,
-    load_config,
-    loss_registry,
-    to_yaml,
-    validate,
-)
+from config import DTYPES, ConfigError, data_parallel_size, dtype_of, help_text, load_config, loss_registry
+from config import to_yaml, validate
 
 if __name__ == "__main__":  # before the imports below: they take seconds (torch), and they import losses.py
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -190,12 +181,10 @@ def load_archive(path: str, model) -> dict:
 
 def work_offline_if_the_hub_is_unreachable(cfg) -> None:
     """When the run needs the Hugging Face hub and a 3-second connection fails, set HF_HUB_OFFLINE and
-    HF_DATASETS_OFFLINE (this process and its ranks): a file missing from the local cache then fails at once, not
-    after a minute of retries."""
-    names = [cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path]
-    hub = [n for n in names if not Path(resolve_local(n)).exists()] + [
-        d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None
-    ]
+    HF_DATASETS_OFFLINE (for its ranks too): a file missing from the cache then fails at once, not after retries."""
+    names = {cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path}
+    hub = [n for n in names if not Path(resolve_local(n)).exists()]
+    hub += [d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None]
     if not hub or utils.hub_offline():
         return
     try:
@@ -221,7 +210,10 @@ def check_inputs(cfg, world_size: int) -> dict:
     if cfg.resume_from:  # under torchrun every rank runs this: sizes here, rank 0 alone hashes (distributed_worker)
         ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST", hashes=not started_by_torchrun(cfg))
         trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
-    check_run_dir(cfg)
+    elif cfg.run_dir and (Path(cfg.run_dir) / "LATEST").exists():  # a fresh start may not reuse a run's directory
+        raise FileExistsError(
+            f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir"
+        )
     if cfg.tiled_lm_head:
         check_tiled_head(cfg)
     if cfg.fsdp.ulysses_sequence_parallel_size > 1:
@@ -427,14 +419,6 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
     trainer.train()
 
 
-def check_run_dir(cfg) -> None:
-    """A fresh start may not reuse a run directory that holds a checkpoint (--cfg checks it too)."""
-    if cfg.run_dir and not cfg.resume_from and (Path(cfg.run_dir) / "LATEST").exists():
-        raise FileExistsError(
-            f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir"
-        )
-
-
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it), with the resolved config saved in it as config.yaml
     (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
@@ -452,20 +436,11 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
 
 
 def keep_earlier_start(run_dir: Path) -> None:
-    """A fresh start in a used directory (an earlier start stopped before its first checkpoint: check_run_dir refuses
+    """A fresh start in a used directory (an earlier start stopped before its first checkpoint: check_inputs refuses
     one with a checkpoint) moves the files that start wrote into previous-<n>/: the new logs begin clean, nothing is
     lost."""
-    written = {
-        "config.yaml",
-        "config.resumed.yaml",
-        "metrics.jsonl",
-        "samples.jsonl",
-        "wandb",
-        "rounds",
-        run_manifest.MANIFEST,
-        run_manifest.DIFF,
-        self_check.REPORT,
-    }
+    written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", "rounds"}
+    written |= {run_manifest.MANIFEST, run_manifest.DIFF, self_check.REPORT}
     earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")]
     if earlier:
         keep = run_dir / f"previous-{1 + sum(p.name.startswith('previous-') for p in run_dir.iterdir())}"
@@ -517,11 +492,10 @@ def distributed_worker(cfg, run_dir: str | None, splits: dict | None = None) -> 
             if verdict := utils.broadcast_object(verdict, slow=True):
                 raise trainers.CheckpointError(verdict)
         worker_main(rank, world_size, cfg, run_dir, splits)
-    except KeyboardInterrupt:  # a second Ctrl-C under torchrun: one line per rank, no traceback
+    except BaseException as e:
         remove_orphan(run_dir, created)
-        raise interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
-    except BaseException:
-        remove_orphan(run_dir, created)
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C under torchrun: one line per rank, no traceback
+            raise interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
         raise
     finally:
         utils.destroy_distributed()
@@ -572,12 +546,9 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
         join=False,
         start_method="spawn",
     )
-    previous = {
-        signal.SIGTERM: signal.signal(
-            signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()]
-        ),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    }
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, lambda signum, frame: [os.kill(pid, signum) for pid in context.pids()])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         while not context.join():
             pass
