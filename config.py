@@ -4,8 +4,6 @@ overrides in YAML (`--key=value` too, as W&B sweeps pass it). The frozen `Config
 DictConfig did; all problems are raised at once, as one ConfigError. losses.py (and torch) loads on first need, so
 `--help` answers at once."""
 
-from __future__ import annotations
-
 import collections.abc
 import contextlib
 import copy
@@ -814,6 +812,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
 def _precision_rules(c: Config) -> list[tuple[bool, str]]:
     """Mixed precision, the reference's share of it, fp16 weights."""
     compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
+    fp16 = "fp16 training needs a gradient scaler, which is not supported yet; use bf16 (the same memory, fp32's range)"
     return [
         (
             c.model.reference_mixed_precision and c.fsdp.mixed_precision is None,
@@ -821,11 +820,7 @@ def _precision_rules(c: Config) -> list[tuple[bool, str]]:
             "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
         ),
         *(
-            (
-                DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only,
-                f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
-                "supported yet; use bf16 (the same memory, fp32's range)",
-            )
+            (DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only, f"{key}={dtype}: {fp16}")
             for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute))
         ),
     ]
