@@ -1,16 +1,15 @@
-"""The math of preference optimization: one pure function per loss, one registry, one dispatcher.
+"""The math of preference optimization: one pure function per loss, one registry (`LOSSES`), one dispatcher.
 
 Each loss has the original DPO signature `(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
 reference_rejected_logps, *, <hyperparameters named as their config keys>) -> (losses, chosen_rewards,
-rejected_rewards)`, each Shape (batch,), and is registered in `LOSSES`. `compute_loss`, the loss step of the trainer,
-takes the policy's and the reference's log-probs as logps.py hands them over (SequenceLogps: sums and token counts
-per row, and per token or WPO's statistic where `logps_needed` asks), applies the modifiers (LD-DPO, WPO, DPOP,
-beta-DPO, whose running state is a `BetaDPO`), gives each loss what it wants (sum or per-token mean, reference or
-zeros), sums the weighted losses and builds the batch metrics. How log-probs are computed is logps.py's concern.
+rejected_rewards)`, each Shape (batch,). `compute_loss`, the trainer's loss step, takes the log-probs as logps.py
+hands them over (SequenceLogps; per token or WPO's statistic where `logps_needed` asks), applies the modifiers
+(LD-DPO, WPO, DPOP, beta-DPO), gives each loss the sums or per-token means it wants, and returns the weighted sum
+with the batch metrics.
 
-To add a loss (README: "Adding a loss"): write a function like `dpo_loss`, add a line to `LOSSES`, a LossConfig
-field for a new hyperparameter, `config/loss/<name>.yaml` and a hand-worked test in tests/test_losses.py. Its
-keyword-only parameters are the config keys it reads: config.py refuses a changed key that no selected loss reads
+To add a loss (README: "Adding a loss"): a function like `dpo_loss`, a line in `LOSSES`, a LossConfig field for a
+new hyperparameter, `config/loss/<name>.yaml` and a hand-worked test in tests/test_losses.py. Its keyword-only
+parameters are the config keys it reads: config.py refuses a changed key that no selected loss reads
 (`loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
 
 Departures from the papers and from the original DPO code, numbered:
@@ -104,9 +103,8 @@ def dpo_loss(
     """Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290), Eq. 7, with the original code's label
     smoothing (cDPO) and f-DPO's divergences g = f' (F_DIVERGENCES; reverse_kl, g(a) = a, is plain DPO).
     z = beta (g(a) - g(b)); loss = -(1 - eps) log sigma(z) - eps log sigma(-z), eps = label_smoothing in [0, 0.5),
-    Shape (batch,); eps > 0 is cDPO as the original code computes it. Rewards: beta g(a), beta g(b).
-    Intuition: raise the chosen log-ratio above the rejected one; beta sets how far from the reference the policy
-    may move. Typical beta 0.1-0.5 (the reference is ignored as beta -> 0); f_alpha in (0, 1]."""
+    Shape (batch,). Rewards: beta g(a), beta g(b). Intuition: raise the chosen log-ratio above the rejected one; beta
+    sets how far from the reference the policy may move. Typical beta 0.1-0.5; f_alpha in (0, 1]."""
     g = F_DIVERGENCES[f_divergence]
     chosen = g(policy_chosen_logps - reference_chosen_logps, beta, f_alpha)  # beta * g(a)
     rejected = g(policy_rejected_logps - reference_rejected_logps, beta, f_alpha)
@@ -130,14 +128,8 @@ def cdpo_loss(
     eps = label_smoothing, Shape (batch,); the same function as `loss=dpo loss.label_smoothing=eps`.
     Intuition: DPO against labels flipped with probability eps, so the optimum margin is finite,
     beta h* = log((1 - eps) / eps). Typical beta 0.1-0.5, eps 0.05-0.3 (an assumed label-noise rate, < 0.5)."""
-    return dpo_loss(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta=beta,
-        label_smoothing=label_smoothing,
-    )
+    logps = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
+    return dpo_loss(*logps, beta=beta, label_smoothing=label_smoothing)
 
 
 def robust_loss(
@@ -568,8 +560,7 @@ def average_log_prob(spec: LossSpec, hp) -> bool:
     return spec.average_log_prob if average is None else bool(average)
 
 
-# Keyword-only parameters that compute_loss supplies from the batch, not from the config.
-SUPPLIED = ("chosen_nll",)
+SUPPLIED = ("chosen_nll",)  # keyword-only parameters that compute_loss supplies from the batch, not the config
 
 
 @functools.cache
@@ -615,32 +606,28 @@ def compute_loss(
     beta_dpo: BetaDPO | None = None,
     step: int | None = None,
 ) -> LossOutput:
-    """Weighted sum of the named losses, with the batch metrics (per example, detached).
+    """Weighted sum of the named losses (e.g. ["dpo", "sft"]; a str is one name; weights None: all 1.0), with the
+    batch metrics (per example, detached).
 
-    names: registered loss names, e.g. ["dpo"] or ["dpo", "sft"] (a str is one name); weights: one per name, None
-    for all 1.0. hp: the config's loss section (any object with its attributes; one left out takes its default): the
-    keys the named losses read, reference_free, average_log_prob (None: each loss's own default) and the modifiers.
-    policy, reference: logps.forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
-    the chosen rows (or unpaired completions) alone: `sums` of token log-probs and scored-token `counts` per row,
-    (N,). The reference scores the same tokens, so its sums are normalized by the policy's counts; reference_free
-    (or a reference None where no selected loss needs one) gives every row log p = 0. desirable, kl: for an unpaired
-    loss (KTO) only, see `_unpaired_loss`.
-    Modifiers of the paired losses, from hp: ld_alpha != 1 (LD-DPO) weighs the rows' `tokens` (scored where `labels`,
-    (N, T), are) instead of taking their sums; wpo (WPO) weighs each pair's losses by wpo_weights from the policy's
-    log_sum_sq; dpop_lambda > 0 (DPOP) penalizes the chosen log-prob (dpop_chosen_logps); dynamic_beta > 0 with
-    `beta_dpo` (beta-DPO, BetaDPO; `step`: the training step, None in evaluation) replaces loss.beta by the batch's
-    beta, and its filter's `keep` makes the mean loss the kept pairs' (the others' 0, the kept ones' scaled by
-    B / kept). LD-DPO's sums and DPOP's penalty reach the losses that compare with a reference (sft and ORPO's odds
-    keep the plain log-probs: rpo = [dpo, sft] still). The logged rewards keep their meaning: no DPOP penalty, the
-    configured beta (a second call of the loss, without gradients, when either differs); logps/* stay the sums."""
+    hp: the config's loss section (any object; a key left out takes its default; average_log_prob None: each loss's
+    own). policy, reference: forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
+    one row per example. The reference scores the same tokens: the policy's counts normalize both; none
+    (reference_free, or None where no named loss needs one) gives every row log p = 0. desirable, kl: KTO's only,
+    see `_unpaired_loss`. Modifiers, from hp: ld_alpha != 1 (LD-DPO) weighs the rows' `tokens` (scored where
+    `labels` (N, T) are) instead of summing them and dpop_lambda > 0 (DPOP) penalizes the chosen log-prob, both in
+    the losses that compare with a reference (rpo = [dpo, sft] still); wpo (WPO) weighs each pair's losses by
+    wpo_weights; dynamic_beta > 0 with `beta_dpo` (BetaDPO; `step`: the training step, None in evaluation) gives the
+    batch's beta, and the mean loss is its filter's kept pairs' (the others 0, the kept scaled by B / kept). The
+    logged rewards are without DPOP's penalty, at the configured beta (the loss called again without gradients);
+    logps/* stay the sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
     if not (paired or sft_only or unpaired):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
-    free = getattr(hp, "reference_free", False)
-    reference = None if free else reference
-    if reference is None and not free and any(spec.needs_reference for spec in specs):
+    if getattr(hp, "reference_free", False):
+        reference = None
+    elif reference is None and any(spec.needs_reference for spec in specs):
         raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
     sums, counts, device = policy.sums, policy.counts, policy.sums.device
     ref = torch.zeros_like(sums) if reference is None else reference.sums.to(device)
@@ -663,7 +650,7 @@ def compute_loss(
         average = average_log_prob(next(s for s in specs if "beta" in config_keys(s.fn)), hp)
         ratios = sequence_logps(sums - ref, counts, average).detach()
         beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
-    dpop, total, rewards = getattr(hp, "dpop_lambda", 0.0), 0, (None, None)
+    dpop, total, chosen_rewards, rejected_rewards = getattr(hp, "dpop_lambda", 0.0), 0, None, None
     given = {"chosen_nll": chosen_nll, "beta": beta}  # beta None: loss.beta
     for name, spec, weight in zip(names, specs, weights, strict=True):
         average, sides = average_log_prob(spec, hp), modified if spec.needs_reference else (sums, ref)
@@ -674,20 +661,18 @@ def compute_loss(
             penalized = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]]
         losses, chosen, rejected = spec.fn(*penalized, **_kwargs_for(name, spec.fn, hp, given))
         total = total + weight * losses * (1.0 if wpo is None else wpo)
-        if rewards[0] is None and chosen is not None:
-            if penalized is not logps or beta is not None:
+        if chosen_rewards is None and chosen is not None:
+            if penalized is not logps or beta is not None:  # logged: without DPOP's penalty, at the configured beta
                 with torch.no_grad():
                     _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hp, {"chosen_nll": chosen_nll}))
-            rewards = (chosen, rejected)
+            chosen_rewards, rejected_rewards = chosen, rejected
     if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
         total = total * keep * (len(keep) / keep.sum())
-
     metrics = {"logps/chosen": sums[:n].detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
     if not sft_only:
         metrics["logps/rejected"] = sums[n:].detach()
     if wpo is not None:
         metrics["wpo/weights"] = wpo
-    chosen_rewards, rejected_rewards = rewards
     if chosen_rewards is not None:
         metrics["rewards/chosen"], metrics["rewards/rejected"] = chosen_rewards, rejected_rewards
         metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
