@@ -596,9 +596,8 @@ def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
     """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
     keys, out = schema() if keys is None else keys, {}
     for k, v in tree.items():
-        out.update(
-            flatten(v, prefix + k + ".", keys) if isinstance(v, dict) and prefix + k not in keys else {prefix + k: v}
-        )
+        nested = isinstance(v, dict) and prefix + k not in keys
+        out.update(flatten(v, prefix + k + ".", keys) if nested else {prefix + k: v})
     return out
 
 
@@ -631,8 +630,7 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
         for spelling, given in flat.items():
             if spelling == "fsdp.seed" and given is None:  # null: the top-level seed, as verl's default
                 continue
-            key = RENAMED.get(spelling, spelling)
-            value = given
+            key, value = RENAMED.get(spelling, spelling), given
             head, _, sub = key.rpartition(".")
             if key not in keys and head in SUBKEYS:  # fsdp.mixed_precision.param_dtype=bf16
                 held = values[head] or {}
@@ -720,113 +718,98 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         for k, v in flat.items()
         if k in RULES and v is not None and not RULES[k][0](v)
     ]
-    rules = [  # (broken, what the user reads)
-        (
-            c.max_prompt_length >= c.max_length,
-            f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)",
-        ),
-        (
-            c.n_epochs is None and c.n_examples is None,
-            "n_epochs=null, n_examples=null: expected one of them set: how long the run goes on",
-        ),
-        (
-            c.n_epochs is not None and c.n_examples is not None,
+    if c.max_prompt_length >= c.max_length:
+        problems.append(
+            f"max_prompt_length={c.max_prompt_length}: expected < max_length={c.max_length} (room for the response)"
+        )
+    if c.n_epochs is None and c.n_examples is None:
+        problems.append("n_epochs=null, n_examples=null: expected one of them set: how long the run goes on")
+    if c.n_epochs is not None and c.n_examples is not None:
+        problems.append(
             f"n_epochs={c.n_epochs}, n_examples={c.n_examples}: expected exactly "
-            f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)",
-        ),
-        (
-            c.eval_every > 0 and bs > 0 and c.eval_every % bs,
-            f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)",
-        ),
-        (
-            bs > 0 and accum > 0 and bs % (accum * ws),
-            f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}",
-        ),
-        (
-            c.eval_batch_size > 0 and c.eval_batch_size % ws,
-            f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}",
-        ),
-        (
-            c.max_tokens_per_microbatch is not None and accum != 1,
+            f"one of them set; to train on n_examples={c.n_examples} pairs add n_epochs=null (n_epochs defaults to 1)"
+        )
+    if c.eval_every > 0 and bs > 0 and c.eval_every % bs:
+        problems.append(
+            f"eval_every={c.eval_every}: expected a multiple of batch_size={bs} (evaluation happens between steps)"
+        )
+    if bs > 0 and accum > 0 and bs % (accum * ws):
+        problems.append(f"batch_size={bs}: expected divisible by gradient_accumulation_steps={accum} x {ranks}={ws}")
+    if c.eval_batch_size > 0 and c.eval_batch_size % ws:
+        problems.append(f"eval_batch_size={c.eval_batch_size}: expected divisible by {ranks}={ws}")
+    if c.max_tokens_per_microbatch is not None and accum != 1:
+        problems.append(
             f"max_tokens_per_microbatch={c.max_tokens_per_microbatch} and gradient_accumulation_steps={accum}: the "
-            "token budget decides the micro-batches; leave accumulation at 1",
-        ),
-        (
-            c.no_sync_accumulation and c.trainer != "FSDPTrainer",
-            f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})",
-        ),
-        (
-            c.fused_optimizer and c.optimizer != "AdamW",
-            f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})",
-        ),
-        (
-            c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size,
-            f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}",
-        ),
-        (
-            c.loss.weights is not None and len(c.loss.weights) != len(c.loss_names),
-            f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})",
-        ),
-    ]
+            "token budget decides the micro-batches; leave accumulation at 1"
+        )
+    if c.no_sync_accumulation and c.trainer != "FSDPTrainer":
+        problems.append(
+            f"no_sync_accumulation=true: only FSDPTrainer reduces gradients across ranks (trainer={c.trainer})"
+        )
+    if c.fused_optimizer and c.optimizer != "AdamW":
+        problems.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})")
+    if c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size:
+        problems.append(f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}")
+    if c.loss.weights is not None and len(c.loss.weights) != len(c.loss_names):
+        problems.append(f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})")
     fp16_weights = DTYPES.get(c.fsdp.model_dtype) == "float16"
     if c.fsdp.mixed_precision is not None or c.model.reference_mixed_precision or fp16_weights:
-        rules += _precision_rules(c)
+        problems += _precision_rules(c)
     for key, subkeys in SUBKEYS.items():  # fsdp.mixed_precision, fsdp.wrap_policy
         for k, v in (flat[key] or {}).items():
             if k not in subkeys:
-                rules.append(
-                    (True, f"{key}.{k}: unknown key; expected one of {', '.join(subkeys)}" + _suggest(k, subkeys))
-                )
-            else:
-                rules.append((not subkeys[k][0](v), f"{key}.{k}={v!r}: expected {subkeys[k][1]}"))
+                problems.append(f"{key}.{k}: unknown key; expected one of {', '.join(subkeys)}" + _suggest(k, subkeys))
+            elif not subkeys[k][0](v):
+                problems.append(f"{key}.{k}={v!r}: expected {subkeys[k][1]}")
     policy = c.fsdp.wrap_policy or {}
     if policy.get(BLOCKS) and policy.get("min_num_params") is not None:  # sharding.py would read the size alone
-        rules.append((True, f"fsdp.wrap_policy={policy}: expected {BLOCKS} or min_num_params, not both (one policy)"))
+        problems.append(f"fsdp.wrap_policy={policy}: expected {BLOCKS} or min_num_params, not both (one policy)")
     known = sorted(loss_registry())
     for n in c.loss_names:
         if isinstance(n, str) and n not in known:
             preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
             hint = f"; {n} is a preset of several losses: loss={n}" if preset else _suggest(n, known)
-            rules.append((True, f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + hint))
+            problems.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + hint)
     if any(_flag(n, "batch_statistics") for n in c.loss_names) or c.loss.dynamic_beta > 0:
-        rules += _batch_statistics_rules(c, world_size)
+        problems += _batch_statistics_rules(c, world_size)
     if c.unpaired_loss or c.pairs_to_unpaired:
-        rules += _unpaired_rules(c, world_size)
+        problems += _unpaired_rules(c, world_size)
     if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
-        rules += _modifier_rules(c)
+        problems += _modifier_rules(c)
     if c.precompute_ref_log_probs:
-        rules += _per_token_reference_rule(c)
+        problems += _per_token_reference_rule(c)
     if c.prefix_sharing:
-        rules += _prefix_sharing_rules(c)
+        problems += _prefix_sharing_rules(c)
     if c.fsdp.ulysses_sequence_parallel_size > 1:
-        rules += _ulysses_rules(c, world)
+        problems += _ulysses_rules(c, world)
     if c.lora.r is not None:
-        rules += _lora_rules(c)
+        problems += _lora_rules(c)
     if c.ref_update.tau is not None:
-        rules += _ref_update_rules(c)
+        problems += _ref_update_rules(c)
     if c.online.rounds is not None:
-        rules += _online_rules(c)
-    return problems + [message for broken, message in rules if broken]
+        problems += _online_rules(c)
+    return problems
 
 
-def _precision_rules(c: Config) -> list[tuple[bool, str]]:
+def _precision_rules(c: Config) -> list[str]:
     """Mixed precision, the reference's share of it, fp16 weights."""
-    compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
-    fp16 = "fp16 training needs a gradient scaler, which is not supported yet; use bf16 (the same memory, fp32's range)"
-    return [
-        (
-            c.model.reference_mixed_precision and c.fsdp.mixed_precision is None,
+    problems = []
+    if c.model.reference_mixed_precision and c.fsdp.mixed_precision is None:
+        problems.append(
             "model.reference_mixed_precision=true: there is no mixed precision to "
-            "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)",
-        ),
-        *(
-            (DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only, f"{key}={dtype}: {fp16}")
-            for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute))
-        ),
-    ]
+            "give the reference (fsdp.mixed_precision / model.fsdp_policy_mp is null)"
+        )
+    compute = (c.fsdp.mixed_precision_dtypes() or {}).get("param_dtype")
+    for key, dtype in (("fsdp.model_dtype", c.fsdp.model_dtype), ("fsdp.mixed_precision.param_dtype", compute)):
+        if DTYPES.get(dtype) == "float16" and not c.fsdp.forward_only:
+            problems.append(
+                f"{key}={dtype}: fp16 training needs a gradient scaler, which is not "
+                "supported yet; use bf16 (the same memory, fp32's range)"
+            )
+    return problems
 
 
-def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, str]]:
+def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[str]:
     """A loss that reads statistics of the whole batch (or beta-DPO's batch-level beta): one micro-batch per step."""
     ws, ranks = data_parallel_size(c, world_size)
     batch_level = [n for n in c.loss_names if _flag(n, "batch_statistics")]
@@ -835,198 +818,181 @@ def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[tuple[
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1)
     split += [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
     split += [f"{ranks} {ws}"] * (ws > 1)
+    if not split:
+        return []
     return [
-        (
-            split,
-            f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
-            f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change "
-            "the loss by splitting the step; run them with one micro-batch per step on one process",
-        )
+        f"loss.name={c.loss.name!r}: {', '.join(batch_level)} {'uses' if len(batch_level) == 1 else 'use'} "
+        f"statistics of the whole batch (a sort or a mean over its pairs), so {' and '.join(split)} would change "
+        "the loss by splitting the step; run them with one micro-batch per step on one process"
     ]
 
 
-def _unpaired_rules(c: Config, world_size: Optional[int]) -> list[tuple[bool, str]]:
+def _unpaired_rules(c: Config, world_size: Optional[int]) -> list[str]:
     """Unpaired losses (kto) and pairs_to_unpaired."""
     ws, ranks = data_parallel_size(c, world_size)
     kto = next((n for n in c.loss_names if _flag(n, "unpaired")), None)
-    return [
-        (
-            kto and len(c.loss_names) > 1,
+    if not kto:  # then pairs_to_unpaired=true brought us here
+        return [f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"]
+    problems = []
+    if len(c.loss_names) > 1:
+        problems.append(
             f"loss.name={c.loss.name!r}: {kto} scores labelled completions, not pairs; it cannot be summed with other "
-            "losses",
-        ),
-        (
-            not kto and c.pairs_to_unpaired,
-            f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}",
-        ),
-        *(
-            (
-                kto and c[key] // ws < 2,
+            "losses"
+        )
+    for key in ("batch_size", "eval_batch_size"):
+        if c[key] // ws < 2:
+            problems.append(
                 f"{key}={c[key]}: {kto} estimates its KL reference point from each completion paired with the next "
-                f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})",
+                f"one's prompt in a rank's batch, so it needs >= 2 per rank ({ranks} {ws})"
             )
-            for key in ("batch_size", "eval_batch_size")
-        ),
-        (
-            kto and c.precompute_ref_log_probs,
+    if c.precompute_ref_log_probs:
+        problems.append(
             f"precompute_ref_log_probs=true: not supported with loss {kto} (its KL reference point needs "
-            "the reference on mismatched prompt/completion pairs of each batch)",
-        ),
-    ]
+            "the reference on mismatched prompt/completion pairs of each batch)"
+        )
+    return problems
 
 
-def _per_token_reference_rule(c: Config) -> list[tuple[bool, str]]:
+def _per_token_reference_rule(c: Config) -> list[str]:
     """The precomputed reference table holds sums: refused for whatever reads each token's reference log-prob (LD-DPO,
     or a token-level loss: losses.logps_needed says which, so such a loss is written in losses.py alone)."""
     import losses  # loss_registry() has imported it
 
+    if not losses.logps_needed(c.loss)["per_token"]:
+        return []
     ld = c.loss.ld_alpha != 1
     what = f"loss.name={c.loss.name!r} reads the reference's log-prob of each token"
     what = "LD-DPO weighs the reference's tokens too" if ld else what
     return [
-        (
-            losses.logps_needed(c.loss)["per_token"],
-            f"{f'loss.ld_alpha={c.loss.ld_alpha} and ' * ld}precompute_ref_log_probs=true: {what}, and the "
-            "precomputed table holds sums only; set one of them off",
-        )
+        f"{f'loss.ld_alpha={c.loss.ld_alpha} and ' * ld}precompute_ref_log_probs=true: {what}, and the "
+        "precomputed table holds sums only; set one of them off"
     ]
 
 
-def _modifier_rules(c: Config) -> list[tuple[bool, str]]:
+def _modifier_rules(c: Config) -> list[str]:
     """The modifiers of paired losses: WPO, LD-DPO, DPOP, beta-DPO."""
     loss = c.loss
     compares = any(_flag(n, "needs_reference") for n in c.loss_names)  # a selected loss compares with a reference
     keeps = round(c.batch_size * (1 - loss.dynamic_beta_filter))
-    rules = [
-        (
-            on and not c.trains_on_pairs,
-            f"loss.{key}={loss[key]}: a modifier of paired losses; loss.name={loss.name!r} scores "
-            "one completion per prompt",
-        )
+    problems = [
+        f"loss.{key}={loss[key]}: a modifier of paired losses; loss.name={loss.name!r} scores one completion per prompt"
         for key, on in (
             ("wpo", loss.wpo),
             ("ld_alpha", loss.ld_alpha != 1),
             ("dpop_lambda", loss.dpop_lambda > 0),
             ("dynamic_beta", loss.dynamic_beta > 0),
         )
+        if on and not c.trains_on_pairs
     ]
-    return rules + [
-        (
-            loss.dynamic_beta > 0
-            and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in c.loss_names),
+    if loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in c.loss_names):
+        problems.append(
             f"loss.dynamic_beta={loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads "
-            f"(loss.name={loss.name!r})",
-        ),
-        (
-            loss.dynamic_beta_filter > 0 and not loss.dynamic_beta,
-            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)",
-        ),
-        (
-            loss.dynamic_beta_filter > 0 and c.batch_size > 0 and keeps == c.batch_size,
+            f"(loss.name={loss.name!r})"
+        )
+    if loss.dynamic_beta_filter > 0 and not loss.dynamic_beta:
+        problems.append(
+            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)"
+        )
+    if loss.dynamic_beta_filter > 0 and c.batch_size > 0 and keeps == c.batch_size:
+        problems.append(
             f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - "
             f"{loss.dynamic_beta_filter})) = all {c.batch_size} pairs of a step (batch_size={c.batch_size}); expected "
-            "a fraction that leaves at least one out",
-        ),
-        (
-            loss.ld_alpha != 1 and not compares,
+            "a fraction that leaves at least one out"
+        )
+    if loss.ld_alpha != 1 and not compares:
+        problems.append(
             f"loss.ld_alpha={loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
-            f"with a reference, and loss.name={loss.name!r} has none",
-        ),
-        (
-            loss.dpop_lambda > 0 and (loss.reference_free or not compares),
+            f"with a reference, and loss.name={loss.name!r} has none"
+        )
+    if loss.dpop_lambda > 0 and (loss.reference_free or not compares):
+        problems.append(
             f"loss.dpop_lambda={loss.dpop_lambda}: DPOP penalizes "
-            f"the chosen log-prob falling below the reference's, and loss.name={loss.name!r} runs no reference",
-        ),
-    ]
+            f"the chosen log-prob falling below the reference's, and loss.name={loss.name!r} runs no reference"
+        )
+    return problems
 
 
-def _prefix_sharing_rules(c: Config) -> list[tuple[bool, str]]:
-    sp = c.fsdp.ulysses_sequence_parallel_size
-    return [
-        (
-            not c.trains_on_pairs,
+def _prefix_sharing_rules(c: Config) -> list[str]:
+    sp, problems = c.fsdp.ulysses_sequence_parallel_size, []
+    if not c.trains_on_pairs:
+        problems.append(
             f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-            "prompt, not a pair sharing it; set prefix_sharing=false",
-        ),
-        (sp > 1, f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet"),
-    ]
+            "prompt, not a pair sharing it; set prefix_sharing=false"
+        )
+    if sp > 1:
+        problems.append(f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet")
+    return problems
 
 
-def _ulysses_rules(c: Config, world: int) -> list[tuple[bool, str]]:
+def _ulysses_rules(c: Config, world: int) -> list[str]:
     sp = c.fsdp.ulysses_sequence_parallel_size
-    return [
-        (
-            c.trainer != "FSDPTrainer",
+    if c.trainer != "FSDPTrainer":
+        return [
             f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
-            f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)",
-        ),
-        (
-            c.trainer == "FSDPTrainer" and world % sp,
-            f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}",
-        ),
-    ]
+            f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)"
+        ]
+    if world % sp:
+        return [f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"]
+    return []
 
 
-def _lora_rules(c: Config) -> list[tuple[bool, str]]:
-    return [
-        (
-            c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params,
+def _lora_rules(c: Config) -> list[str]:
+    problems = []
+    if c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params:
+        problems.append(
             "lora.r with fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one "
-            "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)",
-        ),
-        (
-            c.ref_update.tau is not None,
+            "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)"
+        )
+    if c.ref_update.tau is not None:
+        problems.append(
             f"lora.r={c.lora.r} and ref_update.tau={c.ref_update.tau}: the LoRA reference is the base model with the "
-            "adapters off, which TR-DPO cannot move; use one of them",
-        ),
-    ]
+            "adapters off, which TR-DPO cannot move; use one of them"
+        )
+    return problems
 
 
-def _ref_update_rules(c: Config) -> list[tuple[bool, str]]:
+def _ref_update_rules(c: Config) -> list[str]:
     """TR-DPO (ref_update.tau)."""
-    tau = c.ref_update.tau
-    compares = any(_flag(n, "needs_reference") for n in c.loss_names)
-    return [
-        (
-            c.loss.reference_free or not compares,
+    tau, problems = c.ref_update.tau, []
+    if c.loss.reference_free or not any(_flag(n, "needs_reference") for n in c.loss_names):
+        problems.append(
             f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs no reference model"
             + " (loss.reference_free=true)" * c.loss.reference_free
-            + ", so there is nothing to update",
-        ),
-        (
-            c.precompute_ref_log_probs,
+            + ", so there is nothing to update"
+        )
+    if c.precompute_ref_log_probs:
+        problems.append(
             f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
-            "initial reference, but TR-DPO changes the reference during training; set one of them off",
-        ),
-    ]
+            "initial reference, but TR-DPO changes the reference during training; set one of them off"
+        )
+    return problems
 
 
-def _online_rules(c: Config) -> list[tuple[bool, str]]:
+def _online_rules(c: Config) -> list[str]:
     """Semi-online DPO (online.rounds)."""
-    o = c.online
-    return [
-        (
-            not c.trains_on_pairs,
+    o, problems = c.online, []
+    if not c.trains_on_pairs:
+        problems.append(
             f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
-            f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)",
-        ),
-        (
-            c.precompute_ref_log_probs,
+            f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)"
+        )
+    if c.precompute_ref_log_probs:
+        problems.append(
             f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
-            "pairs do not exist before training; set precompute_ref_log_probs=false",
-        ),
-        (
-            o.prompts_per_round < c.batch_size,
+            "pairs do not exist before training; set precompute_ref_log_probs=false"
+        )
+    if o.prompts_per_round < c.batch_size:
+        problems.append(
             f"online.prompts_per_round={o.prompts_per_round}: fewer than "
-            f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step",
-        ),
-        (
-            o.max_new_tokens + c.max_prompt_length > c.max_length,
+            f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step"
+        )
+    if o.max_new_tokens + c.max_prompt_length > c.max_length:
+        problems.append(
             f"online.max_new_tokens={o.max_new_tokens} + "
             f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in "
-            "training (and lose their EOS); lower one or raise max_length",
-        ),
-    ]
+            "training (and lose their EOS); lower one or raise max_length"
+        )
+    return problems
 
 
 def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> tuple[Config, set[str]]:
