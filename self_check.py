@@ -171,20 +171,16 @@ def compute_dtype(c, mixed: bool, weights: str) -> torch.dtype:
 
 def difference(a: SequenceLogps, b: SequenceLogps) -> float:
     """The largest mean |a - b| per scored token of a sequence: its log-probs (each token's where both have them,
-    else the sums') and its mean entropy; inf where the scored-token counts differ."""
+    else the sums') and its mean entropy; inf where the scored-token counts differ. A non-finite value counts 0 here
+    and is never silent: the non-finite guard (max_nonfinite_steps) skips its step and stops the run."""
     if not torch.equal(a.counts.cpu(), b.counts.cpu()):
         return math.inf
+    gap = lambda x, y: torch.where(x.isfinite() & y.isfinite(), (x - y).abs(), 0.0)  # noqa: E731
     both = a.tokens is not None and b.tokens is not None
     parts = [(gap(a.tokens, b.tokens).sum(1) if both else gap(a.sums, b.sums)) / a.counts.clamp(min=1)]
     if a.entropy is not None and b.entropy is not None:
         parts.append(gap(a.entropy, b.entropy))
     return max(p.max().item() for p in parts)
-
-
-def gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """|x - y| where both are finite, else 0: a non-finite value is never silent, the non-finite guard
-    (max_nonfinite_steps) skips its step and stops the run."""
-    return torch.where(x.isfinite() & y.isfinite(), (x - y).abs(), 0.0)
 
 
 def compare(t, name: str, what: str, ours: SequenceLogps, plain: SequenceLogps, dtype: torch.dtype, fix) -> dict:

@@ -96,8 +96,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
     path, remote = resolve_local(cfg.model.name_or_path), cfg.model.trust_remote_code
 
-    def load(dtype_name: str):
-        dtype = dtype_of(dtype_name)
+    def load(dtype: torch.dtype):
         if on_meta:
             with torch.device("meta"):
                 config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
@@ -114,11 +113,11 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     utils.rank0_print(
         f"loading policy {path} in {cfg.fsdp.model_dtype}" + (f", computing in {compute}" if compute else "")
     )
-    policy, reference = load(cfg.fsdp.model_dtype), None
+    policy, reference = load(dtype_of(cfg.fsdp.model_dtype)), None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:
         dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
         utils.rank0_print(f"loading reference {path} in {dtype}, computing in {compute if mixed else dtype}")
-        reference = load(dtype).eval().requires_grad_(False)
+        reference = load(dtype_of(dtype)).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
         state = load_archive(cfg.model.archive, policy)
         for model in filter(None, (policy, reference)):
@@ -408,8 +407,7 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
     splits = splits or data.load_splits(cfg, tokenizer)  # a spawned rank: from the cache check_inputs filled
     if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
         run_manifest.write(run_dir, cfg, splits, world_size)
-    if world_size > 1:  # rank 0 read the weights alone; the others wait without collective_timeout_secs
-        utils.wait_for_rank0()
+    utils.wait_for_rank0()  # rank 0 read the weights alone; the others wait without collective_timeout_secs
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy, reference = policy.to("cuda"), reference.to("cuda") if reference is not None else None
     trainer = getattr(trainers, cfg.trainer)(
@@ -436,9 +434,8 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
 
 
 def keep_earlier_start(run_dir: Path) -> None:
-    """A fresh start in a used directory (an earlier start stopped before its first checkpoint: check_inputs refuses
-    one with a checkpoint) moves the files that start wrote into previous-<n>/: the new logs begin clean, nothing is
-    lost."""
+    """The files of an earlier start that stopped before its first checkpoint (check_inputs refuses one with a
+    checkpoint) move into previous-<n>/: the new logs begin clean, nothing is lost."""
     written = {"config.yaml", "config.resumed.yaml", "metrics.jsonl", "samples.jsonl", "wandb", "rounds"}
     written |= {run_manifest.MANIFEST, run_manifest.DIFF, self_check.REPORT}
     earlier = [p for p in run_dir.iterdir() if p.name in written or p.name.startswith("step-")]
@@ -633,10 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.resume_from:  # the run directory, whichever of its paths was given
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
         splits = check_inputs(cfg, world_size_of(cfg))
-        if cfg.resume_from or replay_of:  # the data must be the recorded run's
-            run_manifest.check_against(
-                cfg.resume_from or replay_of, cfg, splits, "resume" if cfg.resume_from else "replay"
-            )
+        if recorded := cfg.resume_from or replay_of:  # the data must be the recorded run's
+            run_manifest.check_against(recorded, cfg, splits, "resume" if cfg.resume_from else "replay")
         if "--cfg" in flags:
             print(to_yaml(cfg), end="")
             return 0

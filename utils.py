@@ -117,9 +117,8 @@ def get_local_run_dir(exp_name: str, local_dirs: Iterable[str]) -> Path:
 
 def hub_offline() -> bool:
     """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set to a true value, as the Hugging Face libraries read them."""
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
+    values = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(v in ("1", "true", "yes", "on") for v in values)
 
 
 def file_sha256(path: Path) -> str:
