@@ -372,9 +372,8 @@ def packed_inputs(
     return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, row_labels, owner, extra or None
 
 
-# Devices whose packed or shared rows attend through FlexAttention (torch.nn.attention.flex_attention): a block mask
-# from per-token vectors, fully masked blocks skipped, a fused kernel. CPU keeps the dense mask: FlexAttention has no
-# backward on CPU (torch 2.13).
+# Devices whose packed or shared rows attend through FlexAttention: block masks from per-token vectors, fully masked
+# blocks skipped, a fused kernel. CPU keeps the dense mask: FlexAttention has no backward on CPU (torch 2.13).
 FLEX_DEVICES = ("cuda",)
 
 

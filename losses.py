@@ -7,10 +7,8 @@ hands them over (SequenceLogps; per token or WPO's statistic where `logps_needed
 (LD-DPO, WPO, DPOP, beta-DPO), gives each loss the sums or per-token means it wants, and returns the weighted sum
 with the batch metrics.
 
-To add a loss (README: "Adding a loss"): a function like `dpo_loss`, a line in `LOSSES`, a LossConfig field for a
-new hyperparameter, `config/loss/<name>.yaml` and a hand-worked test in tests/test_losses.py. Its keyword-only
-parameters are the config keys it reads: config.py refuses a changed key that no selected loss reads
-(`loss=ipo loss.label_smoothing=0.1`), so no setting is silently ignored.
+To add a loss: README, "Adding a loss". A loss's keyword-only parameters are the config keys it reads: config.py
+refuses a changed key that no selected loss reads (`loss=ipo loss.label_smoothing=0.1`), so none is silently ignored.
 
 Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original summed): its scale does not
