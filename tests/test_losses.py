@@ -1,5 +1,5 @@
-"""Tests for losses.py: every loss against numbers worked by hand, the chunked log-probs against the
-plain log_softmax gather, and the dispatcher's plumbing.
+"""Tests for losses.py: every loss against numbers worked by hand, the modifiers, and the dispatcher's plumbing
+(the chunked log-probs are tests/test_logps.py's).
 
 Shared pair batch (used unless a test says otherwise), chosen/rejected log-ratios a and b:
     reference chosen  [-10, -20, -30], policy chosen   [-10, -15, -20]  ->  a = [0, 5, 10]
