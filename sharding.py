@@ -1,23 +1,17 @@
-"""How the trainer's models are spread over processes: one small interface, picked once from fsdp.strategy.
+"""How the trainer's models are spread over processes: the small interface the loop calls, and its plain behaviour.
 
-`OneProcess` is its plain behaviour (nothing to sync, gather or agree on). `FSDP1` (FullyShardedDataParallel) and
-`FSDP2` (fully_shard) shard each model as the original DPO FSDPTrainer did: every transformer block its own unit,
-FULL_SHARD, BACKWARD_PRE prefetch (FSDP1), MixedPrecision, NO_REENTRANT activation checkpointing per block; rank 0
-loads the weights and the others build empty (meta) models that rank 0's values fill. Every torch.distributed call
-of training is here, in utils.py's helpers or in ulysses.py.
+`OneProcess` is the plain behaviour, in one process (nothing to sync, gather or agree on). `FSDP1` and `FSDP2`
+implement the same interface over several processes; they live in fsdp.py, which FSDPTrainer imports when it picks one
+from fsdp.strategy, so a one-process run reads no FSDP code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections import defaultdict
 from pathlib import Path
-from typing import Optional
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -25,38 +19,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    CPUOffloadPolicy,
-    FSDPModule,
-    FullyShardedDataParallel as FSDP,
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    ShardingStrategy,
-    fully_shard,
-)
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from config import dtype_of
-from utils import (
-    all_gather_if_needed,
-    all_ranks_true,
-    find_block_class_names,
-    get_block_class_from_model,
-    rank0_print,
-    wait_for_rank0,
-)
+from utils import find_block_class_names, get_block_class_from_model, rank0_print
 
 
 class OneProcess:
@@ -69,6 +34,7 @@ class OneProcess:
     (the optimizer state, or TR-DPO's reference); release: a model's memory freed for good (a precomputed reference)."""
 
     autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
+    saves_weights = False  # save writes no weights: a resume reads them from policy.pt (FSDP: from its sharded files)
 
     def __init__(self, model: nn.Module, config):
         self.device, self.rank = self.input_device(model), 0
@@ -141,7 +107,7 @@ class OneProcess:
         self.reshard(model)  # gathered parameters back to their shards: FSDP frees the gathered copies
         storages = {}  # data pointer -> (storage, its tensors): tied weights and views share one, counted once
         for tensor in self.tensors(model):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # FSDP2: this rank's shard
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2: this rank's shard
             if not local.is_meta:
                 storages.setdefault(local.untyped_storage().data_ptr(), (local.untyped_storage(), []))[1].append(local)
         freed = sum(storage.nbytes() for storage, _ in storages.values())
@@ -158,278 +124,6 @@ class OneProcess:
         return [*model.parameters(), *model.buffers()]
 
 
-class Sharded(OneProcess):
-    """What FSDP1 and FSDP2 share: mesh, units, collectives, sampling, offloaded optimizer state, sharded checkpoints
-    (torch.distributed.checkpoint reads either's)."""
-
-    autocasts = False
-
-    def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
-        self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
-        size = fsdp.fsdp_size  # 1 <= fsdp_size < world: a 2-D mesh, replicate x shard (hybrid)
-        shape = (world_size,) if size in (-1, world_size) else (world_size // size, size)
-        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
-        mnp = fsdp.wrap_policy.get("min_num_params")  # a size policy, else the block classes that become units
-        self.blocks = ("min_num_params", mnp) if mnp is not None else block_classes(policy, fsdp.wrap_policy)
-        units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
-        rank0_print(
-            f"sharding policy with {fsdp.strategy} (units {units}, mesh {tuple(self.mesh.shape)}, "
-            f"reshard_after_forward {fsdp.reshard_after_forward}, mixed precision {fsdp.mixed_precision}, "
-            f"offload params {fsdp.param_offload}/policy {fsdp.offload_policy})"
-        )
-
-    def mixed_precision_dtypes(self) -> Optional[dict[str, torch.dtype]]:
-        """fsdp.mixed_precision as torch dtypes (config.FSDPEngineConfig.mixed_precision_dtypes: its defaults)."""
-        names = self.fsdp.mixed_precision_dtypes()
-        return None if names is None else {k: dtype_of(v) for k, v in names.items()}
-
-    def input_device(self, model: nn.Module) -> torch.device:
-        return self.device
-
-    def all_true(self, flag: bool) -> bool:
-        return all_ranks_true(flag, self.device)
-
-    def agree_max(self, n: int) -> int:
-        count = torch.tensor([n], device=self.device)  # on the device: NCCL reduces CUDA tensors only
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return int(count.item())
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_gather_if_needed(tensor, self.rank, self.world_size)
-
-    def gather_objects(self, items: list, sp_size: int = 1) -> list:
-        out = [None] * self.world_size
-        dist.all_gather_object(out, items)
-        return [x for part in out[::sp_size] for x in part]
-
-    def barrier(self) -> None:
-        wait_for_rank0()
-
-    def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
-        """Every rank runs as many forwards (synced_gpus: the original's sampling hung when ranks stopped at different
-        lengths) over whole prompts (Ulysses paused), through the root unit: `generate` calls the causal LM's own
-        `self(...)` (FSDP1: inside the wrapper; LoRA: the PeftModel's base model), skipping the root's pre-forward."""
-        inner = unwrap(model)
-        lm = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-
-        def forward(*args, **inputs):
-            del lm.forward  # the root calls down to lm's class forward this time
-            try:
-                return model(*args, **inputs)
-            finally:
-                lm.forward = forward
-
-        if lm is not model:  # else (FSDP2 without LoRA) generate's call is the root's already
-            lm.forward = forward
-        import ulysses  # its attention hook, installed or not, stands aside while every rank generates
-
-        try:
-            with ulysses.paused():
-                return model.generate(**kwargs, synced_gpus=True)
-        finally:
-            if lm is not model:
-                del lm.forward
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl), and comes for the step
-        to each parameter's device (CPU too, under FSDP1's CPUOffload or FSDP2's CPUOffloadPolicy)."""
-        if self.fsdp.optimizer_offload:
-            move_optimizer_state(optimizer, None)
-        optimizer.step()
-        if self.fsdp.optimizer_offload:
-            move_optimizer_state(optimizer, torch.device("cpu"))
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        # on CPU the full state dict must not offload (FSDP1 segfaults with offload_to_cpu there)
-        state = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
-        )
-        return {k: v.detach().cpu() for k, v in state.items()} if self.rank == 0 else {}
-
-    def sharded_state(self, model: nn.Module, optimizer, ckpt: Path) -> tuple[dict, str]:
-        """Each rank's shards for torch.distributed.checkpoint, and their folder (a model alone: TR-DPO's reference)."""
-        model_state, optim_state = get_state_dict(model, optimizer or ())
-        if optimizer is None:
-            return {"model": model_state}, str(ckpt / "reference_sharded")
-        return {"model": model_state, "optimizer": optim_state}, str(ckpt / "sharded")
-
-    def save(self, model: nn.Module, optimizer, ckpt: Path) -> None:
-        state, where = self.sharded_state(model, optimizer, ckpt)
-        dcp.save(state, checkpoint_id=where)
-
-    def load(self, model: nn.Module, optimizer, ckpt: Path) -> None:
-        state, where = self.sharded_state(model, optimizer, ckpt)
-        dcp.load(state, checkpoint_id=where)
-        set_state_dict(
-            model, optimizer or (), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
-        )
-
-
-class FSDP1(Sharded):
-    """FullyShardedDataParallel: the model is wrapped, each unit one FlatParameter."""
-
-    def shard(
-        self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
-    ) -> nn.Module:
-        """The sharded model; `mixed_precision=False`: it computes in the dtype it was loaded in."""
-        if self.fsdp.offload_policy:
-            raise ValueError(
-                "fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload"
-            )
-        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
-        if isinstance(self.blocks, tuple):
-            size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
-            kept = never_units(model)
-            policy = lambda module, recurse, **numel: (  # noqa: E731
-                size_policy(module=module, recurse=recurse, **numel) and (recurse or module not in kept)
-            )
-        else:
-            policy = ModuleWrapPolicy(self.blocks)
-        hybrid = self.mesh.ndim == 2 and self.mesh.shape[1] > 1
-        strategy = {
-            (False, True): ShardingStrategy.FULL_SHARD,
-            (False, False): ShardingStrategy.SHARD_GRAD_OP,
-            (True, True): ShardingStrategy.HYBRID_SHARD,
-            (True, False): ShardingStrategy._HYBRID_SHARD_ZERO2,
-        }[hybrid, reshard_after_forward]
-        if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
-            strategy = ShardingStrategy.NO_SHARD  # fsdp_size=1: every rank holds everything
-        on_gpu = self.device.type == "cuda"
-        if not on_gpu:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first, into the others'
-            if self.rank != 0:  # meta tensors given CPU memory and re-tied (the broadcast must see the same tensors)
-                ties = tied_slots(model)
-                model.to_empty(device="cpu")
-                retie(ties)
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
-        wrapped = FSDP(
-            model,
-            auto_wrap_policy=policy,
-            sharding_strategy=strategy,
-            device_id=self.device,
-            cpu_offload=CPUOffload(offload_params=self.fsdp.param_offload and on_gpu),  # pinned memory: GPU only
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            forward_prefetch=self.fsdp.forward_prefetch,
-            mixed_precision=MixedPrecision(**dtypes) if dtypes else None,
-            use_orig_params=self.fsdp.use_orig_params,
-            # the rate limiter keeps the CPU from issuing all-gathers far ahead of the GPU; torch advises
-            # it off only for CPU-bound runs with low memory pressure, as gloo on CPU
-            limit_all_gathers=on_gpu,
-            # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
-            sync_module_states=on_gpu,
-            param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
-            device_mesh=self.mesh if hybrid else None,
-        )
-        if on_gpu:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid): once more
-            for buffer in wrapped.buffers():
-                dist.broadcast(buffer, src=0)
-        if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
-            checkpoint_blocks(wrapped, self.fsdp.wrap_policy)
-        return wrapped
-
-    def gradient_sync(self, model: nn.Module, sync: bool):
-        return contextlib.nullcontext() if sync else model.no_sync()
-
-    def tensors(self, model: nn.Module) -> list[torch.Tensor]:
-        """Also each flat parameter (not a parameter of the model under use_orig_params) and its copies beside it
-        (_local_shard, _full_param_padded, _mp_shard, _cpu_grad...)."""
-        flat = [unit._handle.flat_param for unit in FSDP.fsdp_modules(model) if unit._handle is not None]
-        copies = [t for p in flat for t in vars(p).values() if isinstance(t, torch.Tensor)]
-        return [*super().tensors(model), *flat, *copies]
-
-    def clip(self, model: nn.Module, max_norm: float) -> float:
-        return model.clip_grad_norm_(max_norm).item()
-
-    def reshard(self, model: nn.Module) -> None:
-        """FSDP1 keeps the root unit's gathered parameters after a forward (for the backward), every unit's under
-        SHARD_GRAD_OP, and its next forward reuses them without gathering."""
-        for unit in FSDP.fsdp_modules(model):
-            handle = unit._handle  # before the first forward: nothing gathered, and no _local_shard to go back to
-            if handle is not None and handle.uses_sharded_strategy and hasattr(handle.flat_param, "_local_shard"):
-                handle.reshard(free_unsharded_flat_param=True)
-
-
-class FSDP2(Sharded):
-    """fully_shard: the model keeps its class, its parameters become DTensors, each unit's hooks all-gather."""
-
-    def shard(
-        self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
-    ) -> nn.Module:
-        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
-        mp = (
-            MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"])
-            if dtypes
-            else MixedPrecisionPolicy()
-        )
-        if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:  # FSDP2 casts no buffers: once, here
-            for buffer in filter(torch.is_floating_point, model.buffers()):
-                buffer.data = buffer.data.to(dtypes["buffer_dtype"])
-        ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter
-        full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (the others: meta)
-        buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
-        if self.rank == 0:
-            model.to("meta")  # every rank shards the same empty structure, then rank 0's values are scattered
-            retie(ties)
-        if checkpoint:  # before sharding: each sharded unit is then the checkpointed block
-            checkpoint_blocks(model, self.fsdp.wrap_policy)
-        if isinstance(self.blocks, tuple):
-            units = size_based_modules(model, self.blocks[1])
-        else:  # a checkpointed block's unit is its checkpoint wrapper
-            inner = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
-            blocks = tuple(self.blocks)
-            units = [
-                m
-                for m in model.modules()
-                if id(m) not in inner and isinstance(getattr(m, "_checkpoint_wrapped_module", m), blocks)
-            ]
-        offload = (
-            CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
-        )
-        for unit in (*units, model):  # on a 2-D mesh: replicate over the first dimension, shard over the second
-            fully_shard(
-                unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload
-            )
-        model.to_empty(device="cpu" if self.fsdp.offload_policy else self.device)
-        retie(ties)  # a tied embedding must be ONE sharded Parameter on every rank
-        set_model_state_dict(
-            model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-        for name, buffer in model.named_buffers():  # non-persistent buffers (rotary tables) are not in the state dict
-            if self.rank == 0:
-                buffer.copy_(buffers[name])
-            dist.broadcast(buffer, src=0)
-        if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
-            for unit, following in zip(units, units[1:]):
-                unit.set_modules_to_forward_prefetch([following])
-        return model
-
-    def gradient_sync(self, model: nn.Module, sync: bool):
-        model.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-
-    def clip(self, model: nn.Module, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-
-    def reshard(self, model: nn.Module) -> None:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    @contextlib.contextmanager
-    def params_on_device(self, model: nn.Module):
-        """fsdp.param_offload: the (sharded) parameters live on CPU between steps and evaluations, as verl's (FSDP1
-        uses its own CPUOffload instead)."""
-        if self.fsdp.param_offload:
-            model.to(self.device)
-        try:
-            yield
-        finally:
-            if self.fsdp.param_offload:
-                model.to("cpu")
-
-
-# --- Helpers of the two ---
 def released(module: nn.Module, args) -> None:
     raise RuntimeError(f"this {type(module).__name__} was released (sharding's release): its weights are gone")
 
@@ -451,36 +145,6 @@ def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
     return {get_block_class_from_model(model, n) for n in names}
 
 
-def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
-    """Modules to shard under a size policy, leaves first, as FSDP1's size_based_auto_wrap_policy: a module is wrapped
-    once the parameters no wrapped descendant holds reach min_num_params, unless never_units keeps it."""
-    chosen, kept = [], never_units(model)
-
-    def remaining(module: nn.Module) -> int:
-        n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())
-        if module is not model and module not in kept and n >= min_num_params:
-            chosen.append(module)
-            return 0
-        return n
-
-    remaining(model)
-    return chosen
-
-
-def never_units(model: nn.Module) -> set[nn.Module]:
-    """What a size policy never makes a unit: containers (ModuleList, ModuleDict: fully_shard refuses them, FSDP1's
-    policy skips them) and every module holding the LM head's weight (the head, a tied input embedding, their parents).
-    That weight stays in the root unit, as under the block policy: the tiled head reads it there, and a tied weight in
-    a unit of its own is flattened again by FSDP1's root (embedding and head then train as two matrices) or shared by
-    two FSDP2 groups (refused at the first forward)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
-    return {
-        m
-        for m in model.modules()
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or any(p is weight for p in m.parameters())
-    }
-
-
 def checkpoint_blocks(model: nn.Module, wrap_policy: dict) -> None:
     """Recompute each block (block_classes) in backward (NO_REENTRANT), as the original FSDPTrainer did (one process
     too); unlike the original, a failure to apply it is an error, not a printed warning."""
@@ -492,49 +156,3 @@ def checkpoint_blocks(model: nn.Module, wrap_policy: dict) -> None:
     )
     n = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     rank0_print(f"activation checkpointing (NO_REENTRANT) on {n} blocks of {', '.join(u.__name__ for u in units)}")
-
-
-def tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Groups of (module, parameter name) that share one Parameter (a tied embedding): `to`, `to_empty` and
-    per-module materialization give each module its own copy, `retie` restores the sharing."""
-    groups: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                groups[id(param)].append((module, name))
-    return [slots for slots in groups.values() if len(slots) > 1]
-
-
-def retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
-    """Point every slot of each group at one Parameter: the first that has memory (else the first)."""
-    for slots in ties:
-        params = [module._parameters[name] for module, name in slots]
-        keep = next((p for p in params if not p.is_meta), params[0])
-        for module, name in slots:
-            module._parameters[name] = keep
-
-
-def materialize(device: torch.device, ties: list):
-    """FSDP1's param_init_fn, once per module of each unit: the module's meta tensors get real (uninitialized)
-    memory, sharing a tied Parameter another module already has; sync_module_states then fills them."""
-
-    def init(module: nn.Module) -> None:
-        for name, param in module._parameters.items():
-            if param is not None and param.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
-        retie(ties)
-
-    return init
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> None:
-    """Every state tensor (not the step counters, which stay on CPU) to `device`, or with None to its parameter's."""
-    for param, state in optimizer.state.items():
-        target = param.device if device is None else device
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                # non_blocking only towards the GPU: a non-blocking copy to pageable CPU memory can be read early
-                state[key] = value.to(target, non_blocking=target.type == "cuda")

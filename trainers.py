@@ -40,7 +40,7 @@ import preference_datasets as data
 import self_check
 from config import dtype_of, flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
-from sharding import FSDP1, FSDP2, OneProcess, Sharded, unwrap
+from sharding import OneProcess, unwrap
 from utils import (
     all_gather_object,
     atomic_write_text,
@@ -794,7 +794,7 @@ class Checkpoints:
         torch.save(get_rng_state(), tmp / f"rng-{t.rank}.pt")
         if t.config.ref_update.tau is not None:  # TR-DPO's reference is trained state
             t.sharding.save(t.reference.model, None, tmp)
-        consolidate = not (lean and isinstance(t.sharding, Sharded))  # one process: policy.pt is the resume's weights
+        consolidate = not (lean and t.sharding.saves_weights)  # one process: policy.pt is the resume's weights
         state = t.sharding.full_state_dict(t.policy) if consolidate else {}  # a collective under FSDP: rank 0 keeps it
         if t.rank == 0:
             if consolidate:
@@ -1168,9 +1168,6 @@ def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
     )
 
 
-SHARDINGS = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
-
-
 class FSDPTrainer(BasicTrainer):
     """BasicTrainer with policy and reference sharded as the original FSDPTrainer did (each block a unit, FULL_SHARD,
     BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (sharding.py) does the rest."""
@@ -1203,7 +1200,9 @@ class FSDPTrainer(BasicTrainer):
             self.sp = ulysses.make_group(device, world_size, config.fsdp.ulysses_sequence_parallel_size)
             for model in filter(None, (policy, reference_model)):
                 ulysses.install(model, self.sp)
-        self.sharding = SHARDINGS[config.fsdp.strategy](config.fsdp, device, rank, world_size, policy)
+        import fsdp  # the FSDP engines: a one-process run never imports them
+
+        self.sharding = fsdp.SHARDINGS[config.fsdp.strategy](config.fsdp, device, rank, world_size, policy)
         self.n_params = flops_params(policy)  # meta tensors know their shapes too
         policy = self.sharding.shard(
             policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward

@@ -2,7 +2,7 @@
 
 Each variant runs in a fresh pair of gloo ranks (torch.multiprocessing.spawn). Every rank builds the same
 random Llama-style model (hidden --hidden, --layers layers, untied head, vocab --vocab, fp32), shards each block
-and then the root with fully_shard (as sharding.FSDP2 does), and runs ONE forward + backward of the sum of
+and then the root with fully_shard (as fsdp.FSDP2 does), and runs ONE forward + backward of the sum of
 sequence log-probs through logps.forward_logps, the trainers' one log-prob path (under FSDP it is the root
 unit's forward). Each rank holds --rows sequences of --length tokens, the first --prompt of each unscored (as a
 DPO prompt).
@@ -46,7 +46,7 @@ def join_two_ranks(rank: int, port: int) -> None:
 
 def random_llama(vocab: int, hidden: int, layers: int, length: int, heads: int = 8, install=None):
     """The same random fp32 Llama on every rank (untied head, sdpa), `install(model)` applied before sharding,
-    then each block and the root fully_shard-ed over the ranks, as sharding.FSDP2 does."""
+    then each block and the root fully_shard-ed over the ranks, as fsdp.FSDP2 does."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 

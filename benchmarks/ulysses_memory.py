@@ -3,7 +3,7 @@
 The pair is what a rank processes per micro-batch: its chosen and rejected rows of --length tokens each. With
 SP=1 each rank holds a whole pair (its own, as data parallelism does); with SP=2 both ranks hold the same pair and
 each runs the model on half of every row's positions (ulysses.py), attention seeing whole rows for half the
-heads. Both shard the model with fully_shard over the 2 ranks (each block, then the root, as sharding.FSDP2 does)
+heads. Both shard the model with fully_shard over the 2 ranks (each block, then the root, as fsdp.FSDP2 does)
 and run ONE forward + backward of the pair's summed log-probs through logps.forward_logps (tiled LM head, the
 default of train.py). The model is a random Llama (hidden --hidden, --layers layers, --heads heads, fp32, sdpa).
 

@@ -35,9 +35,9 @@ from transformers import AutoModelForCausalLM
 import architectures
 import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+import fsdp
 import logps
 import losses
-import sharding
 import trainers
 from config import load_config
 from utils import get_open_port
@@ -611,7 +611,7 @@ def test_fsdp1_param_init_fn_keeps_ties(models, order):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["gpt2"]))
-    init = sharding.materialize(torch.device("cpu"), sharding.tied_slots(model))
+    init = fsdp.materialize(torch.device("cpu"), fsdp.tied_slots(model))
     modules = list(model.modules())
     for module in modules if order == "embedding first" else modules[::-1]:
         init(module)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import fsdp
 import sharding
 import train as train_py
 import trainers
@@ -254,13 +255,13 @@ def run_scenario(name, args, rank, world_size, out_dir):
         trainer.checkpoints.save = save_then_die
     # Where fsdp.optimizer_offload sends the optimizer state, call by call (on CPU every device is the CPU, so the
     # devices themselves prove nothing; tests/test_trainers.py checks the placement with a stand-in device).
-    moves, move = [], sharding.move_optimizer_state
+    moves, move = [], fsdp.move_optimizer_state
 
     def recording_move(optimizer, device):
         moves.append("parameter's device" if device is None else str(device))
         move(optimizer, device)
 
-    sharding.move_optimizer_state = recording_move
+    fsdp.move_optimizer_state = recording_move
     # Gradient syncs skipped, and gradients held unsharded after a micro-batch that is not the step's last
     info["skipped_syncs"], info["unsharded_grads_between_micro_batches"], micro_batches = 0, [], [0]
     gradient_sync = trainer.sharding.gradient_sync
@@ -302,11 +303,11 @@ def run_scenario(name, args, rank, world_size, out_dir):
     except Preempted:
         info["preempted_at"] = trainer.example_counter
     finally:
-        sharding.move_optimizer_state = move
+        fsdp.move_optimizer_state = move
     info["optimizer_state_moves"] = moves
     if "tied" in name:  # the live policy's head and input embedding: one Parameter (FSDP1's, gathered)
-        model, wrapped = sharding.unwrap(trainer.policy), isinstance(trainer.policy, sharding.FSDP)
-        with sharding.FSDP.summon_full_params(trainer.policy) if wrapped else contextlib.nullcontext():
+        model, wrapped = sharding.unwrap(trainer.policy), isinstance(trainer.policy, fsdp.FSDP)
+        with fsdp.FSDP.summon_full_params(trainer.policy) if wrapped else contextlib.nullcontext():
             info["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if name.endswith("_adamw"):  # the reference after its forwards, and one never run (every log-prob cached)
         fresh = trainer.sharding.shard(train_py.load_models(cfg, on_meta=rank != 0)[2], False)
@@ -324,8 +325,8 @@ def release_check(trainer, model) -> dict:
     sizes (FSDP1: each unit's flat parameter padded to 2 equal halves; FSDP2: each parameter's first dimension),
     buffers included, and the bytes its tensors still hold afterwards."""
     world, shards = trainer.world_size, 0
-    if isinstance(model, sharding.FSDP):
-        for unit in sharding.FSDP.fsdp_modules(model):
+    if isinstance(model, fsdp.FSDP):
+        for unit in fsdp.FSDP.fsdp_modules(model):
             flat = unit._handle.flat_param
             shards += -(-flat._unpadded_unsharded_size.numel() // world) * flat.element_size()
     else:

@@ -21,6 +21,7 @@ from transformers import (
 
 import logps
 import preference_datasets as data
+import fsdp
 import sharding
 import train as train_py
 import trainers
@@ -296,7 +297,7 @@ def test_offloaded_optimizer_state_steps_on_the_parameters_device():
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
-    shards = object.__new__(sharding.FSDP2)  # only the step under test: no process group needed
+    shards = object.__new__(fsdp.FSDP2)  # only the step under test: no process group needed
     shards.fsdp, shards.device = SimpleNamespace(optimizer_offload=True), torch.device("meta")
     expected = torch.nn.Linear(4, 3)
     expected.load_state_dict(layer.state_dict())
@@ -400,18 +401,18 @@ def test_kto_kl_reference_point_is_the_mean_log_ratio_of_mismatched_rows_over_th
 
 
 def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
-    """fsdp.strategy picks a sharding implementation once (trainers.SHARDINGS); the loop never compares the strategy
+    """fsdp.strategy picks a sharding implementation once (fsdp.SHARDINGS); the loop never compares the strategy
     name, so a new strategy is a new class and an entry, not branches through the file."""
     import ast
 
     import config
 
-    assert set(trainers.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
-    for cls in trainers.SHARDINGS.values():  # each implements what differs between the strategies
+    assert set(fsdp.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
+    for cls in fsdp.SHARDINGS.values():  # each implements what differs between the strategies
         assert issubclass(cls, sharding.OneProcess) and all(
             name in vars(cls) for name in ("shard", "gradient_sync", "clip", "reshard")
         ), cls
-    for path in ("trainers.py", "sharding.py"):
+    for path in ("trainers.py", "sharding.py", "fsdp.py"):
         tree = ast.parse((REPO / path).read_text())
         compared = [
             node.lineno
@@ -422,6 +423,16 @@ def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
             )
         ]
         assert compared == [], f"{path} compares fsdp.strategy at lines {compared}"
+
+
+def test_a_one_process_run_imports_no_fsdp_code():
+    """fsdp.py (FSDP1, FSDP2) is imported where FSDPTrainer picks one: train.py and trainers.py leave it unread."""
+    import subprocess
+    import sys
+
+    code = "import sys, train, trainers; print('fsdp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "qwen2", "gemma2", "mistral"])

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import sharding  # noqa: E402
+import fsdp  # noqa: E402
 import train  # noqa: E402
 import trainers  # noqa: E402
 
@@ -21,7 +21,7 @@ def slow(fn, variable: str):
     return run
 
 
-sharding.Sharded.full_state_dict = slow(sharding.Sharded.full_state_dict, "SLOW_CHECKPOINT_SECS")
+fsdp.Sharded.full_state_dict = slow(fsdp.Sharded.full_state_dict, "SLOW_CHECKPOINT_SECS")
 trainers.Checkpoints.export_hf = slow(trainers.Checkpoints.export_hf, "SLOW_CHECKPOINT_SECS")
 trainers.BasicTrainer.train_step = slow(trainers.BasicTrainer.train_step, "SLOW_STEP_SECS")
 if __name__ == "__main__":
