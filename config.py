@@ -214,9 +214,7 @@ class RefUpdateConfig(BaseConfig):
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
 
-    r: Optional[int] = param(
-        None, "LoRA rank; null = full fine-tuning", (lambda v: v >= 1, "a positive rank, or null (no adapters)")
-    )
+    r: Optional[int] = param(None, "LoRA rank", (lambda v: v >= 1, "a positive rank, or null (no adapters)"))
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
     target_modules: Union[str, list] = param(
@@ -290,9 +288,7 @@ class Config(BaseConfig):
     )
     optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD", ("RMSprop", "AdamW", "SGD"))
     weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD", NON_NEGATIVE)
-    scheduler: str = param(
-        "constant", "after warmup: constant (the original), linear or cosine to 0", ("constant", "linear", "cosine")
-    )
+    scheduler: str = param("constant", "after warmup; linear and cosine decay to 0", ("constant", "linear", "cosine"))
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
     eval_every: int = param(20_000, "evaluate and checkpoint every this many pairs, a multiple of batch_size", POSITIVE)
