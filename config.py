@@ -89,8 +89,7 @@ class EngineConfig(BaseConfig):
 
 @dataclasses.dataclass(frozen=True)
 class FSDPEngineConfig(EngineConfig):
-    """The FSDP engine: verl's FSDPEngineConfig, every field live or refused. The original code's model.block_name,
-    model.policy_dtype and model.fsdp_policy_mp still parse: they set wrap_policy, model_dtype and mixed_precision."""
+    """The FSDP engine: verl's FSDPEngineConfig, every field live or refused; RENAMED maps the original's keys to it."""
 
     wrap_policy: dict = param({}, "{transformer_layer_cls_to_wrap: [names]} or {min_num_params: N}; {} = each block")
     offload_policy: bool = param(False, "FSDP2 CPUOffloadPolicy (params, grads and optimizer step on CPU)")
