@@ -164,14 +164,12 @@ def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     for n, row in enumerate(rows, 1):
         if row is None:  # a row convert_ultrafeedback dropped, counted in its numbers
             continue
-        target, chat = "sft_target" if "sft_target" in row else "chosen", not isinstance(row["prompt"], str)
+        target = "sft_target" if "sft_target" in row else "chosen"
         names = ("completion",) if "completion" in row else ("chosen", "rejected", target)
-        rendered = [
-            render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[n])[0])
-            if chat
-            else (row["prompt"], row[n])
-            for n in names
-        ]
+        if chat := not isinstance(row["prompt"], str):
+            rendered = [render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[k])[0]) for k in names]
+        else:
+            rendered = [(row["prompt"], row[k]) for k in names]
         prompt, replies = rendered[0][0], [response for _, response in rendered]
         entry = data.setdefault(prompt, PromptResponses(prompt, chat=chat))
         if "completion" in row:  # a completion rated twice counts twice
@@ -613,9 +611,7 @@ def tokenize_normalized(
             for name, value in zip(SCHEMA.names, (entry.prompt, chosen, rejected, cut, *(*responses, None)[:2], label)):
                 columns[name].append(value)
         writer.write_batch(pa.record_batch(columns, schema=SCHEMA))
-        lengths.append(
-            [[len(ids or ()) for ids in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")]
-        )
+        lengths.append([[len(v or ()) for v in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")])
     writer.close()
     # memory-mapped: a page is read when used, and the processes that map the file share it
     table = pa.ipc.open_file(pa.memory_map(sink) if file else sink.getvalue()).read_all()
@@ -697,12 +693,8 @@ def load_tokenized(
     for name in names:
         keys[name], build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
         parts.append(_cached(Path(cache_dir), f"{name}-{split}", keys[name], build) if cache_dir else build(None))
-    return Split(
-        pa.concat_tables([part.table for part in parts]),
-        [s for part in parts for s in part.stats],
-        keys,
-        np.concatenate([part.lengths for part in parts], axis=1),
-    )
+    stats = [s for part in parts for s in part.stats]
+    return Split(pa.concat_tables([p.table for p in parts]), stats, keys, np.concatenate([p.lengths for p in parts], 1))
 
 
 def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]) -> Split:
@@ -747,22 +739,13 @@ def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:
     handed on to the checks, the trainer and the manifest. KTO reads labelled completions; with pairs_to_unpaired,
     training splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
     fp, cache_dir, splits = tokenizer_fingerprint(tokenizer), str(first_usable_dir(cfg.local_dirs) / "datasets"), {}
+    # the LoadOptions named as config keys, and SFT's
+    same = {k: getattr(cfg, k) for k in ("max_length", "max_prompt_length", "truncation_mode", "drop_identical_pairs")}
+    same["sft_mode"] = set(cfg.loss_names) == {"sft"}
     for split in ("train", "test"):
         unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
-        splits[split] = load_tokenized(
-            cfg.datasets,
-            tokenizer,
-            split,
-            cache_dir=cache_dir,
-            tokenizer_fp=fp,
-            max_length=cfg.max_length,
-            max_prompt_length=cfg.max_prompt_length,
-            truncation_mode=cfg.truncation_mode,
-            sft_mode=set(cfg.loss_names) == {"sft"},
-            unpaired=unpaired,
-            pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired,
-            drop_identical_pairs=cfg.drop_identical_pairs,
-        )
+        options = dict(same, unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired)
+        splits[split] = load_tokenized(cfg.datasets, tokenizer, split, cache_dir=cache_dir, tokenizer_fp=fp, **options)
     return splits
 
 
@@ -825,11 +808,10 @@ def iter_batch_indices(
             if j == 0 or step == first // batch_size:  # the order is a function of (seed, epoch): no state to resume
                 order = np.random.default_rng((seed, epoch)).permutation(n_items) if shuffle else np.arange(n_items)
             items = order[j * batch_size : (j + 1) * batch_size].tolist()
-            yield (
-                balance_shares(items, [sizes[i] for i in items], world_size)[rank]
-                if sizes is not None
-                else items[rank * k : (rank + 1) * k]
-            )
+            if sizes is None:
+                yield items[rank * k : (rank + 1) * k]
+            else:
+                yield balance_shares(items, [sizes[i] for i in items], world_size)[rank]
 
     return batches()
 
