@@ -217,8 +217,7 @@ def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
         atomic_write_text(t.run_dir / REPORT, json.dumps(record, indent=1) + "\n")
         if t.log.wandb_run is not None:
             summary = {f"self_check/{c['check']}": c["difference"] for c in checks if "difference" in c}
-            summary.update({"self_check/passed": not failed, "self_check/seconds": seconds})
-            t.log.wandb_run.summary.update(summary)
+            t.log.wandb_run.summary.update(summary | {"self_check/passed": not failed, "self_check/seconds": seconds})
     if failed:
         raise SelfCheckError(message)
 

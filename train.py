@@ -75,16 +75,21 @@ def load_tokenizer(cfg):
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
-    if (template := cfg.model.chat_template) is not None:
-        if template not in CHAT_TEMPLATES and not Path(template).is_file():
-            raise ConfigError(
-                [
-                    f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja "
-                    "template file"
-                ]
-            )
-        tokenizer.chat_template = CHAT_TEMPLATES.get(template) or Path(template).read_text()
+    if cfg.model.chat_template is not None:
+        tokenizer.chat_template = chat_template(cfg.model.chat_template)
     return tokenizer
+
+
+def chat_template(template: str) -> str:
+    """model.chat_template's Jinja text: one of CHAT_TEMPLATES by name, or a file's contents."""
+    if template not in CHAT_TEMPLATES and not Path(template).is_file():
+        raise ConfigError(
+            [
+                f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja "
+                "template file"
+            ]
+        )
+    return CHAT_TEMPLATES.get(template) or Path(template).read_text()
 
 
 def load_models(cfg, device_map=None, on_meta: bool = False):
@@ -334,18 +339,9 @@ def check_data(cfg, world_size: int) -> dict:
         ("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
         ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)"),
     ):
-        examples, stats = splits[split], splits[split].stats
+        examples = splits[split]
         if len(examples) < needed:
-            per_source = "; ".join(
-                f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
-                + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
-                for s in stats
-            )
-            raise data.DataError(
-                f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after filtering,"
-                f" fewer than {knob} ({per_source}); add data, or for dropped over-long pairs raise"
-                f" max_length={cfg.max_length}"
-            )
+            raise too_few_pairs(cfg, split, examples, knob)
         steps = split == "train" and data.num_steps(
             len(examples), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples
         )
@@ -356,6 +352,20 @@ def check_data(cfg, world_size: int) -> dict:
                 file=sys.stderr,
             )
     return splits
+
+
+def too_few_pairs(cfg, split: str, examples, knob: str) -> data.DataError:
+    """The refusal of a split left with fewer pairs than `knob` asks for, naming each source and what it dropped."""
+    per_source = "; ".join(
+        f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
+        + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
+        for s in examples.stats
+    )
+    return data.DataError(
+        f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after filtering,"
+        f" fewer than {knob} ({per_source}); add data, or for dropped over-long pairs raise"
+        f" max_length={cfg.max_length}"
+    )
 
 
 def resume_run_dir(resume_from: str) -> str:
@@ -407,7 +417,8 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
     splits = splits or data.load_splits(cfg, tokenizer)  # a spawned rank: from the cache check_inputs filled
     if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
         run_manifest.write(run_dir, cfg, splits, world_size)
-    utils.wait_for_rank0()  # rank 0 read the weights alone; the others wait without collective_timeout_secs
+    if world_size > 1:  # rank 0 read the weights alone; the others wait without collective_timeout_secs
+        utils.wait_for_rank0()
     if cfg.trainer == "BasicTrainer" and device_map is None and torch.cuda.is_available():
         policy, reference = policy.to("cuda"), reference.to("cuda") if reference is not None else None
     trainer = getattr(trainers, cfg.trainer)(
