@@ -99,8 +99,7 @@ class FSDPEngineConfig(EngineConfig):
     model_dtype: str = param("fp32", "dtype of the master weights (the original's model.policy_dtype)", DTYPE)
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters (for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(
-        None,
-        "{param_dtype, reduce_dtype, buffer_dtype} or one param_dtype; unset: fsdp.dtype, fp32; null = model_dtype",
+        None, "{param_dtype, reduce_dtype, buffer_dtype} or a param_dtype; unset: fsdp.dtype, fp32; null: model_dtype"
     )
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
