@@ -358,14 +358,7 @@ def aot_loss(
 
 
 def kto_loss(
-    policy_logps: Tensor,
-    reference_logps: Tensor,
-    desirable: Tensor,
-    kl: Tensor,
-    *,
-    beta: float,
-    desirable_weight: float,
-    undesirable_weight: float,
+    policy_logps, reference_logps, desirable, kl, *, beta: float, desirable_weight: float, undesirable_weight: float
 ) -> tuple[Tensor, Tensor]:
     """Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306), Eq. 8, on UNPAIRED completions,
     each labelled desirable or not (`desirable`, bool): hence its own signature (registry `unpaired=True`).
@@ -436,14 +429,7 @@ def dpop_chosen_logps(policy_chosen_logps: Tensor, reference_chosen_logps: Tenso
     return policy_chosen_logps - lam * (reference_chosen_logps - policy_chosen_logps).clamp(min=0)
 
 
-def wpo_weights(
-    chosen_sum: Tensor,
-    rejected_sum: Tensor,
-    chosen_sum_sq: Tensor,
-    rejected_sum_sq: Tensor,
-    chosen_len: Tensor,
-    rejected_len: Tensor,
-) -> Tensor:
+def wpo_weights(chosen_sum, rejected_sum, chosen_sum_sq, rejected_sum_sq, chosen_len, rejected_len) -> Tensor:
     """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 4 with its sampling alignment, as TRL's use_weighting): each
     pair's weight min(1, exp(mean_t [log p_t - log sum_v p_v^2] over the chosen + the same over the rejected)),
     detached: pairs the current policy would itself likely generate weigh more (off-policy data made closer to
@@ -698,13 +684,8 @@ def _unpaired_loss(name, weight, hp, sums, counts, ref, paired, desirable, kl) -
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
     average, desirable, kl = average_log_prob(spec, hp), desirable.to(sums.device).bool(), kl.to(sums.device)
-    losses, rewards = spec.fn(
-        sequence_logps(sums, counts, average),
-        sequence_logps(ref, counts, average),
-        desirable,
-        kl,
-        **_kwargs_for(name, spec.fn, hp, {}),
-    )
+    policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in (sums, ref))
+    losses, rewards = spec.fn(policy_logps, reference_logps, desirable, kl, **_kwargs_for(name, spec.fn, hp, {}))
     total, nan, logps = weight * losses, torch.full_like(rewards, float("nan")), sums.detach()
     metrics = {
         "loss": total.detach(),
