@@ -643,7 +643,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def _sha256(value: Any) -> str:
-    return hashlib.sha256(value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: str | None, opts: LoadOptions):
@@ -671,9 +671,9 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
                 f"{path or f'dataset {name!r}'}: holds pairs, but loss kto needs {{prompt, completion, label}} rows; "
                 "set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
             )
-        prompt = records[0].get("prompt") if src.truncation_mode is None else None  # a local file's first prompt:
-        cues = isinstance(prompt, list) or str(prompt).endswith(HH_MARKER)  # does it cue the reply? (departure 10)
-        mode = opts.truncation_mode or src.truncation_mode or ("keep_end" if cues else "keep_start")
+        if not (mode := opts.truncation_mode or src.truncation_mode):  # a local file's: does its first prompt cue
+            prompt = records[0]["prompt"]  # the reply? (departure 10)
+            mode = "keep_end" if isinstance(prompt, list) or prompt.endswith(HH_MARKER) else "keep_start"
         data, dropped = src.convert(records, tokenizer)
         where = SourceStats(name, split, origin=origin + f" ({shape})" * bool(shape), dropped=dropped)
         return tokenize_normalized(data, tokenizer, replace(opts, truncation_mode=mode), where, file)

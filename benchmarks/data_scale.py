@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -181,16 +182,8 @@ def main() -> None:
             source = "toy" if n == 0 else dataset(work, n)
             for label, tree in trees.items():  # interleaved: a loaded machine slows both alike
                 cache = work / f"cache-{label}-{n}-{ranks}"
-                subprocess.run(
-                    [
-                        "rm",
-                        "-rf",
-                        str(cache),
-                        str(work / f"{label}-{n}-{ranks}-cold-run"),
-                        str(work / f"{label}-{n}-{ranks}-warm-run"),
-                    ],
-                    check=True,
-                )
+                for old in (cache, *(work / f"{label}-{n}-{ranks}-{kind}-run" for kind in ("cold", "warm"))):
+                    shutil.rmtree(old, ignore_errors=True)
                 for state in ("cold", "warm"):
                     r = run(tree, source, ranks, cache, work, f"{label}-{n}-{ranks}-{state}")
                     toy[label, ranks] = r if n == 0 and state == "warm" else toy.get((label, ranks))
@@ -198,8 +191,8 @@ def main() -> None:
                     added = {k: r[k] - base[k] for k in ("seconds", "cpu", "rss", "pss")}
                     print(
                         f"{label:>8} {n or 'toy':>9} {ranks:>5} {state:>5} {r['seconds']:8.1f} "
-                        f"{added['seconds']:+7.1f} {r['cpu']:7.1f} {added['cpu']:+7.1f} {r['rss']:7.0f} {added['rss']:+7.0f} {r['pss']:7.0f} "
-                        f"{added['pss']:+7.0f} {r['pss_sum']:8.0f}",
+                        f"{added['seconds']:+7.1f} {r['cpu']:7.1f} {added['cpu']:+7.1f} {r['rss']:7.0f} "
+                        f"{added['rss']:+7.0f} {r['pss']:7.0f} {added['pss']:+7.0f} {r['pss_sum']:8.0f}",
                         flush=True,
                     )
 
