@@ -595,15 +595,13 @@ def compute_loss(
 
     hp: the config's loss section (any object; a key left out takes its default; average_log_prob None: each loss's
     own). policy, reference: forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
-    one row per example. The reference scores the same tokens: the policy's counts normalize both; none
-    (reference_free, or None where no named loss needs one) gives every row log p = 0. desirable, kl: KTO's only,
-    see `_unpaired_loss`. Modifiers, from hp: ld_alpha != 1 (LD-DPO) weighs the rows' `tokens` (scored where
-    `labels` (N, T) are) instead of summing them and dpop_lambda > 0 (DPOP) penalizes the chosen log-prob, both in
-    the losses that compare with a reference (rpo = [dpo, sft] still); wpo (WPO) weighs each pair's losses by
-    wpo_weights; dynamic_beta > 0 with `beta_dpo` (BetaDPO; `step`: the training step, None in evaluation) gives the
-    batch's beta, and the mean loss is its filter's kept pairs' (the others 0, the kept scaled by B / kept). The
-    logged rewards are without DPOP's penalty, at the configured beta (the loss called again without gradients);
-    logps/* stay the sums."""
+    one row per example; the reference scores the same tokens, so the policy's counts normalize both. No reference
+    (reference_free, or None where no named loss needs one): log p = 0. desirable, kl: KTO's, see `_unpaired_loss`.
+    The modifiers, from hp (each one's function says how): LD-DPO (ld_alpha != 1; `tokens` scored where `labels`
+    (N, T) are) and DPOP (dpop_lambda > 0) in the losses that compare with a reference (rpo = [dpo, sft] still); WPO
+    (wpo) weighs each pair's losses; beta-DPO (dynamic_beta > 0 with `beta_dpo`; `step`: None in evaluation) gives
+    the batch's beta, and the mean loss is its kept pairs' (the others 0, the kept scaled by B / kept). The logged
+    rewards are without DPOP's penalty, at the configured beta (the loss called again); logps/* stay the sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
