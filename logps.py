@@ -126,9 +126,8 @@ class _LabelLogProbs(torch.autograd.Function):
                     grad_bias.index_add_(0, targets, label_coef[:, 0])
                 rest = rest.to(hidden.dtype)  # the two matmuls in the inputs' dtype, as the plain path's backward
                 if need_hidden:
-                    grad_hidden[rows] = (
-                        (rest @ weight).to(lse.dtype).add_(weight[targets].to(lse.dtype).mul_(label_coef))
-                    )
+                    label_rows = weight[targets].to(lse.dtype).mul_(label_coef)
+                    grad_hidden[rows] = (rest @ weight).to(lse.dtype).add_(label_rows)
                 if need_weight:
                     if grad_weight.dtype == rest.dtype:
                         grad_weight.addmm_(rest.T, tile)  # in place: no (V, H) temporary
@@ -487,7 +486,7 @@ def forward_logps(model: nn.Module, inputs: dict[str, Tensor], **options) -> Seq
     tokens (N,), their count (N,) and what the `options` (keywords, all off by default) ask for besides:
     - `entropy` (entropy_from_logits options): their mean entropy (N,), detached unless `entropy_grad` (a bonus:
       from the full logits, so not with `tiled`); `sum_sq`: WPO's statistic, summed; `per_token`: each token's
-      log-prob (N, T); `routing` (`routing_grad`: differentiable): a mixture of experts' routing (_routing);
+      log-prob (N, T), differentiable; `routing` (`routing_grad`: differentiable): a mixture of experts' routing;
     - how they are computed, never what they are: `tiled` (the backbone, then the LM head in tiles on the scored
       positions), `packed_capacity` (rows packed without padding: packed_inputs), `prefix_sharing` (inputs: chosen
       rows, then the rejected of the same pairs; each pair's prompt computed once), `sequence_parallel` (a
