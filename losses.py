@@ -254,9 +254,8 @@ def exo_pair_loss(
         raise ValueError(f"exo_pair needs 0 < label_smoothing < 1 (EXO uses 1e-3), got {label_smoothing}")
     a, b = policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
     z = beta * (a - b)
-    losses = torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-label_smoothing)) + torch.sigmoid(-z) * (
-        F.logsigmoid(-z) - math.log(label_smoothing)
-    )  # Eq. 16 of the EXO paper
+    chosen = torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-label_smoothing))
+    losses = chosen + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(label_smoothing))  # Eq. 16 of the EXO paper
     return losses, (beta * a).detach(), (beta * b).detach()
 
 
@@ -466,9 +465,8 @@ def beta_dpo(
     keep = torch.ones_like(margins, dtype=torch.bool)
     if drop > 0:
         density = torch.exp(-0.5 * ((margins.double().cpu() - m0) / max(sigma, 1e-12)) ** 2) + 1e-300  # never all 0
-        kept = torch.multinomial(
-            density, max(1, round(len(margins) * (1 - drop))), replacement=False, generator=generator
-        )
+        n_kept = max(1, round(len(margins) * (1 - drop)))
+        kept = torch.multinomial(density, n_kept, replacement=False, generator=generator)
         keep = torch.zeros_like(keep).index_fill_(0, kept.to(keep.device), True)
     return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
 
