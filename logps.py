@@ -147,7 +147,7 @@ def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
 
 # What a model type's CausalLM does to `hidden @ W.T (+ b)`, read in transformers' modeling files: "*" or "/" by a
 # config value, or "tanh" (value * tanh(logits / value)). The tiled head does the same; other types do nothing.
-SOFTCAP = ("tanh", "final_logit_softcapping")  # Gemma 2 and its successors
+SOFTCAP = ("tanh", "final_logit_softcapping")  # Gemma 2 on, and the types below that share its head
 HEAD_POSTPROCESSING = {
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), ("*", "logit_scale")),
     "hyperclovax": ("*", "logits_scaling"),  # the same key as Granite's, which divides
