@@ -316,13 +316,11 @@ def _check_fields(obj: Any, where: str, fields: dict[str, tuple], kind: str) -> 
         raise DataError(f"{where}: expected a JSON object with fields {', '.join(fields)}, got {_describe(obj)}")
     for name, types in fields.items():
         if name not in obj:
-            typo = "".join(
-                f"; '{k}' looks like a misspelling of '{name}'"
-                for k in difflib.get_close_matches(name, [k for k in obj if k not in fields], 1)
-            )
+            typos = difflib.get_close_matches(name, [k for k in obj if k not in fields], 1)
             raise DataError(
                 f"{where}: missing field '{name}' (expected the {kind} fields {', '.join(fields)}; found "
-                f"{', '.join(map(repr, obj)) or 'none'}){typo}"
+                f"{', '.join(map(repr, obj)) or 'none'})"
+                + "".join(f"; '{k}' looks like a misspelling of '{name}'" for k in typos)
             )
         if not isinstance(obj[name], types) or isinstance(obj[name], bool) and bool not in types:
             expected = " or ".join(dict.fromkeys(TYPE_NAMES[int if t is float else t] for t in types))
@@ -334,7 +332,13 @@ def detect_shape(row: Any) -> str:
 
 
 def check_row(row: Any, where: str, shape: str = "pair") -> None:
-    """DataError unless `row` has its shape's fields and types, and its message lists end in one assistant reply."""
+    """DataError unless `row` has `shape`, its fields and types, and its message lists end in one assistant reply."""
+    if shape != "pair" and detect_shape(row) != shape:
+        got = "fields " + ", ".join(map(repr, row)) if isinstance(row, dict) else _describe(row)
+        raise DataError(
+            f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
+            f"shape; this row does not (got {got})"
+        )
     fields = SHAPES[shape].fields
     if shape == "pair" and isinstance(row, dict) and "sft_target" in row:
         fields = dict(fields, sft_target=TEXT)  # optional
@@ -412,12 +416,6 @@ def read_rows(path: Path) -> list[dict]:
         raise DataError(f"{path}: no rows (the file is empty, or an empty list); expected {what} rows")
     shape = detect_shape(located[0][0])  # the first row decides; every row must then have that shape
     for row, where in located:
-        if shape != "pair" and detect_shape(row) != shape:
-            got = "fields " + ", ".join(map(repr, row)) if isinstance(row, dict) else _describe(row)
-            raise DataError(
-                f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
-                f"shape; this row does not (got {got})"
-            )
         check_row(row, where, shape)
     if SHAPES[shape].fields.get("prompt") is TEXT:  # strings are used verbatim, messages through the chat template
         # {is a chat row: 'line N' of the first such row} (reversed: the first row of a kind is written last)
@@ -765,13 +763,13 @@ def dataset_summary(stats: list[SourceStats]) -> str:
         ]
         found = ", ".join(f"{k}={n} (first rows {rows})" for k, (n, rows) in s.no_signal.items())  # 1-based rows
         fate = "dropped" if set(s.no_signal) & set(s.dropped) else "kept (drop_identical_pairs=false)"
-        lines += [f"       no signal (chosen == rejected): {f'{found}: {fate}' if found else 'none'}"] * bool(
-            s.unit == "pairs" or found
-        )
-        lines += [
-            f"       warning: reply_cues_cut={s.reply_cues_cut}: keep_start cut prompts' cue to reply ('\\n\\n"
-            "Assistant:' or the generation prompt): set truncation_mode=keep_end"
-        ] * bool(s.reply_cues_cut)
+        if s.unit == "pairs" or found:
+            lines.append(f"       no signal (chosen == rejected): {f'{found}: {fate}' if found else 'none'}")
+        if s.reply_cues_cut:
+            lines.append(
+                f"       warning: reply_cues_cut={s.reply_cues_cut}: keep_start cut prompts' cue to reply ('\\n\\n"
+                "Assistant:' or the generation prompt): set truncation_mode=keep_end"
+            )
     return "\n".join(lines)
 
 
@@ -799,13 +797,13 @@ def iter_batch_indices(
 ) -> Iterator[list[int]]:
     """This rank's item indices per global step: step s is batch s % S of epoch s // S (S = n_items // batch_size)
     in a permutation seeded by (seed, epoch); rank r takes its slice, or with `sizes` its balance_shares share."""
-    total, first = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples), start_example
-    per_epoch, k = n_items // batch_size, batch_size // world_size
+    total = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples)
+    per_epoch, k, start = n_items // batch_size, batch_size // world_size, start_example // batch_size
 
     def batches():  # a generator inside: num_steps' check raises at the call, not at the first next()
-        for step in range(first // batch_size, total):
+        for step in range(start, total):
             epoch, j = divmod(step, per_epoch)
-            if j == 0 or step == first // batch_size:  # the order is a function of (seed, epoch): no state to resume
+            if j == 0 or step == start:  # the order is a function of (seed, epoch): no state to resume
                 order = np.random.default_rng((seed, epoch)).permutation(n_items) if shuffle else np.arange(n_items)
             items = order[j * batch_size : (j + 1) * batch_size].tolist()
             if sizes is None:
