@@ -2,7 +2,8 @@
 
 `BasicTrainer` trains in one process (several GPUs: naive model parallel through `device_map`); `FSDPTrainer` is the
 same trainer with policy and reference sharded. Where several processes differ from one (gradient sync, clipping,
-the non-finite decision, gathering, state dicts) the loop calls `self.sharding`, picked once (sharding.py).
+the non-finite decision, gathering, state dicts) the loop calls `self.sharding`, built once by `spread` (sharding.py;
+FSDPTrainer's: fsdp.py).
 
 A step: the rank's pairs are split into micro-batches (gradient_accumulation_steps, or groups within the token
 budget); each runs ONE policy forward over chosen and rejected concatenated (and one reference forward, or a table
@@ -30,7 +31,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import tqdm
 import yaml
@@ -126,7 +126,8 @@ def stop_on_signals(stop: dict):
 
 class BasicTrainer:
     """The loop: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint cadence. The
-    reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`."""
+    reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`, the models' placement over
+    processes `self.sharding` (from `spread`, the one step FSDPTrainer overrides)."""
 
     def __init__(
         self,
@@ -141,8 +142,9 @@ class BasicTrainer:
         splits: Optional[dict] = None,
     ):
         c, self.config, self.seed, self.rank, self.world_size = config, config, seed, rank, world_size
-        self.sharding = getattr(self, "sharding", None) or OneProcess(policy, config)  # FSDPTrainer sets its own
-        self.sp = getattr(self, "sp", None)  # FSDPTrainer's Ulysses group, if any
+        n_params = flops_params(policy)  # MFU's N, counted before any sharding (meta tensors know their shapes too)
+        self.sp = None  # a Ulysses group (FSDPTrainer with fsdp.ulysses_sequence_parallel_size > 1)
+        self.sharding, policy, reference_model = self.spread(policy, reference_model)
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
@@ -179,9 +181,9 @@ class BasicTrainer:
         )
         self.reference = Reference(self, reference_model)
         self.checkpoints = Checkpoints(self)
-        # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference (N counted before any sharding)
+        # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference
         online = self.reference.model is not None and not c.precompute_ref_log_probs
-        self.flops_per_token = (6 + 2 * online) * (getattr(self, "n_params", None) or flops_params(policy))
+        self.flops_per_token = (6 + 2 * online) * n_params
         model_config, setting = unwrap(policy).config, c.loss.router_aux_loss
         # a mixture of experts: its routers logged; loss.router_aux_loss as a number (null 0, off; model: the model
         # config's router_aux_loss_coef, which train.py checked exists)
@@ -228,6 +230,11 @@ class BasicTrainer:
                 else ""
             )
         )
+
+    def spread(self, policy: nn.Module, reference_model: Optional[nn.Module]) -> tuple:
+        """How the models are spread over processes: the sharding object the loop calls, and the policy and reference
+        to train with. One process: `OneProcess`, the models as they are; FSDPTrainer shards them."""
+        return OneProcess(policy, self.config), policy, reference_model
 
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
     def forward_options(self, entropy_grad: bool = False) -> dict:
@@ -1170,43 +1177,28 @@ def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
 
 class FSDPTrainer(BasicTrainer):
     """BasicTrainer with policy and reference sharded as the original FSDPTrainer did (each block a unit, FULL_SHARD,
-    BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (sharding.py) does the rest."""
+    BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (fsdp.py) does the rest."""
 
-    def __init__(
-        self,
-        policy: nn.Module,
-        config,
-        seed: int,
-        run_dir: str,
-        reference_model: Optional[nn.Module] = None,
-        rank: int = 0,
-        world_size: int = 1,
-        tokenizer=None,
-        splits: Optional[dict] = None,
-    ):
-        if not dist.is_initialized():
+    def spread(self, policy: nn.Module, reference_model: Optional[nn.Module]) -> tuple:
+        """The engine fsdp.strategy names, on this rank's device, and both models sharded by it (the reference in its
+        own compute dtype, config.reference_mixed); Ulysses installed first, as recomputed blocks attend through it."""
+        if not torch.distributed.is_initialized():
             raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
         # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        device = (
-            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-        if config.fsdp.ulysses_sequence_parallel_size > 1:  # before sharding: recomputed blocks attend through it too
+        c, on_gpu = self.config, torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+        if c.fsdp.ulysses_sequence_parallel_size > 1:
             import ulysses  # sequence parallelism: off every other run's path
 
-            self.sp = ulysses.make_group(device, world_size, config.fsdp.ulysses_sequence_parallel_size)
+            self.sp = ulysses.make_group(device, self.world_size, c.fsdp.ulysses_sequence_parallel_size)
             for model in filter(None, (policy, reference_model)):
                 ulysses.install(model, self.sp)
         import fsdp  # the FSDP engines: a one-process run never imports them
 
-        self.sharding = fsdp.SHARDINGS[config.fsdp.strategy](config.fsdp, device, rank, world_size, policy)
-        self.n_params = flops_params(policy)  # meta tensors know their shapes too
-        policy = self.sharding.shard(
-            policy, config.activation_checkpointing, reshard_after_forward=config.fsdp.reshard_after_forward
-        )
-        if reference_model is not None:  # in its own compute dtype (config.reference_mixed)
-            reference_model = self.sharding.shard(reference_model, False, mixed_precision=config.reference_mixed)
-        super().__init__(policy, config, seed, run_dir, reference_model, rank, world_size, tokenizer, splits)
+        sharding = fsdp.SHARDINGS[c.fsdp.strategy](c.fsdp, device, self.rank, self.world_size, policy)
+        policy = sharding.shard(policy, c.activation_checkpointing, reshard_after_forward=c.fsdp.reshard_after_forward)
+        if reference_model is not None:
+            reference_model = sharding.shard(reference_model, False, mixed_precision=c.reference_mixed)
+        return sharding, policy, reference_model
