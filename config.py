@@ -99,7 +99,9 @@ class FSDPEngineConfig(EngineConfig):
     model_dtype: str = param("fp32", "dtype of the master weights (the original's model.policy_dtype)", DTYPE)
     use_orig_params: bool = param(False, "FSDP1: keep the original nn.Parameters (for per-parameter optimizer groups)")
     mixed_precision: Optional[dict] = param(
-        None, "{param_dtype, reduce_dtype, buffer_dtype} or a param_dtype; unset: fsdp.dtype, fp32; null: model_dtype"
+        None,
+        "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, "
+        "the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
     )
     ulysses_sequence_parallel_size: int = param(
         1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
@@ -157,7 +159,8 @@ class LossConfig(BaseConfig):
     # transformers and TRL add none either; DPO's few small steps need no pretraining-sized push toward uniform load
     router_aux_loss: Optional[Union[float, str]] = param(
         None,
-        "MoE: weight of Switch's load-balancing loss per sequence; null = logged only, model = router_aux_loss_coef",
+        "MoE: weight of Switch's load-balancing loss, per sequence over its real tokens (logged as router_aux_loss); "
+        "null = logged only, model = the model config's router_aux_loss_coef",
         (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"),
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
@@ -178,10 +181,15 @@ class LossConfig(BaseConfig):
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
     # Modifiers of every paired loss (losses.compute_loss)
     wpo: bool = param(
-        False, "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses"
+        False,
+        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, "
+        "aligned to its own sampling, clamped at 1 and detached",
     )
     ld_alpha: float = param(
-        1.0, "LD-DPO (arXiv:2409.06411): weight of tokens past the shorter response; 1 = off, 0.2-0.8 typical", "[0, 1]"
+        1.0,
+        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference "
+        "alike; 1 = off, 0.2-0.8 typical",
+        "[0, 1]",
     )
     dynamic_beta: float = param(
         0.0,
@@ -196,7 +204,8 @@ class LossConfig(BaseConfig):
     )
     dpop_lambda: float = param(
         0.0,
-        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)); 0 = off, 50 in the paper",
+        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; "
+        "0 = off, 50 in the paper",
         NON_NEGATIVE,
     )
 
@@ -213,7 +222,9 @@ class RefUpdateConfig(BaseConfig):
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
 
-    r: Optional[int] = param(None, "LoRA rank", (lambda v: v >= 1, "a positive rank, or null (no adapters)"))
+    r: Optional[int] = param(
+        None, "LoRA rank; null = full fine-tuning", (lambda v: v >= 1, "a positive rank, or null (no adapters)")
+    )
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
     target_modules: Union[str, list] = param(
@@ -287,7 +298,9 @@ class Config(BaseConfig):
     )
     optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD", ("RMSprop", "AdamW", "SGD"))
     weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD", NON_NEGATIVE)
-    scheduler: str = param("constant", "after warmup; linear and cosine decay to 0", ("constant", "linear", "cosine"))
+    scheduler: str = param(
+        "constant", "after warmup: constant (the original's), linear or cosine to 0", ("constant", "linear", "cosine")
+    )
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
     eval_every: int = param(20_000, "evaluate and checkpoint every this many pairs, a multiple of batch_size", POSITIVE)
@@ -310,7 +323,9 @@ class Config(BaseConfig):
     tiled_lm_head: bool = param(True, "LM head on scored positions only, in tiles (FSDP: in the root's forward)")
     precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
     self_check: bool = param(
-        True, "self_check.py: before step 1, fast paths and reference must give the plain log-probs (or exit 4)"
+        True,
+        "before the first optimizer step, check on a few of the run's pairs that the tiled head, packed or shared rows "
+        "and the reference give the plain path's log-probs (self_check.py); a failure stops the run with exit code 4",
     )
     max_tokens_per_microbatch: Optional[int] = param(
         None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE
@@ -524,7 +539,8 @@ def _flag(name: Any, flag: str) -> bool:
 def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
     """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
-    selected, why = ", ".join(names) or "none", {}
+    selected = ", ".join(names) or "none"
+    why = {}
     for key in LossConfig():
         readers = sorted(n for n, spec in loss_registry().items() if key in spec["reads"])
         if readers and not set(readers) & set(names):
@@ -908,7 +924,8 @@ def _modifier_rules(c: Config) -> list[str]:
 
 
 def _prefix_sharing_rules(c: Config) -> list[str]:
-    sp, problems = c.fsdp.ulysses_sequence_parallel_size, []
+    sp = c.fsdp.ulysses_sequence_parallel_size
+    problems = []
     if not c.trains_on_pairs:
         problems.append(
             f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
@@ -948,7 +965,8 @@ def _lora_rules(c: Config) -> list[str]:
 
 def _ref_update_rules(c: Config) -> list[str]:
     """TR-DPO (ref_update.tau)."""
-    tau, problems = c.ref_update.tau, []
+    tau = c.ref_update.tau
+    problems = []
     if c.loss.reference_free or not any(_flag(n, "needs_reference") for n in c.loss_names):
         problems.append(
             f"ref_update.tau={tau}: the selected loss {c.loss.name!r} runs no reference model"
@@ -965,7 +983,8 @@ def _ref_update_rules(c: Config) -> list[str]:
 
 def _online_rules(c: Config) -> list[str]:
     """Semi-online DPO (online.rounds)."""
-    o, problems = c.online, []
+    o = c.online
+    problems = []
     if not c.trains_on_pairs:
         problems.append(
             f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="

@@ -120,8 +120,9 @@ def geometry(config: dict) -> Geometry:
         fp32 = 2 * (h + 1) + heads + qk + qk // d + (experts if family in MOE else 0)
         saved = Saved(compute, fp32, 0, 2 * h, 3 * h, 2 * (heads - kv) * d)
         widest = 3 * k * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, norm's
-        names = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
-        ins, outs = (h, h, h, heads * d, h, h, i), (heads * d, kv * d, kv * d, h, i, i, h)
+        attention = (("q", h, heads * d), ("k", h, kv * d), ("v", h, kv * d), ("o", heads * d, h))  # (name, in, out)
+        linears = tuple((f"self_attn.{p}_proj", a, b) for p, a, b in attention)
+        linears += tuple((f"mlp.{p}_proj", a, b) for p, a, b in (("gate", h, i), ("up", h, i), ("down", i, h)))
     else:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
@@ -139,8 +140,7 @@ def geometry(config: dict) -> Geometry:
             if neox
             else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
         )
-        ins, outs = (h, h, h, i), (3 * h, h, i, h)
-    linears = tuple(zip(names, ins, outs))
+        linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))  # (name, in, out): qkv, out, MLP up, MLP down
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
     if family in MOE:  # the attention's; peft's all-linear also adapts the fused experts and router: not counted
         linears = linears[:4]
@@ -333,7 +333,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     device = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
-    e, family = estimate(cfg, model, world, device), model.get("model_type")
+    e = estimate(cfg, model, world, device)
+    family = model.get("model_type")
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2**20)

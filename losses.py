@@ -593,13 +593,14 @@ def compute_loss(
 
     hp: the config's loss section (any object; a key left out takes its default; average_log_prob None: each loss's
     own). policy, reference: forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
-    one row per example; the reference scores the same tokens, so the policy's counts normalize both. No reference
-    (reference_free, or None where no named loss needs one): log p = 0. desirable, kl: KTO's, see `_unpaired_loss`.
-    The modifiers, from hp (each one's function says how): LD-DPO (ld_alpha != 1; `tokens` scored where `labels`
-    (N, T) are) and DPOP (dpop_lambda > 0) in the losses that compare with a reference (rpo = [dpo, sft] still); WPO
-    (wpo) weighs each pair's losses; beta-DPO (dynamic_beta > 0 with `beta_dpo`; `step`: None in evaluation) gives
-    the batch's beta, and the mean loss is its kept pairs' (the others 0, the kept scaled by B / kept). The logged
-    rewards are without DPOP's penalty, at the configured beta (the loss called again); logps/* stay the sums."""
+    one row per example: `sums` and `counts`, (N,); the reference scores the same tokens, so the policy's counts
+    normalize both. No reference (reference_free, or None where no named loss needs one): log p = 0. desirable, kl:
+    KTO's, see `_unpaired_loss`. The modifiers, from hp (each one's function says how): LD-DPO (ld_alpha != 1;
+    `tokens` scored where `labels` (N, T) are) and DPOP (dpop_lambda > 0) in the losses that compare with a reference
+    (sft and ORPO's odds keep the plain log-probs: rpo = [dpo, sft] still); WPO (wpo) weighs each pair's losses;
+    beta-DPO (dynamic_beta > 0 with `beta_dpo`; `step`: None in evaluation) gives the batch's beta, and the mean loss
+    is its kept pairs' (the others 0, the kept scaled by B / kept). The logged rewards are without DPOP's penalty, at
+    the configured beta (a second call, without gradients, when either differs); logps/* stay the sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
@@ -630,7 +631,8 @@ def compute_loss(
         average = average_log_prob(next(s for s in specs if "beta" in config_keys(s.fn)), hp)
         ratios = sequence_logps(sums - ref, counts, average).detach()
         beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
-    dpop, total, chosen_rewards, rejected_rewards = getattr(hp, "dpop_lambda", 0.0), 0, None, None
+    dpop = getattr(hp, "dpop_lambda", 0.0)
+    total, chosen_rewards, rejected_rewards = 0, None, None
     given = {"chosen_nll": chosen_nll, "beta": beta}  # beta None: loss.beta
     for name, spec, weight in zip(names, specs, weights, strict=True):
         average, sides = average_log_prob(spec, hp), modified if spec.needs_reference else (sums, ref)

@@ -161,7 +161,8 @@ def _wrap(implementation: str):
         # (B, H, T/sp, d), all heads at my positions -> (B, H/sp, T, d), my heads at all positions
         query, key, value = (_exchange(x, sp) for x in (query, key, value))
         if causal and not takes_is_causal:
-            t, low = query.size(-2), torch.finfo(torch.bfloat16).min
+            t = query.size(-2)
+            low = torch.finfo(torch.bfloat16).min
             attention_mask = torch.full((t, t), low, dtype=torch.bfloat16, device=query.device).triu_(1)[None, None]
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         # (B, T, H/sp, d) -> (B, T/sp, H, d); no attention weights: they would be per head slice
