@@ -538,12 +538,9 @@ def truncate(
     """As the original: if prompt + the longest response exceed max_length, cut the prompt to max_prompt_length,
     keep_start or keep_end (a leading BOS kept); then cut every response to the room left (departure 7)."""
     if len(prompt_ids) + max(map(len, responses)) > max_length and len(prompt_ids) > max_prompt_length:
-        head = prompt_ids[:1] if mode == "keep_end" and bos_id is not None and prompt_ids[:1] == [bos_id] else []
-        prompt_ids = (
-            prompt_ids[:max_prompt_length]
-            if mode == "keep_start"
-            else head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
-        )
+        head = prompt_ids[:1] if mode == "keep_end" and prompt_ids[:1] == [bos_id] else []  # ids are never None
+        tail = prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
+        prompt_ids = prompt_ids[:max_prompt_length] if mode == "keep_start" else head + tail
     return prompt_ids, [r[: max_length - len(prompt_ids)] for r in responses]
 
 
