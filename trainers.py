@@ -41,19 +41,8 @@ import self_check
 from config import dtype_of, flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import OneProcess, unwrap
-from utils import (
-    all_gather_object,
-    atomic_write_text,
-    broadcast_object,
-    file_sha256,
-    first_usable_dir,
-    formatted_dict,
-    fsync_dir,
-    get_rng_state,
-    rank0_print,
-    set_rng_state,
-    use_shape_free_attention,
-)
+import utils
+from utils import rank0_print
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
 OPTIMIZERS = {
@@ -68,17 +57,6 @@ DECAYS = {  # fraction of the peak learning rate after warmup, as a function of 
     "linear": lambda progress: max(0.0, 1.0 - progress),
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
 }
-
-
-def lr_lambda(warmup_steps: int, total_steps: int, decay: str):
-    """Linear warmup from 0 to the peak over `warmup_steps`, then `decay` until `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return DECAYS[decay]((step - warmup_steps) / max(1, total_steps - warmup_steps))
-
-    return factor
 
 
 class NonFiniteError(RuntimeError):
@@ -149,7 +127,7 @@ class BasicTrainer:
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
-        use_shape_free_attention(self.device)
+        utils.use_shape_free_attention(self.device)
         self.entropy_options = dict(
             chunking=c.fsdp.entropy_from_logits_with_chunking,
             checkpointing=c.fsdp.entropy_checkpointing,
@@ -169,9 +147,8 @@ class BasicTrainer:
         # The first n_eval_examples test pairs, each once (repeats completing the last batch are left out); KTO needs
         # >= 2 rows per rank for its KL estimate
         self.n_eval_pairs = min(len(test), c.n_eval_examples)
-        self.eval_batch_size = min(
-            c.eval_batch_size, max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size)) * self.dp_size
-        )
+        per_rank = max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size))
+        self.eval_batch_size = min(c.eval_batch_size, per_rank * self.dp_size)
         shares = dict(pad_token_id=tokenizer.pad_token_id, rank=self.dp_rank, world_size=self.dp_size)
         self.eval_batches = data.get_eval_batches(
             test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples, kl_rows=self.unpaired, **shares
@@ -191,9 +168,8 @@ class BasicTrainer:
         self.routed = share < 1
         self.router_coef = float(model_config.router_aux_loss_coef if setting == "model" else setting or 0.0)
         if self.routed:
-            active = self.flops_per_token // (6 + 2 * online)
             rank0_print(
-                f"mixture of experts: MFU counts the {active / 1e6:.2f}M active parameters (each expert's x "
+                f"mixture of experts: MFU counts the {n_params / 1e6:.2f}M active parameters (each expert's x "
                 f"{share:g}: top-k of the experts run per token); memory holds all of them"
             )
         peak = 0.0  # throughput/mfu divides by the device's dense bf16 peak (datasheets); peak_tflops wins
@@ -204,31 +180,22 @@ class BasicTrainer:
             peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
         self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
-        ranks = (
-            f"data-parallel {self.dp_size} "
-            f"(world size {world_size} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
-            if self.sp_size > 1
-            else f"world size {world_size}"
-        )
-        doubled = (
-            " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)"
-            if c.pairs_to_unpaired
-            else ""
-        )
+        ranks, doubled = f"world size {world_size}", ""
+        if self.sp_size > 1:
+            ranks = f"data-parallel {self.dp_size} ({ranks} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
+        if c.pairs_to_unpaired:
+            doubled = " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)"
         micro = c.batch_size // self.dp_size // c.gradient_accumulation_steps
         rank0_print(
             f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation "
             f"{c.gradient_accumulation_steps} x micro-batch {micro}; train {unit} {self.n_train_pairs}{doubled}; "
             f"total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
         )
-        original = (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150)
+        original = ""
+        if (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150):
+            original = " (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)"
         rank0_print(
-            f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}"
-            + (
-                " (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)"
-                if original
-                else ""
-            )
+            f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}{original}"
         )
 
     def spread(self, policy: nn.Module, reference_model: Optional[nn.Module]) -> tuple:
@@ -343,13 +310,8 @@ class BasicTrainer:
         mean = {k: sharding.gather(torch.cat(v).float()).nanmean().item() for k, v in collected.items()}
         tokens = pair_tokens(batch, c.prefix_sharing).sum()
         tokens = sharding.gather(tokens.reshape(1).float().to(self.device)).sum().item() / self.sp_size
-        return dict(
-            mean,
-            tokens=tokens,
-            grad_norm=grad_norm,
-            lr=self.scheduler.get_last_lr()[0],
-            nonfinite_steps=float(self.nonfinite_total),
-        )
+        lr = self.scheduler.get_last_lr()[0]
+        return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=lr, nonfinite_steps=float(self.nonfinite_total))
 
     # --- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -370,16 +332,8 @@ class BasicTrainer:
             self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
-        with (
-            stop_on_signals(self.stop),
-            tqdm.tqdm(
-                total=self.total_steps,
-                initial=self.batch_counter,
-                unit="step",
-                disable=not self.bars,
-                dynamic_ncols=True,
-            ) as bar,
-        ):
+        progress = dict(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.bars)
+        with stop_on_signals(self.stop), tqdm.tqdm(**progress, dynamic_ncols=True) as bar:
             for batch in self.train_batches():
                 if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
                     if self.example_counter > 0 or c.do_first_eval:
@@ -392,11 +346,17 @@ class BasicTrainer:
             self.checkpoints.save()
 
     def build_optimizer(self) -> None:
-        c = self.config
+        """The optimizer of the trainable parameters; its schedule: linear warmup from 0 to the peak over warmup_steps,
+        then DECAYS[scheduler] until the last step."""
+        c, warmup, total = self.config, self.config.warmup_steps, self.total_steps
         self.optimizer = OPTIMIZERS[c.optimizer]([p for p in self.policy.parameters() if p.requires_grad], c)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(c.warmup_steps, self.total_steps, c.scheduler)
-        )
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            return DECAYS[c.scheduler]((step - warmup) / max(1, total - warmup))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def train_batches(self):
         """This rank's share of every step's pairs, from where the run stands (a resume continues the order)."""
@@ -418,40 +378,36 @@ class BasicTrainer:
 
     def step_and_log(self, batch: dict, bar) -> None:
         """One step, its metrics and throughput logged; then a requested stop or too many non-finite steps."""
-        start = time.time()
+        c, start = self.config, time.time()
         with self.sharding.params_on_device(self.policy):
             metrics = self.train_step(batch)
         seconds = time.time() - start
         self.batch_counter += 1
-        self.example_counter += self.config.batch_size
-        if self.config.ref_update.tau is not None:  # TR-DPO
+        self.example_counter += c.batch_size
+        if c.ref_update.tau is not None:  # TR-DPO
             self.reference.update()
         tokens = metrics.pop("tokens")
-        metrics.update(
-            {
-                "throughput/pairs_per_second": self.config.batch_size / seconds,
-                "throughput/tokens_per_second": tokens / seconds,
-                # the original's name: pairs over seconds since the loop started
-                "examples_per_second": (self.example_counter - self.loop_start[1]) / (time.time() - self.loop_start[0]),
-                "counters/examples": self.example_counter,
-                "counters/updates": self.batch_counter,
-            }
-        )
+        metrics["throughput/pairs_per_second"] = c.batch_size / seconds
+        metrics["throughput/tokens_per_second"] = tokens / seconds
+        # the original's name: pairs over seconds since the loop started
+        started, examples_then = self.loop_start
+        metrics["examples_per_second"] = (self.example_counter - examples_then) / (time.time() - started)
+        metrics["counters/examples"], metrics["counters/updates"] = self.example_counter, self.batch_counter
         if self.peak_flops:  # model FLOPs utilization
             metrics["throughput/mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * self.world_size)
         self.log.progress(bar, metrics, self.batch_counter, self.total_steps, self.example_counter)
-        if self.batch_counter % self.config.log_every_steps == 0 or self.batch_counter == self.total_steps:
+        if self.batch_counter % c.log_every_steps == 0 or self.batch_counter == self.total_steps:
             self.log(self.example_counter, metrics)  # a step cadence: the same config logs the same steps
         if self.sharding.any_true(self.stop["signal"] is not None):  # a signal on any rank: all stop after this step
             self.checkpoints.save(lean=True)
             raise Interrupted(
                 self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir
             )
-        if self.nonfinite_in_a_row > self.config.max_nonfinite_steps:
+        if self.nonfinite_in_a_row > c.max_nonfinite_steps:
             self.checkpoints.save()
             raise NonFiniteError(
                 f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
-                f"{self.config.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}"
+                f"{c.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}"
             )
 
     # --- evaluation and sampling -----------------------------------------------------------------------------
@@ -472,7 +428,7 @@ class BasicTrainer:
             mean = {name: self.sharding.gather(torch.cat(v)).float().nanmean().item() for name, v in collected.items()}
             mean.update(self.sample_and_log() if self.sample_batches else {})
         self.sharding.reshard(self.policy)
-        rank0_print(f"eval after {self.example_counter}: {formatted_dict(mean)}")
+        rank0_print(f"eval after {self.example_counter}: {utils.formatted_dict(mean)}")
         self.log(self.example_counter, mean)
         self.last_eval_metrics = mean
 
@@ -545,9 +501,8 @@ class RunLog:
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         """One record, at `step` (training pairs seen)."""
         if self.rank == 0:
-            self._append(
-                "metrics.jsonl", [{"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}]
-            )
+            record = {"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}}
+            self._append("metrics.jsonl", [record])
             if self.wandb_run is not None:
                 self.wandb_run.log(metrics, step=step)
 
@@ -556,11 +511,8 @@ class RunLog:
         speed, loss = f"{metrics['throughput/pairs_per_second']:.2f}", f"{metrics.get('loss/train', math.nan):.4f}"
         bar.update(1)
         bar.set_postfix(pairs_per_s=speed, loss=loss)
-        if (
-            bar.disable
-            and self.rank == 0
-            and (time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total)
-        ):
+        due = time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total
+        if bar.disable and self.rank == 0 and due:
             print(
                 f"progress: step {step}/{total}, pairs seen {examples}, pairs/s {speed}, loss/train {loss}", flush=True
             )
@@ -568,27 +520,22 @@ class RunLog:
 
     def samples(self, step: int, rows: list[tuple]) -> None:
         if self.rank == 0:
-            self._append(
-                "samples.jsonl", [{"step": step, "prompt": p, "policy": s, "reference": r} for p, s, r in rows]
-            )
+            records = [{"step": step, "prompt": p, "policy": s, "reference": r} for p, s, r in rows]
+            self._append("samples.jsonl", records)
             if self.wandb_run is not None:
                 import wandb
 
-                self.wandb_run.log(
-                    {
-                        "samples": wandb.Table(
-                            columns=["step", "prompt", "policy", "reference"], data=[[step, *row] for row in rows]
-                        )
-                    },
-                    step=step,
+                table = wandb.Table(
+                    columns=["step", "prompt", "policy", "reference"], data=[[step, *row] for row in rows]
                 )
+                self.wandb_run.log({"samples": table}, step=step)
 
     def truncate(self, step: int) -> None:
         """On resume: drop the records written after the checkpoint's step (the resumed run writes them again)."""
         for path in (self.run_dir / "metrics.jsonl", self.run_dir / "samples.jsonl"):
             if self.rank == 0 and path.exists():
                 kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-                atomic_write_text(path, "".join(line + "\n" for line in kept))
+                utils.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def _append(self, name: str, records: list[dict]) -> None:
         with open(self.run_dir / name, "a") as f:
@@ -653,12 +600,10 @@ class Reference:
                 sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
             if i < real:
-                logratios = losses.sequence_logps(
-                    sums - (0 if ref is None else ref.sums.to(sums.device)), counts, average
-                )
-                total += torch.stack(
-                    [logratios.double().sum(), torch.tensor(float(len(logratios)), device=sums.device)]
-                ).to(total.device)
+                ref_sums = 0 if ref is None else ref.sums.to(sums.device)
+                logratios = losses.sequence_logps(sums - ref_sums, counts, average)
+                n = torch.tensor(float(len(logratios)), device=sums.device)
+                total += torch.stack([logratios.double().sum(), n]).to(total.device)
         total = t.sharding.gather(total[None]).sum(0)
         return (total[0] / total[1]).float().reshape(1)
 
@@ -727,25 +672,20 @@ class Reference:
         examples = t.splits[split]
         wanted = list(range(min(c.n_eval_examples, len(examples)))) if wanted is None else wanted
         archive = Path(c.model.archive) if c.model.archive else None
-        digest = hashlib.sha256(
-            repr(
-                (
-                    c.model.name_or_path,
-                    c.model.reference_dtype or c.fsdp.model_dtype,
-                    self.mixed and c.fsdp.mixed_precision,
-                    archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
-                    sorted(examples.keys.items()),
-                    len(examples),
-                )
-            ).encode()
-        )  # keys: data, tokenizer
-        path = first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest.hexdigest()[:16]}.pt"
-        table = (
-            (torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan))
-            if t.rank == 0
-            else None
+        key = (
+            c.model.name_or_path,
+            c.model.reference_dtype or c.fsdp.model_dtype,
+            self.mixed and c.fsdp.mixed_precision,
+            archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
+            sorted(examples.keys.items()),  # data, tokenizer
+            len(examples),
         )
-        table = broadcast_object(table)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        path = utils.first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest}.pt"
+        table = None
+        if t.rank == 0:
+            table = torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan)
+        table = utils.broadcast_object(table)
         missing = [i for i in wanted if math.isnan(table[i, 0])]
         rank0_print(
             f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute"
@@ -754,18 +694,10 @@ class Reference:
             mine = rank_share(missing, t.dp_rank, t.dp_size)  # as many forwards on every rank (collectives under FSDP)
             size, values = max(1, c.eval_batch_size // t.dp_size), []
             for start in range(0, len(mine), size):
-                sums = (
-                    self.forward(
-                        concatenated_inputs(
-                            data.collate(examples.rows(mine[start : start + size]), t.tokenizer.pad_token_id)
-                        )
-                    )
-                    .sums.float()
-                    .cpu()
-                )
-                values.append(
-                    torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T
-                )  # SFT: one
+                rows = data.collate(examples.rows(mine[start : start + size]), t.tokenizer.pad_token_id)
+                sums = self.forward(concatenated_inputs(rows)).sums.float().cpu()
+                # SFT: one sequence per example, its sum in both columns
+                values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)
             # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
             where = t.sharding.gather(torch.tensor(mine, device=t.device)).cpu()
             table[where] = t.sharding.gather(torch.cat(values).to(t.device)).cpu()
@@ -798,7 +730,7 @@ class Checkpoints:
             tmp.mkdir(parents=True)
         t.sharding.barrier()
         t.sharding.save(t.policy, t.optimizer, tmp)  # what a resume needs of each rank (one process: optimizer.pt)
-        torch.save(get_rng_state(), tmp / f"rng-{t.rank}.pt")
+        torch.save(utils.get_rng_state(), tmp / f"rng-{t.rank}.pt")
         if t.config.ref_update.tau is not None:  # TR-DPO's reference is trained state
             t.sharding.save(t.reference.model, None, tmp)
         consolidate = not (lean and t.sharding.saves_weights)  # one process: policy.pt is the resume's weights
@@ -837,11 +769,9 @@ class Checkpoints:
             link.unlink(missing_ok=True)
             link.symlink_to(final.name)
             os.replace(link, t.run_dir / "LATEST")
-            fsync_dir(t.run_dir)
-            print(
-                f"checkpoint written: {final}" + (" (lean: no policy.pt, HF export or sha256)" if lean else ""),
-                flush=True,
-            )
+            utils.fsync_dir(t.run_dir)
+            note = " (lean: no policy.pt, HF export or sha256)" if lean else ""
+            print(f"checkpoint written: {final}{note}", flush=True)
         t.sharding.barrier()
 
     def export_hf(self, state: dict, out: Path) -> None:
@@ -882,7 +812,7 @@ class Checkpoints:
         t.example_counter, t.batch_counter = state["example_counter"], state["batch_counter"]
         t.nonfinite_in_a_row, t.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
         t.beta_dpo.load_state_dict(state)
-        set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
+        utils.set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
         t.log.truncate(t.example_counter)
         rank0_print(f"resumed from {ckpt.resolve()} at {t.example_counter} examples ({t.batch_counter} steps)")
         return state["wandb_id"] or ""
@@ -892,21 +822,19 @@ def write_manifest(ckpt: Path, rank: int, world_size: int, hashes: bool = True) 
     """manifest.json: the size (and with `hashes` the sha256) of every file of the checkpoint, written last, each
     file fsynced as it is read: a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as
     wrong weights. The ranks share the files, largest first, so hashing takes 1/world_size of the time."""
-    files = sorted(
-        (p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"),
-        key=lambda p: (-p.stat().st_size, str(p)),
-    )
+    files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    files.sort(key=lambda p: (-p.stat().st_size, str(p)))
     sha256 = {}
     for p in files[rank::world_size]:
         with open(p, "rb") as f:
             os.fsync(f.fileno())
             if hashes:
                 sha256[str(p.relative_to(ckpt))] = hashlib.file_digest(f, "sha256").hexdigest()
-    sha256 = dict(sorted(kv for part in all_gather_object(sha256, slow=True) for kv in part.items()))
+    sha256 = dict(sorted(kv for part in utils.all_gather_object(sha256, slow=True) for kv in part.items()))
     if rank == 0:
         sizes = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(files)}
         record = {"format": CHECKPOINT_FORMAT, "files": sizes, "sha256": sha256}
-        atomic_write_text(ckpt / "manifest.json", json.dumps(record, indent=1))
+        utils.atomic_write_text(ckpt / "manifest.json", json.dumps(record, indent=1))
 
 
 def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
@@ -914,26 +842,18 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
     sha256). Nothing is loaded from one that fails; the message names each bad file and the run's earlier complete
     checkpoints. It runs once per resume: in the launcher, or on rank 0 of a torchrun job (train.py)."""
     run_dir = ckpt.parent
-    earlier = sorted(
-        (
-            p.name
-            for p in run_dir.glob("step-*")
-            if p.is_dir()
-            and not p.name.endswith(".tmp")
-            and (p / "manifest.json").exists()
-            and p.resolve() != ckpt.resolve()
-        ),
-        key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1,
-        reverse=True,
-    )
-    hint = (
-        (
+    earlier = [  # complete checkpoints (a manifest: a directory), newest first
+        p.name
+        for p in run_dir.glob("step-*")
+        if not p.name.endswith(".tmp") and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()
+    ]
+    earlier.sort(key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1, reverse=True)
+    hint = ""
+    if earlier:
+        hint = (
             f"\nearlier checkpoints in {run_dir}: {', '.join(earlier)}; to resume from one, point LATEST at it:"
             f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}"
         )
-        if earlier
-        else ""
-    )
     if not ckpt.is_dir():
         raise CheckpointError(
             f"cannot resume: {ckpt}{f' -> {os.readlink(ckpt)}' if ckpt.is_symlink() else ''} is not a "
@@ -955,7 +875,7 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
             problems.append(f"{name}: missing")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
-        elif hashes and name in sums and file_sha256(path) != sums[name]:
+        elif hashes and name in sums and utils.file_sha256(path) != sums[name]:
             problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
     if problems:
         raise CheckpointError(
@@ -966,45 +886,19 @@ def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
     return ckpt
 
 
-# What a resume may change: lr and schedule (applied after loading, printed), the run's length, evaluation, sampling,
-# logging, file places, and knobs that change memory, not numbers; any other key changes what the saved state means.
+# What a resume may change; any other key changes what the saved state means.
 RESUME_MAY_CHANGE = (
-    "lr",
-    "scheduler",
-    "warmup_steps",
-    "n_epochs",
-    "n_examples",
-    "eval_every",
-    "n_eval_examples",
-    "eval_batch_size",
-    "do_first_eval",
-    "sample_during_eval",
-    "n_eval_model_samples",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "minimum_log_interval_secs",
-    "log_every_steps",
-    "wandb.",
-    "debug",
-    "exp_name",
-    "local_dirs",
-    "run_dir",
-    "resume_from",
-    "collective_timeout_secs",
-    "fsdp_port",
-    "n_workers",
-    "max_nonfinite_steps",
-    "peak_tflops",
-    "activation_checkpointing",
-    "fsdp.param_offload",
-    "fsdp.optimizer_offload",
-    "fsdp.offload_policy",
-    "fsdp.forward_prefetch",
-    "fsdp.entropy_from_logits_with_chunking",
-    "fsdp.entropy_checkpointing",
-    "fsdp.use_torch_compile",
-    "self_check",
+    ("lr", "scheduler", "warmup_steps")  # applied after loading, printed
+    + ("n_epochs", "n_examples")  # the run's length
+    + ("eval_every", "n_eval_examples", "eval_batch_size", "do_first_eval")  # evaluation
+    + ("sample_during_eval", "n_eval_model_samples", "max_new_tokens", "temperature", "top_p")  # sampling
+    + ("minimum_log_interval_secs", "log_every_steps", "wandb.", "debug", "exp_name")  # logging
+    + ("local_dirs", "run_dir", "resume_from")  # file places
+    + ("collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps", "peak_tflops")  # launch, guards
+    # knobs that change memory or speed, not numbers; the self-check before the first step
+    + ("activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload", "fsdp.offload_policy")
+    + ("fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking", "fsdp.entropy_checkpointing")
+    + ("fsdp.use_torch_compile", "self_check")
 )
 
 
@@ -1062,11 +956,10 @@ def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
     """The rows in micro-batches (token budget, else gradient_accumulation_steps slices) and how many are real: every
     forward and backward is a collective under FSDP, so a rank with fewer repeats its last one."""
-    micro = (
-        split_by_tokens(batch, c.max_tokens_per_microbatch, shared_prefix=c.prefix_sharing)
-        if c.max_tokens_per_microbatch
-        else split_batch(batch, c.gradient_accumulation_steps)
-    )
+    if c.max_tokens_per_microbatch:
+        micro = split_by_tokens(batch, c.max_tokens_per_microbatch, shared_prefix=c.prefix_sharing)
+    else:
+        micro = split_batch(batch, c.gradient_accumulation_steps)
     return micro + micro[-1:] * (sharding.agree_max(len(micro)) - len(micro)), len(micro)
 
 
