@@ -2,6 +2,7 @@
   1. Log-probs of labels by one kernel (`_LabelLogProbs`), a tile of scored rows at a time: the backbone's hidden
      states through the LM head (the tiled head, the default: never (rows, vocab) logits; `tiled_head` gives its
      scale or softcap by model type), or the model's own logits (tiled_lm_head=false). Backward recomputes a tile.
+     `label_logps` is the same kernel on given logits or a given head, with its arguments checked.
   2. Entropy of the policy's distribution (logged; an optional bonus in the loss).
   3. Inputs: chosen over rejected in one batch, right-padded rows or rows packed without padding.
   4. `forward_logps`, the one path every trainer calls: per sequence the summed log-probs of its labelled tokens,
@@ -143,6 +144,33 @@ class _LabelLogProbs(torch.autograd.Function):
 def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Rows per tile of the tiled head: DEFAULT_CHUNK_SIZE, fewer where a compute-dtype tile passes HEAD_TILE_BYTES."""
     return max(1, min(DEFAULT_CHUNK_SIZE, HEAD_TILE_BYTES // (vocab * _compute_dtype(dtype).itemsize)))
+
+
+def label_logps(
+    x, labels, weight=None, bias=None, *, chunk_size=None, logit_scale=1.0, softcap=None, with_entropy=False
+):
+    """log p(labels[n] | row n), Shape (N,), fp32 (fp64 for fp64 inputs), by the kernel training runs, a tile of rows
+    at a time: x (N, V) logits, or with weight (V, H) and bias (V,) or None, x (N, H) hidden states through an LM head
+    (logit_scale, softcap: see tiled_head), never more than a tile of logits. IGNORE_INDEX labels give 0 and no
+    gradient; chunk_size None: head_tile_rows; with_entropy: (log-probs, entropy (N,), detached). For forks and
+    benchmarks: training calls the kernel in _label_logps."""
+    head = weight is not None
+    if x.dim() != 2 or labels.shape != x.shape[:1] or (head and (weight.dim() != 2 or weight.shape[1] != x.shape[1])):
+        raise ValueError(
+            f"expected x (N, V), or (N, H) with weight (V, H), and labels (N,); got x {tuple(x.shape)}, "
+            f"weight {None if weight is None else tuple(weight.shape)}, labels {tuple(labels.shape)}"
+        )
+    if bias is not None and (not head or bias.shape != weight.shape[:1]):
+        raise ValueError(f"bias must be (V,) beside a weight (V, H); got bias {tuple(bias.shape)}")
+    if len({t.dtype for t in (x, weight, bias) if t is not None}) > 1:
+        raise TypeError(
+            f"x, weight and bias must share a dtype; got {[t.dtype for t in (x, weight, bias) if t is not None]}"
+        )
+    chunk_size = head_tile_rows(weight.shape[0] if head else x.shape[1], x.dtype) if chunk_size is None else chunk_size
+    if chunk_size < 1 or (softcap is not None and softcap <= 0):
+        raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
+    out = _LabelLogProbs.apply(x, weight, bias, labels, chunk_size, float(logit_scale), softcap, with_entropy)
+    return out[:2] if with_entropy else out[0]
 
 
 # What a model type's CausalLM does to `hidden @ W.T (+ b)`, read in transformers' modeling files: "*" or "/" by a

@@ -1,10 +1,10 @@
-"""Peak memory and time of the LM head + label log-probs: tiled (logps._LabelLogProbs, as training) vs plain.
+"""Peak memory and time of the LM head + label log-probs: tiled (logps.label_logps: the kernel training runs) vs plain.
 
 Measures forward + backward of `sum of label log-probs` of N already-selected positions through an
 LM head weight (V, H), hidden and weight both requiring grad (the weight gradient (V, H) is made by
 both variants, so it is in both peaks).
   plain: logits = hidden @ W.T (N, V), then log_softmax and gather in fp32.
-  tiled: the kernel forward_logps runs on the tiled head (logps._LabelLogProbs), `chunk_size` rows at a time
+  tiled: the kernel forward_logps runs on the tiled head (logps.label_logps), `chunk_size` rows at a time
          (default: logps.head_tile_rows, as training uses); never holds (N, V).
 Default: N = 4096 positions, H = 512, V = 32000 (Llama 2), fp32, i.e. 0.49 GiB of logits.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: import logps_memory
 
 from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
-from logps import _LabelLogProbs, head_tile_rows  # noqa: E402
+from logps import head_tile_rows, label_logps  # noqa: E402
 
 
 def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
@@ -44,7 +44,7 @@ def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 
 
 def tiled_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
-    return _LabelLogProbs.apply(hidden, weight, None, labels, chunk_size, 1.0, None, False)[0]
+    return label_logps(hidden, labels, weight, chunk_size=chunk_size)
 
 
 VARIANTS = {"plain": plain_logps, "tiled": tiled_logps}

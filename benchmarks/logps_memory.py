@@ -1,4 +1,4 @@
-"""Peak memory of the chunked kernel (logps._LabelLogProbs on logits) against the plain fp32 log_softmax gather.
+"""Peak memory of the chunked kernel (logps.label_logps on logits) against the plain fp32 log_softmax gather.
 
 Measures forward + backward of `sum of label log-probs` on bf16 logits that require grad, the
 realistic case (the lm_head output of a bf16 model). Default: 8 sequences x 1024 tokens, vocab
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import logps
 
-from logps import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, _LabelLogProbs  # noqa: E402
+from logps import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, label_logps  # noqa: E402
 
 GIB = 2**30
 
@@ -48,10 +48,7 @@ def chunked_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     hidden states (weight None): targets shifted (position t's target is labels[t+1]), the logits whole (a [:, :-1]
     slice would be a copy); the last position is unscored. Shape (B, T)."""
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    rows = _LabelLogProbs.apply(
-        logits.flatten(0, 1), None, None, targets.flatten(), DEFAULT_CHUNK_SIZE, 1.0, None, False
-    )
-    return rows[0].view(targets.shape)
+    return label_logps(logits.flatten(0, 1), targets.flatten(), chunk_size=DEFAULT_CHUNK_SIZE).view(targets.shape)
 
 
 VARIANTS = {"plain": plain_logps, "chunked": chunked_logps}

@@ -25,8 +25,8 @@ def per_token_logps(logits, labels, chunk_size=DEFAULT_CHUNK_SIZE):
     """log p(labels[t+1] | logits[t]) and its mask, (B, T-1) each: the kernel (logps._LabelLogProbs) on the logits
     themselves (weight None), the labels shifted by one."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-    flat = logps._LabelLogProbs.apply(logits.flatten(0, 1), None, None, targets.flatten(), chunk_size, 1.0, None, False)
-    return flat[0].view(targets.shape)[:, :-1], targets[:, :-1] != -100
+    flat = logps.label_logps(logits.flatten(0, 1), targets.flatten(), chunk_size=chunk_size)
+    return flat.view(targets.shape)[:, :-1], targets[:, :-1] != -100
 
 
 def plain_logps(logits, labels, dtype=torch.float32):
@@ -197,15 +197,27 @@ def test_entropy_with_torch_compile_on_cpu():
 HEAD_PARAMS = ("hidden", "weight", "bias")  # the differentiable inputs of the head's kernel
 
 
-def head_kernel(
-    hidden, weight, labels, bias=None, *, chunk_size=None, with_entropy=False, logit_scale=1.0, softcap=None
-):
-    """The tiled head as _label_logps runs it: logps._LabelLogProbs on hidden (N, H), weight (V, H), labels (N,),
-    bias (V,) or None, in tiles of chunk_size rows (None: head_tile_rows). Log-probs (N,); with `with_entropy`,
-    (log-probs, entropy)."""
-    chunk_size = chunk_size or head_tile_rows(weight.shape[0], weight.dtype)
-    out = logps._LabelLogProbs.apply(hidden, weight, bias, labels, chunk_size, logit_scale, softcap, with_entropy)
-    return out[:2] if with_entropy else out[0]
+def head_kernel(hidden, weight, labels, bias=None, **options):
+    """The tiled head, logps.label_logps with a weight (V, H), in run_head's order of parameters."""
+    return logps.label_logps(hidden, labels, weight, bias, **options)
+
+
+def test_label_logps_argument_errors_name_every_shape():
+    hidden, weight, labels = torch.zeros(4, 8), torch.zeros(7, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape("got x (4, 8), weight (7, 16), labels (4,)")):
+        logps.label_logps(hidden, labels, torch.zeros(7, 16))
+    with pytest.raises(ValueError, match=re.escape("got x (2, 4, 8), weight (7, 8)")):
+        logps.label_logps(torch.zeros(2, 4, 8), labels, weight)
+    with pytest.raises(ValueError, match=re.escape("labels (5,)")):
+        logps.label_logps(hidden, torch.zeros(5, dtype=torch.long), weight)
+    with pytest.raises(ValueError, match=re.escape("bias (6,)")):
+        logps.label_logps(hidden, labels, weight, torch.zeros(6))
+    with pytest.raises(TypeError, match="torch.bfloat16, torch.float32"):
+        logps.label_logps(hidden.bfloat16(), labels, weight)
+    with pytest.raises(ValueError, match="softcap"):
+        logps.label_logps(hidden, labels, weight, softcap=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        logps.label_logps(hidden, labels, chunk_size=0)
 
 
 def plain_head(hidden, weight, labels, bias=None, dtype=torch.float64, logit_scale=1.0, softcap=None):
