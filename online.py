@@ -20,15 +20,13 @@ import time
 from pathlib import Path
 
 import torch
-import tqdm
 from torch.nn.utils.rnn import pad_sequence
 
 import preference_datasets as data
-import self_check
 import ulysses
 from config import ConfigError
 from sharding import unwrap
-from trainers import CheckpointError, sampling_seed, stop_on_signals
+from trainers import CheckpointError, sampling_seed
 from utils import atomic_write_text, broadcast_object, file_sha256, rank0_print
 
 # round r, group g samples from sampling_seed(seed, STREAM + r, g): past any pairs count, so never evaluation's stream
@@ -40,55 +38,45 @@ STATS = (  # logged per round, at the pairs seen before it
 ).split()
 
 
-def train(t) -> None:
-    """BasicTrainer.train's loop (evaluate and checkpoint every eval_every pairs, and at the end) over the rounds."""
+def batches(t):
+    """The rounds' batches, for BasicTrainer.train's loop (which evaluates and checkpoints every eval_every pairs and
+    at the end): the prompts read, the scorer built and the schedule's length set before the optimizer is."""
     c, o = t.config, t.config.online
     prompts, score = read_prompts(c), make_scorer(c, t.device)
     t.total_steps = o.rounds * (o.prompts_per_round // c.batch_size)  # the schedule's length: every round full
     rank0_print(f"online: {o.rounds} rounds of {o.prompts_per_round} of {len(prompts)} prompts, {t.total_steps} steps")
-    t.build_optimizer()
-    t.log.start(t.checkpoints.resume() if c.resume_from else None)
-    t.sharding.barrier()
-    self_check.run(t)  # on the datasets' training pairs: the head, layout and reference are the round pairs' too
-    resumed_at = t.example_counter if c.resume_from else None
-    t.loop_start, done = (time.time(), t.example_counter), 0  # done: the steps of the rounds before this one
-    bar = tqdm.tqdm(total=t.total_steps, initial=t.batch_counter, unit="step", disable=not t.bars, dynamic_ncols=True)
+    return rounds(t, prompts, score)
+
+
+def rounds(t, prompts: list, score):
+    """Round by round, this rank's share of one pass over the round's pairs. Runs from the loop's first batch: after
+    the resume and self_check (on the datasets' training pairs: the head, layout and reference are the rounds' too)."""
+    c, o = t.config, t.config.online
+    resumed_at, done = t.example_counter if c.resume_from else None, 0  # done: the steps of the rounds before this one
     share = dict(batch_size=c.batch_size, n_epochs=1, rank=t.dp_rank, world_size=t.dp_size, balance=c.balance_batch)
-    with stop_on_signals(t.stop), bar:
-        for r in range(o.rounds):
-            folder = t.run_dir / "rounds" / str(r)
-            # a resume reuses a complete round file (rank 0's verdict for all); a fresh start samples every round
-            stats = broadcast_object(finished_round(folder) if t.rank == 0 and c.resume_from else None)
-            if stats is None and t.batch_counter > done:
-                raise CheckpointError(f"cannot resume: the checkpoint is inside round {r}, but {folder} is incomplete")
-            fresh, stats = stats is None, stats or make_round(t, r, prompts, score, folder)
-            # the round file read as the training split is: its tokenization, truncation and drops
-            as_data = dataclasses.replace(c, datasets=[str(folder / "pairs.jsonl")])
-            pairs = data.load_splits(as_data, t.tokenizer)["train"] if stats["pairs"] else []
-            steps, start = len(pairs) // c.batch_size, done * c.batch_size  # start: the pairs seen before this round
-            if fresh or start > (resumed_at or 0):  # else the resume kept its record
-                t.log(start, {k: stats[k] for k in STATS})
-            if fresh and not steps:
-                rank0_print(f"round {r}: skipped: {stats['pairs']} pairs over online.min_score_gap, fewer than a batch")
-            here = dict(seed=c.seed + r, start_example=t.example_counter - start, shared_prompt=c.prefix_sharing)
-            batches = data.get_batch_iterator(pairs, t.tokenizer.pad_token_id, **share, **here) if steps else []
-            train_seconds = 0.0
-            for batch in batches:  # none where a resume is past this round
-                if t.example_counter % c.eval_every == 0 and t.example_counter != resumed_at:
-                    if t.example_counter > 0 or c.do_first_eval:
-                        t.evaluate_and_log()
-                    if t.example_counter > 0:
-                        t.checkpoints.save()
-                tick = time.time()
-                t.step_and_log(batch, bar)
-                train_seconds += time.time() - tick
-            if train_seconds:  # sampling against the round's sampling, scoring and steps
-                spent = stats["sample_seconds"] + stats["score_seconds"] + train_seconds
-                t.log(t.example_counter, {"throughput/generation_share": stats["sample_seconds"] / spent})
-            done += steps
-    if t.example_counter != resumed_at:
-        t.evaluate_and_log()
-        t.checkpoints.save()
+    for r in range(o.rounds):
+        folder = t.run_dir / "rounds" / str(r)
+        # a resume reuses a complete round file (rank 0's verdict for all); a fresh start samples every round
+        stats = broadcast_object(finished_round(folder) if t.rank == 0 and c.resume_from else None)
+        if stats is None and t.batch_counter > done:
+            raise CheckpointError(f"cannot resume: the checkpoint is inside round {r}, but {folder} is incomplete")
+        fresh, stats = stats is None, stats or make_round(t, r, prompts, score, folder)
+        # the round file read as the training split is: its tokenization, truncation and drops
+        as_data = dataclasses.replace(c, datasets=[str(folder / "pairs.jsonl")])
+        pairs = data.load_splits(as_data, t.tokenizer)["train"] if stats["pairs"] else []
+        steps, start = len(pairs) // c.batch_size, done * c.batch_size  # start: the pairs seen before this round
+        if fresh or start > (resumed_at or 0):  # else the resume kept its record
+            t.log(start, {k: stats[k] for k in STATS})
+        if fresh and not steps:
+            rank0_print(f"round {r}: skipped: {stats['pairs']} pairs over online.min_score_gap, fewer than a batch")
+        here = dict(seed=c.seed + r, start_example=t.example_counter - start, shared_prompt=c.prefix_sharing)
+        seconds = t.train_seconds
+        # none where a resume is past this round; the trainer takes each step (evaluating first when it is due)
+        yield from data.get_batch_iterator(pairs, t.tokenizer.pad_token_id, **share, **here) if steps else []
+        if train_seconds := t.train_seconds - seconds:  # sampling against the round's sampling, scoring and steps
+            spent = stats["sample_seconds"] + stats["score_seconds"] + train_seconds
+            t.log(t.example_counter, {"throughput/generation_share": stats["sample_seconds"] / spent})
+        done += steps
 
 
 def finished_round(folder: Path) -> dict | None:

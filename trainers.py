@@ -316,14 +316,14 @@ class BasicTrainer:
     # --- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
-        c = self.config
+        c, rounds = self.config, None
         if c.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
             self.log.start(None)
             return self.evaluate_and_log()
         if c.online.rounds:  # semi-online DPO: the pairs come from rounds of sampling and scoring (online.py)
             import online
 
-            return online.train(self)
+            rounds = online.batches(self)  # before the optimizer: it sets the schedule's length
         self.build_optimizer()
         self.log.start(self.checkpoints.resume() if c.resume_from else None)
         self.sharding.barrier()  # W&B starts on rank 0 alone (up to minutes online): the others wait here
@@ -331,10 +331,10 @@ class BasicTrainer:
         if c.precompute_ref_log_probs:
             self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
-        self.loop_start = (time.time(), self.example_counter)
+        self.loop_start, self.train_seconds = (time.time(), self.example_counter), 0.0
         progress = dict(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.bars)
         with stop_on_signals(self.stop), tqdm.tqdm(**progress, dynamic_ncols=True) as bar:
-            for batch in self.train_batches():
+            for batch in rounds or self.train_batches():
                 if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
                     if self.example_counter > 0 or c.do_first_eval:
                         self.evaluate_and_log()
@@ -409,6 +409,7 @@ class BasicTrainer:
                 f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
                 f"{c.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}"
             )
+        self.train_seconds += time.time() - start  # online.py weighs a round's sampling against its steps
 
     # --- evaluation and sampling -----------------------------------------------------------------------------
     @torch.no_grad()
