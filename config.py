@@ -773,7 +773,7 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             elif not subkeys[k][0](v):
                 problems.append(f"{key}.{k}={v!r}: expected {subkeys[k][1]}")
     policy = c.fsdp.wrap_policy or {}
-    if policy.get(BLOCKS) and policy.get("min_num_params") is not None:  # sharding.py would read the size alone
+    if policy.get(BLOCKS) and policy.get("min_num_params") is not None:  # fsdp.py would read the size alone
         problems.append(f"fsdp.wrap_policy={policy}: expected {BLOCKS} or min_num_params, not both (one policy)")
     known = sorted(loss_registry())
     for n in c.loss_names:

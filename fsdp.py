@@ -51,7 +51,8 @@ class Sharded(OneProcess):
     """What FSDP1 and FSDP2 share: mesh, units, collectives, sampling, offloaded optimizer state, sharded checkpoints
     (torch.distributed.checkpoint reads either's)."""
 
-    autocasts, saves_weights = False, True
+    autocasts = False
+    saves_weights = True
 
     def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
         self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
@@ -169,7 +170,7 @@ class FSDP1(Sharded):
         if isinstance(self.blocks, tuple):
             size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
             kept = never_units(model)
-            policy = lambda module, recurse, **numel: (  # noqa: E731
+            policy = lambda module, recurse, **numel: (
                 size_policy(module=module, recurse=recurse, **numel) and (recurse or module not in kept)
             )
         else:

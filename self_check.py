@@ -31,10 +31,12 @@ PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to
 # The head check holds the probe's full logits, what the tiled head exists to avoid: its rows are cut to this many
 # bytes of fp32 logits (1 GiB: about 260 tokens of 4 pairs at Llama-3's vocabulary of 128256).
 HEAD_LOGITS_BYTES = 2**30
-# Nats per scored token, by compute dtype: 50x fp32's largest difference (2e-5) and 3x bf16's (7e-2: its 8-bit mantissa
-# rounds a logit of 16 in steps of 0.06; fp16's steps are 8x finer), measured on tests/architectures.py's models with a
-# trained model's logit scale, packed and shared-prefix rows. Faults (a 1.1x logit scale, attention leaking between
-# packed sequences) move them 1.7 to 11 nats per token in bf16.
+# Nats per scored token, by compute dtype. Measured on six of tests/architectures.py's models and the toy model, heads
+# scaled to a trained model's logits (std 8), packed and shared-prefix vs padded rows: fp32 differs by at most 2e-5
+# (1e-3: 50x that), bf16 by up to 7e-2 (its 8-bit mantissa rounds a logit of 16 in steps of 0.06; 0.2: 3x that);
+# fp16's 3 more bits make its steps 8x finer. Faults sit far above: a 1.1x logit scale or attention leaking between
+# packed sequences moves those models by 1.7 to 11 nats per token in bf16. The matrix's own runs: <= 1e-6 (fp32),
+# 4e-5 (bf16).
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-1, torch.float16: 3e-2}
 
 
@@ -136,7 +138,7 @@ def starts_as_policy(t) -> bool:
     from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
 
     ref, c = t.reference, t.config
-    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731 - FSDP2's DTensor shard
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor shard
     if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)
         same = all(not local(p).any() for name, p in t.policy.named_parameters() if "lora_B" in name)
     else:
@@ -175,7 +177,7 @@ def difference(a: SequenceLogps, b: SequenceLogps) -> float:
     and is never silent: the non-finite guard (max_nonfinite_steps) skips its step and stops the run."""
     if not torch.equal(a.counts.cpu(), b.counts.cpu()):
         return math.inf
-    gap = lambda x, y: torch.where(x.isfinite() & y.isfinite(), (x - y).abs(), 0.0)  # noqa: E731
+    gap = lambda x, y: torch.where(x.isfinite() & y.isfinite(), (x - y).abs(), 0.0)
     both = a.tokens is not None and b.tokens is not None
     parts = [(gap(a.tokens, b.tokens).sum(1) if both else gap(a.sums, b.sums)) / a.counts.clamp(min=1)]
     if a.entropy is not None and b.entropy is not None:
@@ -210,7 +212,7 @@ def finish(t, checks: list[dict], seconds: float, probe: list[int]) -> None:
     )
     message = "; ".join(map(failure_line, failed)) + f". Nothing was trained; the report: {t.run_dir / REPORT}"
     if t.rank == 0:
-        strict = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731 - JSON: no inf
+        strict = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # JSON: no inf
         as_json = [{k: strict(v) for k, v in c.items()} for c in checks]
         record = dict(passed=not failed, seconds=round(seconds, 3), example_index=probe, checks=as_json)
         record["failure"] = message if failed else None

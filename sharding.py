@@ -34,7 +34,7 @@ class OneProcess:
     (the optimizer state, or TR-DPO's reference); release: a model's memory freed for good (a precomputed reference)."""
 
     autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
-    saves_weights = False  # save writes no weights: a resume reads them from policy.pt (FSDP: from its sharded files)
+    saves_weights = False  # save writes no policy weights: a resume reads them from policy.pt (FSDP: its sharded files)
 
     def __init__(self, model: nn.Module, config):
         self.device, self.rank = self.input_device(model), 0

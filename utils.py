@@ -1,5 +1,5 @@
 """Small helpers used everywhere: rank-aware printing, block-class lookup, seeding, files and run directories, and the
-few distributed helpers (sharding.py and ulysses.py hold the rest)."""
+few distributed helpers (sharding.py, fsdp.py and ulysses.py hold the rest)."""
 
 import hashlib
 import os
