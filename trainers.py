@@ -73,7 +73,11 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int, step: Optional[int], examples: Optional[int], run_dir: Path, at_once: bool = False):
         super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs)")
-        self.signum, self.step, self.examples, self.run_dir, self.at_once = signum, step, examples, run_dir, at_once
+        self.signum = signum
+        self.step = step
+        self.examples = examples
+        self.run_dir = run_dir
+        self.at_once = at_once
 
 
 @contextlib.contextmanager
@@ -119,13 +123,20 @@ class BasicTrainer:
         tokenizer=None,
         splits: Optional[dict] = None,
     ):
-        c, self.config, self.seed, self.rank, self.world_size = config, config, seed, rank, world_size
+        c = config
+        self.config = config
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         n_params = flops_params(policy)  # MFU's N, counted before any sharding (meta tensors know their shapes too)
         self.sp = None  # a Ulysses group (FSDPTrainer with fsdp.ulysses_sequence_parallel_size > 1)
         self.sharding, policy, reference_model = self.spread(policy, reference_model)
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
-        self.run_dir, self.policy, self.tokenizer, self.device = Path(run_dir), policy, tokenizer, self.sharding.device
+        self.run_dir = Path(run_dir)
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.device = self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
         utils.use_shape_free_attention(self.device)
         self.entropy_options = dict(
@@ -134,7 +145,8 @@ class BasicTrainer:
             use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
         )
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
-        self.stop, self.log = {"signal": None}, RunLog(self.run_dir, rank, config)
+        self.stop = {"signal": None}
+        self.log = RunLog(self.run_dir, rank, config)
         self.beta_dpo = losses.BetaDPO(seed)  # beta-DPO's running margins (a checkpoint keeps them)
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         self.splits = splits or data.load_splits(c, tokenizer)  # train.py hands on what its checks loaded
@@ -161,7 +173,8 @@ class BasicTrainer:
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * n_params
-        model_config, setting = unwrap(policy).config, c.loss.router_aux_loss
+        model_config = unwrap(policy).config
+        setting = c.loss.router_aux_loss
         # a mixture of experts: its routers logged; loss.router_aux_loss as a number (null 0, off; model: the model
         # config's router_aux_loss_coef, which train.py checked exists)
         share = expert_share(model_config)
@@ -180,7 +193,8 @@ class BasicTrainer:
             peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
         self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
-        ranks, doubled = f"world size {world_size}", ""
+        ranks = f"world size {world_size}"
+        doubled = ""
         if self.sp_size > 1:
             ranks = f"data-parallel {self.dp_size} ({ranks} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
         if c.pairs_to_unpaired:
@@ -224,8 +238,11 @@ class BasicTrainer:
     def batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss of `batch` and its per-example metrics, named as the original (`rewards_train/chosen`)."""
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        n, paired, c = batch["chosen_input_ids"].size(0), "rejected_input_ids" in batch, self.config
-        entropy_grad, needed = bool(c.loss.entropy_coeff), losses.logps_needed(c.loss)
+        n = batch["chosen_input_ids"].size(0)
+        paired = "rejected_input_ids" in batch
+        c = self.config
+        entropy_grad = bool(c.loss.entropy_coeff)
+        needed = losses.logps_needed(c.loss)
         with self.autocast():
             policy = forward_logps(
                 self.policy,
@@ -282,7 +299,8 @@ class BasicTrainer:
         self.policy.train()
         batch = self.step_statistics(batch)
         micro, real = micro_batches(batch, c, sharding)
-        collected, per_rank = defaultdict(list), c.batch_size / self.dp_size
+        collected = defaultdict(list)
+        per_rank = c.batch_size / self.dp_size
         for i, mb in enumerate(micro):
             # gradients are reduce-scattered after every micro-batch (each rank keeps its shard) unless
             # no_sync_accumulation: then after the last only, every rank holding all gradients meanwhile
@@ -316,7 +334,8 @@ class BasicTrainer:
     # --- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
         """Train until the data runs out; evaluate and checkpoint every eval_every pairs and at the end."""
-        c, rounds = self.config, None
+        c = self.config
+        rounds = None
         if c.fsdp.forward_only:  # no optimizer: evaluate (and sample) the loaded weights once
             self.log.start(None)
             return self.evaluate_and_log()
@@ -331,7 +350,8 @@ class BasicTrainer:
         if c.precompute_ref_log_probs:
             self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
-        self.loop_start, self.train_seconds = (time.time(), self.example_counter), 0.0
+        self.loop_start = (time.time(), self.example_counter)
+        self.train_seconds = 0.0
         progress = dict(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.bars)
         with stop_on_signals(self.stop), tqdm.tqdm(**progress, dynamic_ncols=True) as bar:
             for batch in rounds or self.train_batches():
@@ -348,7 +368,9 @@ class BasicTrainer:
     def build_optimizer(self) -> None:
         """The optimizer of the trainable parameters; its schedule: linear warmup from 0 to the peak over warmup_steps,
         then DECAYS[scheduler] until the last step."""
-        c, warmup, total = self.config, self.config.warmup_steps, self.total_steps
+        c = self.config
+        warmup = self.config.warmup_steps
+        total = self.total_steps
         self.optimizer = OPTIMIZERS[c.optimizer]([p for p in self.policy.parameters() if p.requires_grad], c)
 
         def factor(step: int) -> float:
@@ -378,7 +400,8 @@ class BasicTrainer:
 
     def step_and_log(self, batch: dict, bar) -> None:
         """One step, its metrics and throughput logged; then a requested stop or too many non-finite steps."""
-        c, start = self.config, time.time()
+        c = self.config
+        start = time.time()
         with self.sharding.params_on_device(self.policy):
             metrics = self.train_step(batch)
         seconds = time.time() - start
@@ -463,7 +486,8 @@ class BasicTrainer:
             reference = self.reference.sample(batch, sampling_seed(self.seed, 0, max(group, 0))) or [None] * len(policy)
             rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)] if group >= 0 else []
         rows = [row[1:] for row in sorted(self.sharding.gather_objects(rows, self.sp_size), key=lambda row: row[0])]
-        rule, metrics = data.sample_rule(self.config.datasets), {}
+        rule = data.sample_rule(self.config.datasets)
+        metrics = {}
         for who, column in (("policy", 1), ("reference", 2)):
             samples = [row[column] for row in rows if row[column] is not None]
             if samples and rule is not None:
@@ -479,7 +503,10 @@ class RunLog:
     null), and Weights & Biases (step = training pairs seen) when enabled and not debug=true."""
 
     def __init__(self, run_dir: Path, rank: int, config):
-        self.run_dir, self.rank, self.config, self.wandb_run = run_dir, rank, config, None
+        self.run_dir = run_dir
+        self.rank = rank
+        self.config = config
+        self.wandb_run = None
         self.last_progress = time.time()
 
     def start(self, resumed_wandb_id: Optional[str]) -> None:
@@ -509,7 +536,8 @@ class RunLog:
 
     def progress(self, bar, metrics: dict[str, float], step: int, total: int, examples: int) -> None:
         """tqdm's bar; without a terminal, a plain line at most every minimum_log_interval_secs (and at the end)."""
-        speed, loss = f"{metrics['throughput/pairs_per_second']:.2f}", f"{metrics.get('loss/train', math.nan):.4f}"
+        speed = f"{metrics['throughput/pairs_per_second']:.2f}"
+        loss = f"{metrics.get('loss/train', math.nan):.4f}"
         bar.update(1)
         bar.set_postfix(pairs_per_s=speed, loss=loss)
         due = time.time() - self.last_progress >= self.config.minimum_log_interval_secs or step == total
@@ -549,7 +577,9 @@ class Reference:
     table precomputed over the data (precompute_ref_log_probs); and TR-DPO's updates of the reference."""
 
     def __init__(self, trainer: BasicTrainer, model: Optional[nn.Module]):
-        c, self.trainer, self.tables = trainer.config, trainer, {}  # split -> (n_examples, 2) precomputed sums
+        c = trainer.config
+        self.trainer = trainer
+        self.tables = {}  # split -> (n_examples, 2) precomputed sums
         self.lora = c.lora.r is not None
         self.model = (
             trainer.policy if self.lora and losses.needs_reference(c.loss_names, c.loss.reference_free) else model
