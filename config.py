@@ -376,7 +376,8 @@ class ConfigError(ValueError):
     """All problems of one configuration, each a line naming the key, the bad value and what was expected."""
 
     def __init__(self, problems: list[str]):
-        self.problems, n = list(problems), len(problems)
+        self.problems = list(problems)
+        n = len(problems)
         super().__init__(
             f"{n} configuration problem{'s' if n > 1 else ''}:\n" + "\n".join(f"  - {p}" for p in self.problems)
         )
@@ -510,7 +511,8 @@ def loss_registry() -> dict[str, dict]:
         ]
         where = f"{e.filename}:{e.lineno}" if isinstance(e, SyntaxError) else (frames or ["losses.py"])[-1]
         raise ConfigError([f"{where}: importing losses.py failed ({type(e).__name__}: {e})"]) from None
-    out, problems = {}, []
+    out = {}
+    problems = []
     for name, spec in losses.LOSSES.items():
         if not isinstance(spec, losses.LossSpec) or not callable(spec.fn):
             problems.append(
@@ -584,7 +586,10 @@ def _group_choices(group: str) -> list[str]:
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, str]], set[str], list[str]]:
     """(group choices, overrides [(key, YAML value, raw text)], flags, problems); a non-YAML [...] splits at commas."""
-    choices, overrides, flags, problems = {}, [], set(), []
+    choices = {}
+    overrides = []
+    flags = set()
+    problems = []
     for arg in argv:
         key, eq, raw = arg.removeprefix("--").partition("=")
         if arg in ("--cfg", "--help", "-h"):
@@ -605,7 +610,8 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, st
 
 def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
     """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
-    keys, out = schema() if keys is None else keys, {}
+    keys = schema() if keys is None else keys
+    out = {}
     for k, v in tree.items():
         nested = isinstance(v, dict) and prefix + k not in keys
         out.update(flatten(v, prefix + k + ".", keys) if nested else {prefix + k: v})
@@ -621,7 +627,8 @@ def typed(keys: dict, key: str, value, raw: str):
 def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     """Defaults, group files, overrides -> ({dotted key: value}, {key: layer: 1 group file, 2 command line}, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
-    keys, base = schema(), _read_yaml(CONFIG_DIR / "config.yaml")
+    keys = schema()
+    base = _read_yaml(CONFIG_DIR / "config.yaml")
     defaults = {k: v for entry in base.pop("defaults", []) if isinstance(entry, dict) for k, v in entry.items()}
     choices = defaults | choices
     layers = [("config/config.yaml", 0, flatten(base, "", keys))]  # (origin, layer, {dotted key: value})
@@ -667,7 +674,8 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
                 value = None
             if key == "fsdp.wrap_policy" and isinstance(value, dict) and isinstance(value.get(BLOCKS), str):
                 value = {**value, BLOCKS: [value[BLOCKS]]}
-            before, last = values[key], setting.get(key)
+            before = values[key]
+            last = setting.get(key)
             values[key], setting[key] = value, (spelling, given, layer)
             if last and last[2] == layer > 0 and last[0] != spelling:  # two spellings of one key, one layer
                 problems += _disagree(last, setting[key], before, value, values["fsdp.dtype"])
@@ -697,9 +705,11 @@ def _disagree(first: tuple, second: tuple, before: Any, after: Any, dtype: str) 
 
 def build(cls, values: dict, prefix: str, problems: list[str]):
     """`cls` from {dotted key: value}, each leaf type-checked (the values are checked by validate())."""
-    hints, kwargs = typing.get_type_hints(cls), {}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
     for f in dataclasses.fields(cls):
-        t, key = hints[f.name], prefix + f.name
+        t = hints[f.name]
+        key = prefix + f.name
         if isinstance(t, type) and issubclass(t, BaseConfig):
             kwargs[f.name] = build(t, values, key + ".", problems)
         else:
@@ -712,7 +722,8 @@ def build(cls, values: dict, prefix: str, problems: list[str]):
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
 def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
     """Ranks that see different pairs (Ulysses groups share theirs), and how a message names them."""
-    ws, sp = world_size or 1, cfg.fsdp.ulysses_sequence_parallel_size
+    ws = world_size or 1
+    sp = cfg.fsdp.ulysses_sequence_parallel_size
     if sp > 1 and ws % sp == 0:
         return ws // sp, f"data-parallel size (world size {ws} / fsdp.ulysses_sequence_parallel_size {sp})"
     return ws, "world size"
@@ -722,7 +733,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     """Every problem of a built config; `world_size` = processes that will train (None = not known yet). The rules
     here are the ones every run needs; an optional feature's rules (below) run only when it is on."""
     ws, ranks = data_parallel_size(c, world_size)
-    world, bs, accum = world_size or 0, c.batch_size, c.gradient_accumulation_steps
+    world = world_size or 0
+    bs = c.batch_size
+    accum = c.gradient_accumulation_steps
     flat = flatten(c.to_dict())
     problems = [  # each non-null value its rule refuses, with what was expected (null is the type's business)
         f"{k}={v!r}: expected {RULES[k][1]}" + (_suggest(str(v), map(str, CHOICES[k])) if k in CHOICES else "")
@@ -825,7 +838,8 @@ def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[str]:
     ws, ranks = data_parallel_size(c, world_size)
     batch_level = [n for n in c.loss_names if _flag(n, "batch_statistics")]
     batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
-    accum, budget = c.gradient_accumulation_steps, c.max_tokens_per_microbatch
+    accum = c.gradient_accumulation_steps
+    budget = c.max_tokens_per_microbatch
     split = [f"gradient_accumulation_steps={accum}"] * (accum > 1)
     split += [f"max_tokens_per_microbatch={budget}"] * (budget is not None)
     split += [f"{ranks} {ws}"] * (ws > 1)

@@ -90,14 +90,17 @@ def geometry(config: dict) -> Geometry:
     layers (module path, in, out), from config.json of a family in FAMILIES; raises EstimateError otherwise."""
     family = config.get("model_type")
     get = lambda *names, default=None: next((config[n] for n in names if config.get(n) is not None), default)
-    h, vocab = get("hidden_size", "n_embd", "d_model"), get("vocab_size")
-    layers, heads = get("num_hidden_layers", "n_layer"), get("num_attention_heads", "n_head")
+    h = get("hidden_size", "n_embd", "d_model")
+    vocab = get("vocab_size")
+    layers = get("num_hidden_layers", "n_layer")
+    heads = get("num_attention_heads", "n_head")
     if family not in FAMILIES or None in (h, layers, heads, vocab):
         raise EstimateError(
             f"config.json model_type={family!r}: the estimator knows {FAMILIES} (hidden_size, "
             "num_hidden_layers, num_attention_heads, vocab_size); add the family to estimate.geometry"
         )
-    kv, d = get("num_key_value_heads", default=heads), get("head_dim", default=h // heads)
+    kv = get("num_key_value_heads", default=heads)
+    d = get("head_dim", default=h // heads)
     act = get("activation_function", "hidden_act", default="gelu_new" if family == "gpt2" else None)
     experts, k = (get("num_local_experts", "num_experts"), get("num_experts_per_tok")) if family in MOE else (1, 1)
     if family in LLAMA_LIKE:
@@ -109,7 +112,9 @@ def geometry(config: dict) -> Geometry:
         attention = qkv * h + heads * d * h + (qkv if qkv_bias else 0) + (h if o_bias else 0) + qk_norms
         router = experts * h if family in MOE else 0
         block = attention + experts * 3 * h * i + mlp_bias + router + 2 * h  # + the 2 norms
-        tied, positions, norm = config.get("tie_word_embeddings", False), 0, h
+        tied = config.get("tie_word_embeddings", False)
+        positions = 0
+        norm = h
         # compute: the norms' outputs 2h (the linears' input), q and the attention output a*d, k and v kv*d, MLP 4i
         # (gate, up, act(gate), act*up); fp32: each RMSNorm's upcast input and rsqrt, the kernel's logsumexp per head;
         # norm_grad: each norm's normalized input, for its weight; copies: q, k, v, gate, up cast the norms' output.
@@ -127,12 +132,14 @@ def geometry(config: dict) -> Geometry:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
         tied = config.get("tie_word_embeddings", family == "gpt2")
-        positions, norm = config.get("n_positions", 0) * h if family == "gpt2" else 0, 2 * h
+        positions = config.get("n_positions", 0) * h if family == "gpt2" else 0
+        norm = 2 * h
         # compute: the norms' outputs 2h, qkv 3h, attention output h, MLP; GPT-NeoX: rotary q, k 2h and the output's
         # contiguous copy h; fp32: logsumexp per head, each LayerNorm's mean and rstd; stream: the LayerNorms'
         # inputs (one shared input with GPT-NeoX's parallel residual)
         mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
-        neox, parallel = family == "gpt_neox", family == "gpt_neox" and config.get("use_parallel_residual", True)
+        neox = family == "gpt_neox"
+        parallel = family == "gpt_neox" and config.get("use_parallel_residual", True)
         saved = Saved(6 * h + 3 * h * neox + mlp_saved * i, heads + 4, h if parallel else 2 * h, 0, 0, 0)
         widest = (4 if mlp_saved == 5 else 2) * i + 2 * h  # the MLP's input, its activation's temporaries
         names = (
@@ -170,7 +177,10 @@ def lora_linears(cfg, g: Geometry) -> list:
 
 def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense: bool) -> dict:
     """Per rank: saved activations, logits (or the tiled head's tiles), the head's backward workspace, one block's."""
-    s, lora, mp, ckpt = g.saved, cfg.lora.r is not None, bool(cfg.fsdp.mixed_precision), cfg.activation_checkpointing
+    s = g.saved
+    lora = cfg.lora.r is not None
+    mp = bool(cfg.fsdp.mixed_precision)
+    ckpt = cfg.activation_checkpointing
     # autocast (mixed precision in one process): the residual stream and norms stay in the weights' dtype, each linear
     # keeps its own cast of its input, and of its weight until its backward
     autocast = mp and cfg.trainer != "FSDPTrainer" and w != c
@@ -178,7 +188,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     per_token = s.compute * c + s.fp32 * 4 + (s.stream + s.norm_grad * (not lora)) * stream
     per_token += s.copies * c * autocast + s.repeat_kv * c * dense
     adapters = lora_linears(cfg, g) if lora else []
-    cast, drop = not mp and c != 4, cfg.lora.dropout > 0  # peft keeps the adapters in fp32: inputs cast to them
+    cast = not mp and c != 4  # peft keeps the adapters in fp32: inputs cast to them
+    drop = cfg.lora.dropout > 0
     a = 4 if cast else c
     # lora_A keeps its input (a cast copy; dropout's output and mask, bool on CUDA), lora_B the r-wide product. An
     # upper bound: frozen linears keep no input, so where lora_A keeps a copy the original may go
@@ -194,7 +205,8 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     if autocast:  # the weights' cast copies: every block's (checkpointing: the recomputed one's) and the LM head's
         weights = g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params
         act += (weights * (1 if ckpt else g.layers) + g.vocab * g.hidden) * c
-    chunk_rows, head_backward = min(tokens, DEFAULT_CHUNK_SIZE), 0
+    chunk_rows = min(tokens, DEFAULT_CHUNK_SIZE)
+    head_backward = 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
         # gradient accumulator + a (V, H) tile product / final cast unless fp32 (LoRA: the head is frozen)
@@ -214,7 +226,8 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     fsdp2 = fsdp and cfg.fsdp.strategy == "fsdp2"
     shard = (cfg.fsdp.fsdp_size if 1 <= cfg.fsdp.fsdp_size < world_size else world_size) if fsdp else 1
     # bytes per element of: weights (gradients, optimizer state), compute, reductions, reference weights, its compute
-    mp, size = cfg.fsdp.mixed_precision_dtypes(), lambda name: dtype_of(name).itemsize
+    mp = cfg.fsdp.mixed_precision_dtypes()
+    size = lambda name: dtype_of(name).itemsize
     w = size(cfg.fsdp.model_dtype)
     c = size(mp["param_dtype"]) if mp else w
     r = size(mp["reduce_dtype"]) if mp else w
@@ -237,7 +250,8 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     # elsewhere through sdpa with a dense (R, 1, T, T) mask (padded rows: no mask, the model's causal one)
     dense = (cfg.padding_free or cfg.prefix_sharing) and not (device in FLEX_DEVICES and config["model_type"] in FLEX)
     several = cfg.gradient_accumulation_steps > 1 or bool(budget)  # micro-batches per step (a budget can split)
-    P, root = g.params, g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
+    P = g.params
+    root = g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
     out = {
         "parameters": P,
         "adapters": adapters,
@@ -352,7 +366,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
-    values, schema = config.flatten(cfg.to_dict()), config.schema()
+    values = config.flatten(cfg.to_dict())
+    schema = config.schema()
     # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
     values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
     for key, note in NOT_MODELLED.items():

@@ -92,7 +92,9 @@ class _LabelLogProbs(torch.autograd.Function):
                 out[rows], lse[rows] = (label_logits - row_max) - log_sum, row_max + log_sum
                 del logits  # free this tile before the next one is allocated
         ctx.save_for_backward(hidden, weight, bias, safe, mask, lse)
-        ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
+        ctx.chunk_size = chunk_size
+        ctx.logit_scale = logit_scale
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(entropy, sum_sq)
         return out.masked_fill_(~mask, 0.0), entropy, sum_sq
 
@@ -198,7 +200,8 @@ def tiled_head(config) -> tuple[float, Optional[float]]:
     """(logit_scale, softcap) for _LabelLogProbs that give the logits of `config`'s model (HEAD_POSTPROCESSING).
     Raises ValueError where the tiled head cannot know them: the model's own code (auto_map), or a head key that its
     type's entry does not apply. train.py can call it on config.json alone, before any model loads."""
-    kind, text = config.model_type, getattr(config, "text_config", None) or config  # multimodal: the text model's
+    kind = config.model_type
+    text = getattr(config, "text_config", None) or config  # multimodal: the text model's
     op, key = HEAD_POSTPROCESSING.get(kind, (None, None))
     found = [
         f"{k}={v}"
@@ -241,7 +244,8 @@ class _CompileOnFirstCall:
     C++ compiler) it warns once and runs fn eagerly from then on."""
 
     def __init__(self, fn: Callable[[Tensor], Tensor]):
-        self.fn, self.impl = fn, None
+        self.fn = fn
+        self.impl = None
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.impl is None:
@@ -321,7 +325,9 @@ def padded_inputs(inputs: dict[str, Tensor], multiple: int = 1) -> tuple[dict, T
 def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     """Sequence indices per row of at most max(capacity, longest) tokens: best-fit decreasing (longest first, each
     into the row it fills best, else a new row); rows are kept sorted by room, so O(n log n)."""
-    capacity, rows, rooms = max(capacity, max(lengths)), [], []  # rooms: sorted (room left, row)
+    capacity = max(capacity, max(lengths))
+    rows = []
+    rooms = []  # sorted (room left, row)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         k = bisect.bisect_left(rooms, (lengths[i], -1))
         room, row = rooms.pop(k) if k < len(rooms) else (capacity, len(rows))
@@ -350,7 +356,8 @@ def packed_inputs(
     ids, labels = inputs["input_ids"], inputs["labels"]
     (n, t), device = ids.shape, ids.device
     lengths = inputs["attention_mask"].sum(1).tolist()
-    units, prompts = [[(i, 0, lengths[i])] for i in range(n)], []  # a unit's (sequence, start, end) slices, in order
+    units = [[(i, 0, lengths[i])] for i in range(n)]  # a unit's (sequence, start, end) slices, in order
+    prompts = []
     if shared_prefix:
         if n % 2:
             raise ValueError(f"shared_prefix needs chosen rows, then the rejected rows of the same pairs; got {n} rows")
@@ -365,7 +372,9 @@ def packed_inputs(
     rows = packed_rows(sizes, capacity) if capacity else [[u] for u in range(len(units))]
     width = -(-max(sum(sizes[u] for u in row) for row in rows) // multiple) * multiple
     source = torch.full((len(rows), width), -1)  # each token's flat index into (n, t); -1: padding
-    unit, branch, extra = torch.full_like(source, -1), torch.zeros_like(source), []
+    unit = torch.full_like(source, -1)
+    branch = torch.zeros_like(source)
+    extra = []
     for r, row in enumerate(rows):
         at = 0
         for u in row:
@@ -387,7 +396,8 @@ def packed_inputs(
         predictor, first_token, label, sequence, column = (torch.tensor(c, device=device) for c in zip(*extra))
         row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
         extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence, column))
-    positions, owner = (source % t).masked_fill_(pad, 0), torch.where(pad, -1, source // t)
+    positions = (source % t).masked_fill_(pad, 0)
+    owner = torch.where(pad, -1, source // t)
     row_labels.masked_fill_(positions == 0, IGNORE_INDEX)  # a sequence's first token: no output of its own predicts it
     if flex_config is not None:
         mask = block_masks(unit, branch, positions, flex_config)
@@ -415,7 +425,8 @@ def _block_mask_builder(device_type: str):
 def sliding_window(config, length: int) -> Optional[int]:
     """The window of `config`'s sliding-window layers (Mistral, Gemma2/3, Qwen2 with use_sliding_window) where rows of
     `length` tokens are longer; None where no layer slides or the window holds whole rows (causal, as full layers)."""
-    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
     slides = layer_types is None or "sliding_attention" in layer_types
     return window if window and window < length and slides else None
 
@@ -628,7 +639,11 @@ def _label_logps(
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         chunk = head_tile_rows(weight.shape[0], weight.dtype)
     else:  # the logits stand where the hidden states were: the kernel's weight is None
-        hidden, weight, bias, scale, softcap = call(**kwargs, use_cache=False).logits, None, None, 1.0, None
+        hidden = call(**kwargs, use_cache=False).logits
+        weight = None
+        bias = None
+        scale = 1.0
+        softcap = None
         chunk = DEFAULT_CHUNK_SIZE
     targets = targets.to(hidden.device)  # free on the same device
     scored = targets != IGNORE_INDEX
@@ -653,7 +668,8 @@ def _other_rows(model: nn.Module, inputs: dict[str, Tensor], packed_capacity, pr
     (packed_attention_mask), or on GPUs FlexAttention's block masks (no (T, T) tensor)."""
     if prefix_sharing and sp:
         raise ValueError("prefix_sharing with sequence parallelism is not supported yet")
-    multiple, sdpa = sp.size if sp else 1, model.config._attn_implementation == "sdpa"
+    multiple = sp.size if sp else 1
+    sdpa = model.config._attn_implementation == "sdpa"
     on_gpu = inputs["input_ids"].device.type in FLEX_DEVICES
     flex = on_gpu and sdpa and getattr(model, "_supports_flex_attn", False)  # GPT-2's attention reads the mask's ndim
     # refused from the config alone: every rank at its first forward (a row's width would stop some ranks, not all)
@@ -719,12 +735,14 @@ def _routing(logits: list[Tensor], owner: Tensor, column: Tensor, n: int, shared
         picks = sum(
             torch.zeros_like(p).scatter_(1, p.detach().topk(config.num_experts_per_tok).indices, 1.0) for p in probs
         )
-        tokens, owner, column = torch.stack([picks, sum(probs)], 1), owner.flatten(), column.flatten()
+        tokens = torch.stack([picks, sum(probs)], 1)
+        owner, column = owner.flatten(), column.flatten()
         real = owner >= 0
         out = tokens.new_zeros(n, *tokens.shape[1:]).index_add(0, owner[real], tokens[real])
         if shared_prefix:  # the prompt: the chosen's tokens before the column where its rejected's own tokens start
             start = torch.full((n,), column.numel(), device=owner.device)
-            start, half = start.scatter_reduce(0, owner[real], column[real], "amin"), n // 2
+            start = start.scatter_reduce(0, owner[real], column[real], "amin")
+            half = n // 2
             prompt = real & (owner < half) & (column < start[(owner + half).clamp(max=n - 1)])
             out = out.index_add(0, owner[prompt] + half, tokens[prompt])
         return sp.sum_over_group(out) if sp else out

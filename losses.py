@@ -144,7 +144,8 @@ def robust_loss(
     [0, 0.5), Shape (batch,). Intuition: an unbiased estimate of the clean-label DPO loss when each label is flipped
     with known probability eps (cDPO's optimum moves with eps). Typical beta 0.1, eps the data's flip rate 0.1-0.4."""
     a, b = policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
-    z, eps = beta * (a - b), label_smoothing
+    z = beta * (a - b)
+    eps = label_smoothing
     losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)  # the de-biased loss
     return losses, (beta * a).detach(), (beta * b).detach()
 
@@ -414,7 +415,8 @@ def length_desensitized_logps(tokens: Tensor, scored: Tensor, alpha: float) -> T
     sum_{i > l_p} log p_i, so that a longer response is not preferred for its length alone. alpha = 1 is plain DPO;
     the paper finds 0.2-0.8 best. tokens, scored: (2B, T), chosen rows then the rejected rows of the same pairs,
     each token's log-prob and whether it is scored. Returns Shape (2B,)."""
-    n, scored = tokens.size(0) // 2, scored.to(tokens.dtype)
+    n = tokens.size(0) // 2
+    scored = scored.to(tokens.dtype)
     public = torch.minimum(scored[:n].sum(1), scored[n:].sum(1)).repeat(2)
     weight = torch.full_like(tokens, alpha).masked_fill_(scored.cumsum(1) <= public[:, None], 1.0)  # cumsum: 1-based
     return (tokens * scored * weight).sum(1)
@@ -477,7 +479,8 @@ class BetaDPO:
     step)."""
 
     def __init__(self, seed: int = 0):
-        self.seed, self.running = seed, None
+        self.seed = seed
+        self.running = None
 
     def state_dict(self) -> dict:
         return {"beta_dpo_running": self.running}
@@ -603,14 +606,16 @@ def compute_loss(
     the configured beta (a second call, without gradients, when either differs); logps/* stay the sums."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
-    unpaired, sft_only = any(spec.unpaired for spec in specs), set(names) == {"sft"}  # sft alone: no rejected
+    unpaired = any(spec.unpaired for spec in specs)
+    sft_only = set(names) == {"sft"}  # sft alone: no rejected
     if not (paired or sft_only or unpaired):
         raise ValueError(f"losses {names} compare chosen with rejected; rejected log-probs are missing")
     if getattr(hp, "reference_free", False):
         reference = None
     elif reference is None and any(spec.needs_reference for spec in specs):
         raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
-    sums, counts, device = policy.sums, policy.counts, policy.sums.device
+    sums, counts = policy.sums, policy.counts
+    device = policy.sums.device
     ref = torch.zeros_like(sums) if reference is None else reference.sums.to(device)
     if unpaired:
         return _unpaired_loss(names[0], weights[0], hp, sums, counts, ref, paired, desirable, kl)
@@ -619,7 +624,8 @@ def compute_loss(
     wpo = None
     if getattr(hp, "wpo", False):
         wpo = wpo_weights(sums[:n], sums[n:], policy.log_sum_sq[:n], policy.log_sum_sq[n:], counts[:n], counts[n:])
-    modified, ld_alpha = (sums, ref), getattr(hp, "ld_alpha", 1.0)
+    modified = (sums, ref)
+    ld_alpha = getattr(hp, "ld_alpha", 1.0)
     if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
         # output t predicts token t+1: a row's first token is never scored
         scored = (labels.to(device) != IGNORE_INDEX) & (torch.arange(labels.size(1), device=device) > 0)
@@ -632,10 +638,12 @@ def compute_loss(
         ratios = sequence_logps(sums - ref, counts, average).detach()
         beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
     dpop = getattr(hp, "dpop_lambda", 0.0)
-    total, chosen_rewards, rejected_rewards = 0, None, None
+    total = 0
+    chosen_rewards, rejected_rewards = None, None
     given = {"chosen_nll": chosen_nll, "beta": beta}  # beta None: loss.beta
     for name, spec, weight in zip(names, specs, weights, strict=True):
-        average, sides = average_log_prob(spec, hp), modified if spec.needs_reference else (sums, ref)
+        average = average_log_prob(spec, hp)
+        sides = modified if spec.needs_reference else (sums, ref)
         policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in sides)
         logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
         penalized = logps
@@ -674,17 +682,22 @@ def _unpaired_loss(name, weight, hp, sums, counts, ref, paired, desirable, kl) -
     Metrics per completion: rewards/ and logps/chosen on desirable completions, rewards/ and logps/rejected on
     undesirable ones, NaN on the others (the trainer's averages skip NaN); on every row kl, the raw estimate, and
     kl_clamped, the z0 = max(0, kl) the loss uses."""
-    spec, n = LOSSES[name], len(sums) // 2
+    spec = LOSSES[name]
+    n = len(sums) // 2
     if paired:
         desirable = torch.arange(2 * n, device=sums.device) < n
     elif desirable is None:
         raise ValueError(f"loss {name!r} scores labelled completions: `desirable` (n,) is missing")
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
-    average, desirable, kl = average_log_prob(spec, hp), desirable.to(sums.device).bool(), kl.to(sums.device)
+    average = average_log_prob(spec, hp)
+    desirable = desirable.to(sums.device).bool()
+    kl = kl.to(sums.device)
     policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in (sums, ref))
     losses, rewards = spec.fn(policy_logps, reference_logps, desirable, kl, **_kwargs_for(name, spec.fn, hp, {}))
-    total, nan, logps = weight * losses, torch.full_like(rewards, float("nan")), sums.detach()
+    total = weight * losses
+    nan = torch.full_like(rewards, float("nan"))
+    logps = sums.detach()
     metrics = {
         "loss": total.detach(),
         "rewards/chosen": torch.where(desirable, rewards, nan),

@@ -42,7 +42,8 @@ def batches(t):
     """The rounds' batches, for BasicTrainer.train's loop (which evaluates and checkpoints every eval_every pairs and
     at the end): the prompts read, the scorer built and the schedule's length set before the optimizer is."""
     c, o = t.config, t.config.online
-    prompts, score = read_prompts(c), make_scorer(c, t.device)
+    prompts = read_prompts(c)
+    score = make_scorer(c, t.device)
     t.total_steps = o.rounds * (o.prompts_per_round // c.batch_size)  # the schedule's length: every round full
     rank0_print(f"online: {o.rounds} rounds of {o.prompts_per_round} of {len(prompts)} prompts, {t.total_steps} steps")
     return rounds(t, prompts, score)
@@ -52,7 +53,8 @@ def rounds(t, prompts: list, score):
     """Round by round, this rank's share of one pass over the round's pairs. Runs from the loop's first batch: after
     the resume and self_check (on the datasets' training pairs: the head, layout and reference are the rounds' too)."""
     c, o = t.config, t.config.online
-    resumed_at, done = t.example_counter if c.resume_from else None, 0  # done: the steps of the rounds before this one
+    resumed_at = t.example_counter if c.resume_from else None
+    done = 0  # the steps of the rounds before this one
     share = dict(batch_size=c.batch_size, n_epochs=1, rank=t.dp_rank, world_size=t.dp_size, balance=c.balance_batch)
     for r in range(o.rounds):
         folder = t.run_dir / "rounds" / str(r)
@@ -60,11 +62,13 @@ def rounds(t, prompts: list, score):
         stats = broadcast_object(finished_round(folder) if t.rank == 0 and c.resume_from else None)
         if stats is None and t.batch_counter > done:
             raise CheckpointError(f"cannot resume: the checkpoint is inside round {r}, but {folder} is incomplete")
-        fresh, stats = stats is None, stats or make_round(t, r, prompts, score, folder)
+        fresh = stats is None
+        stats = stats or make_round(t, r, prompts, score, folder)
         # the round file read as the training split is: its tokenization, truncation and drops
         as_data = dataclasses.replace(c, datasets=[str(folder / "pairs.jsonl")])
         pairs = data.load_splits(as_data, t.tokenizer)["train"] if stats["pairs"] else []
-        steps, start = len(pairs) // c.batch_size, done * c.batch_size  # start: the pairs seen before this round
+        steps = len(pairs) // c.batch_size
+        start = done * c.batch_size  # the pairs seen before this round
         if fresh or start > (resumed_at or 0):  # else the resume kept its record
             t.log(start, {k: stats[k] for k in STATS})
         if fresh and not steps:
@@ -90,7 +94,9 @@ def finished_round(folder: Path) -> dict | None:
 
 def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
     """Round r's prompts sampled and scored (each rank its groups), paired and written; returns its statistics."""
-    c, o, n, tokenizer = t.config, t.config.online, t.config.online.samples_per_prompt, t.tokenizer
+    c, o = t.config, t.config.online
+    n = t.config.online.samples_per_prompt
+    tokenizer = t.tokenizer
     pad = tokenizer.pad_token_id
     picked = [(r * o.prompts_per_round + j) % len(prompts) for j in range(o.prompts_per_round)]
     groups = [picked[s : s + o.prompts_per_generate] for s in range(0, len(picked), o.prompts_per_generate)]
@@ -98,7 +104,9 @@ def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
     eos = unwrap(t.policy).generation_config.eos_token_id  # where generate stops (a chat model's end of turn too)
     stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
     sampling = dict(max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, pad_token_id=pad)
-    rows, tick, device = [], time.time(), t.sharding.input_device(t.policy)
+    rows = []
+    tick = time.time()
+    device = t.sharding.input_device(t.policy)
     t.policy.eval()
     with t.sharding.params_on_device(t.policy):
         for g in mine:  # as many generate calls on every rank (each a collective under FSDP); -1: a repeat
@@ -114,7 +122,9 @@ def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
                 lengths = [o.max_new_tokens if e is None else e + 1 for e in ends]  # None: never stopped
                 rows.append([g * o.prompts_per_generate + k, i, texts, [e is not None for e in ends], lengths])
     t.sharding.reshard(t.policy)
-    sample_seconds, tick, problem = time.time() - tick, time.time(), None
+    sample_seconds = time.time() - tick
+    tick = time.time()
+    problem = None
     try:  # every rank reaches the gather below: a bad scorer stops all of them, with its message
         asked = [prompts[row[1]] for row in rows for _ in range(n)], [x for row in rows for x in row[2]]
         scores = checked(o.scorer, score, *asked)
@@ -131,7 +141,10 @@ def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
 
 def write_round(t, r: int, folder: Path, prompts: list, rows: list, seconds: tuple[float, float]) -> dict:
     """Each prompt's best sample over its worst where the gap exceeds min_score_gap: pairs.jsonl, then round.json."""
-    o, pairs, gaps, lengths = t.config.online, [], [], [0, 0]
+    o = t.config.online
+    pairs = []
+    gaps = []
+    lengths = [0, 0]
     for _, i, texts, _, tokens, scores in rows:
         best, worst = scores.index(max(scores)), scores.index(min(scores))
         if scores[best] - scores[worst] > o.min_score_gap:
@@ -141,9 +154,11 @@ def write_round(t, r: int, folder: Path, prompts: list, rows: list, seconds: tup
             pairs.append(dict(pair, chosen_score=scores[best], rejected_score=scores[worst], scores=scores))
             gaps.append(scores[best] - scores[worst])
             lengths = [lengths[0] + tokens[best], lengths[1] + tokens[worst]]
-    samples, tokens = [s for row in rows for s in row[5]], sum(sum(row[4]) for row in rows)
+    samples = [s for row in rows for s in row[5]]
+    tokens = sum(sum(row[4]) for row in rows)
     gap = statistics.fmean(gaps) if gaps else math.nan
-    unfinished, ratio = 1 - sum(sum(row[3]) for row in rows) / len(samples), lengths[0] / (lengths[1] or math.nan)
+    unfinished = 1 - sum(sum(row[3]) for row in rows) / len(samples)
+    ratio = lengths[0] / (lengths[1] or math.nan)
     values = r, statistics.fmean(samples), len(pairs) / len(rows), gap, ratio, unfinished, tokens / seconds[0]
     stats = dict(zip(STATS, values), pairs=len(pairs), sample_seconds=seconds[0], score_seconds=seconds[1])
     if t.rank == 0:  # rank 0 writes; the others wait, then all read the file
