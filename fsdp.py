@@ -55,7 +55,10 @@ class Sharded(OneProcess):
     saves_weights = True
 
     def __init__(self, fsdp, device: torch.device, rank: int, world_size: int, policy: nn.Module):
-        self.fsdp, self.device, self.rank, self.world_size = fsdp, device, rank, world_size
+        self.fsdp = fsdp
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
         size = fsdp.fsdp_size  # 1 <= fsdp_size < world: a 2-D mesh, replicate x shard (hybrid)
         shape = (world_size,) if size in (-1, world_size) else (world_size // size, size)
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
@@ -326,7 +329,8 @@ SHARDINGS = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
 def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
     """Modules to shard under a size policy, leaves first, as FSDP1's size_based_auto_wrap_policy: a module is wrapped
     once the parameters no wrapped descendant holds reach min_num_params, unless never_units keeps it."""
-    chosen, kept = [], never_units(model)
+    chosen = []
+    kept = never_units(model)
 
     def remaining(module: nn.Module) -> int:
         n = sum(p.numel() for p in module.parameters(recurse=False)) + sum(remaining(c) for c in module.children())

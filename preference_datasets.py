@@ -81,7 +81,8 @@ class PromptResponses:
 
 def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """Anthropic/hh-rlhf rows {chosen, rejected}, whole transcripts (departure 9). SFT target: the last chosen."""
-    data, dropped = {}, Counter()
+    data = {}
+    dropped = Counter()
     for n, row in enumerate(rows, 1):
         cut = row["chosen"].rfind(HH_MARKER, 0, len(os.path.commonprefix([row["chosen"], row["rejected"]])))
         prompt = row["chosen"][: cut + len(HH_MARKER)]
@@ -96,9 +97,12 @@ def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
 
 def convert_shp(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """stanfordnlp/SHP rows; a score ratio below 2 (a weak preference) is dropped, as the original. SFT: the best."""
-    data, dropped, best = {}, Counter(), {}
+    data = {}
+    dropped = Counter()
+    best = {}
     for n, row in enumerate(rows, 1):
-        (a, b), prompt = (row["score_A"], row["score_B"]), "\n\nHuman: " + row["history"] + HH_MARKER
+        a, b = row["score_A"], row["score_B"]
+        prompt = "\n\nHuman: " + row["history"] + HH_MARKER
         if max(a, b) < 2 * min(a, b) or max(a, b) <= 0:  # ratio >= 2 without dividing by a score of 0
             dropped["shp_score_ratio_below_2"] += 1
         elif len((entry := data.setdefault(prompt, PromptResponses(prompt))).pairs) >= MAX_PAIRS_PER_PROMPT:
@@ -107,7 +111,8 @@ def convert_shp(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
             ref_a, ref_b = " " + row["human_ref_A"], " " + row["human_ref_B"]
             entry.add_pair(*((ref_a, ref_b) if row["labels"] == 1 else (ref_b, ref_a)), n)
             if max(a, b) > best.get(prompt, -float("inf")):  # a != b: the ratio filter passed
-                best[prompt], entry.sft_targets = max(a, b), [ref_a if a > b else ref_b]
+                best[prompt] = max(a, b)
+                entry.sft_targets = [ref_a if a > b else ref_b]
     return data, dropped
 
 
@@ -121,7 +126,8 @@ def strip_html(text: str) -> str:
 
 def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """stack-exchange-preferences rows: every pair of answers with different scores, better first. SFT: the best."""
-    data, dropped = {}, Counter()
+    data = {}
+    dropped = Counter()
     for n, row in enumerate(rows, 1):
         entry = data.setdefault(p := "\n\nHuman: " + strip_html(row["question"]) + HH_MARKER, PromptResponses(p))
         answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
@@ -150,7 +156,8 @@ def render_chat(tokenizer: Any, history: list[dict], reply: dict) -> tuple[str, 
             "the chat template does not render the prompt as a prefix of prompt+reply, so the reply cannot "
             f"be separated (prompt ends {prompt[-80:]!r}, conversation {full[len(prompt) - 80 :][:120]!r})"
         )
-    response, eos = full[len(prompt) :], tokenizer.eos_token
+    response = full[len(prompt) :]
+    eos = tokenizer.eos_token
     return prompt, response.rstrip()[: -len(eos)] if eos and response.rstrip().endswith(eos) else response
 
 
@@ -170,7 +177,8 @@ def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
             rendered = [render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[k])[0]) for k in names]
         else:
             rendered = [(row["prompt"], row[k]) for k in names]
-        prompt, replies = rendered[0][0], [response for _, response in rendered]
+        prompt = rendered[0][0]
+        replies = [response for _, response in rendered]
         entry = data.setdefault(prompt, PromptResponses(prompt, chat=chat))
         if "completion" in row:  # a completion rated twice counts twice
             entry.rated.append((entry.index(replies[0]), bool(row["label"])))
@@ -182,7 +190,8 @@ def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
 
 def convert_ultrafeedback(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
     """HuggingFaceH4/ultrafeedback_binarized rows {chosen, rejected}: whole conversations ending in the reply."""
-    pairs, dropped = [], Counter()
+    pairs = []
+    dropped = Counter()
     for row in rows:
         if row["rejected"][:-1] != row["chosen"][:-1] or row["chosen"][-1]["role"] != "assistant":
             dropped["ultrafeedback_prompt_mismatch"] += 1
@@ -210,7 +219,8 @@ def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | Non
             f"\n({type(e).__name__}: {e})"
         ) from e
     if held_out:  # only a train split (SE): as the original, shuffled with seed 42, its first `held_out` is 'test'
-        dataset, n_test = dataset.shuffle(seed=42), int(len(dataset) * held_out)
+        dataset = dataset.shuffle(seed=42)
+        n_test = int(len(dataset) * held_out)
         dataset = dataset.select(range(n_test) if split == "test" else range(n_test, len(dataset)))
     return dataset
 
@@ -251,7 +261,8 @@ SOURCES: dict[str, Source] = {
     ),
     "kto_mix": Source(convert_rows, "keep_end", fetch=partial(fetch_hub, "trl-lib/kto-mix-14k"), unpaired=True),
 }
-TEXT, NUMBER = (str, list), (int, float)  # TEXT: a string, or a list of {role, content} messages
+TEXT = (str, list)  # a string, or a list of {role, content} messages
+NUMBER = (int, float)
 TYPE_NAMES = {str: "a string", list: "a list of {role, content} messages", bool: "a boolean", int: "a number"}
 MESSAGE_FIELDS = dict(role=(str,), content=(str,))
 SHP_FIELDS = dict(history=(str,), human_ref_A=(str,), human_ref_B=(str,), labels=(int,), score_A=NUMBER, score_B=NUMBER)
@@ -394,7 +405,8 @@ def read_rows(path: Path) -> list[dict]:
                 f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); expected {expected}"
             ) from e
 
-    path, what = Path(path), "{prompt, chosen, rejected}"
+    path = Path(path)
+    what = "{prompt, chosen, rejected}"
     try:
         text = (data := path.read_bytes()).decode("utf-8-sig")  # -sig: tolerate the byte-order mark editors write
     except UnicodeDecodeError as e:
@@ -571,13 +583,20 @@ def tokenize_normalized(
     kept in memory); `stats` (source, split, origin, the converter's drops) completed. Dropped, counted: empty_response;
     unless drop_identical_pairs=False, the pairs without signal (listed in no_signal with their first rows either way):
     chosen_equals_rejected, identical_after_truncation (no preference left once cut)."""
-    drops, counts, no_signal, lengths, prompts = Counter(stats.dropped), Counter(), {}, [], set()
-    bos, eos, add_bos = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer_adds_bos(tokenizer)
-    entries, limits = list(data.values()), dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
+    drops = Counter(stats.dropped)
+    counts = Counter()
+    no_signal = {}
+    lengths = []
+    prompts = set()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    add_bos = tokenizer_adds_bos(tokenizer)
+    entries = list(data.values())
+    limits = dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
     writer = pa.ipc.new_file(sink := str(file) if file else pa.BufferOutputStream(), SCHEMA)  # no file: in memory
     ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
     for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs, ids = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal)), {}
+        jobs = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal))
+        ids = {}
         for chat in (False, True):  # special-token text is parsed as such only in chat-template output (departure 5)
             if texts := [*dict.fromkeys(t for e, *two, _, _ in jobs if e.chat == chat for t in (e.prompt, *two) if t)]:
                 encoded = tokenizer(texts, split_special_tokens=not chat, **ids_only)
@@ -612,7 +631,8 @@ def tokenize_normalized(
     table = pa.ipc.open_file(pa.memory_map(sink) if file else sink.getvalue()).read_all()
     drops.update({reason: len(rows) for reason, rows in no_signal.items()} if opts.drop_identical_pairs else {})
     prompt, chosen, rejected = lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
-    paired, tokens = bool(rejected.any()), {}  # a kept rejected response has >= 1 token
+    paired = bool(rejected.any())  # a kept rejected response has >= 1 token
+    tokens = {}
     for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected] if paired else chosen)):
         tokens[f"{kind}_tokens_mean"] = round(float(x.mean()) if len(x) else 0.0, 1)
         tokens[f"{kind}_tokens_max"] = int(x.max(initial=0))
@@ -620,7 +640,9 @@ def tokenize_normalized(
         tokens["chosen_rejected_length_ratio"] = round(float(chosen.mean() / rejected.mean()), 3)
     unit = "sft_targets" if opts.sft_mode else "completions" if opts.unpaired else "pairs"
     stats = replace(stats, **counts, kept=len(table), prompts=len(prompts), unit=unit)
-    stats.tokens, stats.dropped, stats.truncation_mode = tokens, dict(sorted(drops.items())), opts.truncation_mode
+    stats.tokens = tokens
+    stats.dropped = dict(sorted(drops.items()))
+    stats.truncation_mode = opts.truncation_mode
     stats.no_signal = {reason: [len(rows), rows[:5]] for reason, rows in no_signal.items()}  # count, first rows
     if file:  # read whole by every rank that maps the table: a few bytes an example, beside it
         np.save(file.with_name("lengths.npy"), lengths)
@@ -649,7 +671,8 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
         rows = source.fetch(split, cache_dir)
         content = origin = "hub:" + str(getattr(rows, "_fingerprint", None) or _sha256(list(rows)))
     else:
-        content, origin = "sha256:" + file_sha256(path), str(path)
+        content = "sha256:" + file_sha256(path)
+        origin = str(path)
     key = _sha256([asdict(opts), CODE_VERSION, name, split, content, tokenizer_fp, MAX_PAIRS_PER_PROMPT])
 
     def build(file: Path | None) -> Split:
@@ -681,7 +704,9 @@ def load_tokenized(
 ) -> Split:
     """Every source tokenized (cached in cache_dir), concatenated, with one SourceStats per source (printed by
     dataset_summary)."""
-    opts, parts, keys = LoadOptions(**options), [], {}
+    opts = LoadOptions(**options)
+    parts = []
+    keys = {}
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: responses end in EOS, so set tokenizer.eos_token")
     tokenizer_fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
@@ -733,7 +758,9 @@ def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:
     """{'train': ..., 'test': ...} as the run reads them, the tokenizer fingerprinted once: loaded once per rank and
     handed on to the checks, the trainer and the manifest. KTO reads labelled completions; with pairs_to_unpaired,
     training splits each pair into two and evaluation keeps the pairs (so that rewards_eval/accuracies ranks them)."""
-    fp, cache_dir, splits = tokenizer_fingerprint(tokenizer), str(first_usable_dir(cfg.local_dirs) / "datasets"), {}
+    fp = tokenizer_fingerprint(tokenizer)
+    cache_dir = str(first_usable_dir(cfg.local_dirs) / "datasets")
+    splits = {}
     # the LoadOptions named as config keys, and SFT's
     same = {k: getattr(cfg, k) for k in ("max_length", "max_prompt_length", "truncation_mode", "drop_identical_pairs")}
     same["sft_mode"] = set(cfg.loss_names) == {"sft"}
@@ -795,7 +822,9 @@ def iter_batch_indices(
     """This rank's item indices per global step: step s is batch s % S of epoch s // S (S = n_items // batch_size)
     in a permutation seeded by (seed, epoch); rank r takes its slice, or with `sizes` its balance_shares share."""
     total = num_steps(n_items, batch_size=batch_size, n_epochs=n_epochs, n_examples=n_examples)
-    per_epoch, k, start = n_items // batch_size, batch_size // world_size, start_example // batch_size
+    per_epoch = n_items // batch_size
+    k = batch_size // world_size
+    start = start_example // batch_size
 
     def batches():  # a generator inside: num_steps' check raises at the call, not at the first next()
         for step in range(start, total):
@@ -814,7 +843,8 @@ def iter_batch_indices(
 def balance_shares(items: list[int], sizes: list[int], n_shares: int) -> list[list[int]]:
     """`items` (`sizes` tokens each) in n_shares equal-count shares of near-equal size (FSDP waits for the heaviest):
     largest first to the lightest share with room, each share in batch order; consecutive slices where no heavier."""
-    shares, room = [[] for _ in range(n_shares)], len(items) // n_shares
+    shares = [[] for _ in range(n_shares)]
+    room = len(items) // n_shares
     for pos in sorted(range(len(items)), key=lambda p: -sizes[p]):  # sorted() is stable: ties keep batch order
         min((s for s in shares if len(s) < room), key=lambda s: sum(sizes[p] for p in s)).append(pos)
     consecutive, dealt = [list(range(s * room, (s + 1) * room)) for s in range(n_shares)], [sorted(s) for s in shares]
@@ -855,7 +885,8 @@ def collate(examples: list[TokenizedExample], pad_token_id: int | None, kl_rows:
     sides = ("chosen",) if examples[0].rejected is None else ("chosen", "rejected")
     for side in sides:
         texts = [getattr(e, side) for e in examples]
-        batch[side], batch[side + "_response_only"] = [e.prompt + t for e, t in zip(examples, texts)], texts
+        batch[side] = [e.prompt + t for e, t in zip(examples, texts)]
+        batch[side + "_response_only"] = texts
         batch.update(rows(prompts, [getattr(e, side + "_ids") for e in examples], side + "_"))
     if examples[0].desirable is not None:
         batch["desirable"] = torch.tensor([bool(e.desirable) for e in examples])
@@ -901,7 +932,9 @@ def get_eval_batches(
 ) -> list[dict]:
     """This rank's shares of the first n_examples test pairs in global batches, the last filled with repeats marked
     `valid` False (B,): every rank runs the same forwards (FSDP), and the mean counts each pair once."""
-    n, per_rank, batches = min(n_examples, len(split)), batch_size // world_size, []
+    n = min(n_examples, len(split))
+    per_rank = batch_size // world_size
+    batches = []
     for start in range(0, n, batch_size):
         positions = range(start + rank * per_rank, start + (rank + 1) * per_rank)  # past n: the batch's first pair
         idx, valid = [p if p < n else start for p in positions], torch.tensor([p < n for p in positions])

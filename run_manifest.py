@@ -24,7 +24,8 @@ import config
 import utils
 
 REPO = Path(__file__).resolve().parent
-MANIFEST, DIFF, FORMAT = "run_manifest.json", "run_manifest.diff", 1  # in run_dir, side by side
+MANIFEST, DIFF = "run_manifest.json", "run_manifest.diff"  # in run_dir, side by side
+FORMAT = 1
 # A replay repeats the recorded config; only keys that cannot change a number may be given again.
 REPLAY_KEYS = ("run_dir", "exp_name", "wandb.enabled", "wandb.entity", "wandb.project", "fsdp_port", "local_dirs")
 TIMING = ("throughput/", "examples_per_second")  # wall-clock metrics: they differ between any two runs
@@ -38,7 +39,8 @@ def git_state() -> tuple[dict, str]:
     """({commit, dirty, diff_sha256, untracked}, diff text) of the repository this file lives in."""
     git = lambda *args: subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True)
     try:
-        commit, diff = git("rev-parse", "HEAD").stdout.strip(), git("diff", "HEAD").stdout
+        commit = git("rev-parse", "HEAD").stdout.strip()
+        diff = git("diff", "HEAD").stdout
         untracked = git("ls-files", "--others", "--exclude-standard").stdout.split()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (a copied tree): say so, do not guess
         return {"commit": None, "dirty": None, "diff_sha256": None, "untracked": []}, ""
@@ -87,7 +89,8 @@ def check_against(recorded_dir, cfg, splits: dict, what: str) -> None:
         return
     try:
         recorded = json.loads(path.read_text())
-        then, recorded_code = recorded["data"], recorded["code"]
+        then = recorded["data"]
+        recorded_code = recorded["code"]
     except (ValueError, KeyError) as e:
         raise ManifestError(
             f"{path}: unreadable run manifest ({type(e).__name__}: {e}); expected the JSON that "

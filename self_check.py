@@ -66,7 +66,8 @@ def run(t) -> None:
 def probe_pairs(t, batch: dict) -> dict:
     """This rank's first pairs of its first step: at most PROBE_PAIRS and at most a micro-batch's (the probe's
     forwards never hold more than the run's), each side cut to its longest sequence."""
-    c, n = t.config, len(batch["chosen_input_ids"])
+    c = t.config
+    n = len(batch["chosen_input_ids"])
     per_micro = n if c.max_tokens_per_microbatch else n // c.gradient_accumulation_steps
     probe = {k: v[: max(1, min(PROBE_PAIRS, per_micro))] for k, v in batch.items() if not k.startswith("kl_")}
     for side in ("chosen", "rejected"):
@@ -112,15 +113,18 @@ def layout(t, inputs: dict, ours: SequenceLogps, dtype: torch.dtype) -> list[dic
 
 
 def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
-    c, ref = t.config, t.reference
+    c = t.config
+    ref = t.reference
     if ref.model is None or c.loss.reference_free:
         return []
     dtype = compute_dtype(c, ref.mixed, c.model.reference_dtype or c.fsdp.model_dtype)
-    live, checks = ref.forward(inputs), []
+    live = ref.forward(inputs)
+    checks = []
     if c.precompute_ref_log_probs:  # every rank asks for the same rows: the table's forwards are collectives
         wanted = sorted({i for part in all_gather_object(probe["example_index"].tolist()) for i in part})
         ref.tables = {"train": ref.table("train", wanted)}  # read as the loss reads it (Reference.logps), then unset:
-        cached, ref.tables = ref.logps(probe, inputs, "train").sums.to(live.sums), {}  # precompute fills the tables
+        cached = ref.logps(probe, inputs, "train").sums.to(live.sums)
+        ref.tables = {}  # precompute fills the tables
         what = "precomputed reference log-probs vs a live reference forward"
         fix = "precompute_ref_log_probs=false (or delete the cached table)"
         checks.append(compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix))
@@ -137,7 +141,8 @@ def starts_as_policy(t) -> bool:
     sharded alike) and computes in the same precision; one answer for all ranks."""
     from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
 
-    ref, c = t.reference, t.config
+    ref = t.reference
+    c = t.config
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor shard
     if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)
         same = all(not local(p).any() for name, p in t.policy.named_parameters() if "lora_B" in name)
@@ -158,7 +163,8 @@ def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> 
     c = t.config
     kl = ours.sums.new_zeros(1) if t.unpaired else None  # KTO: the KL reference point is 0 where reference = policy
     hp = dataclasses.replace(c.loss, wpo=False, ld_alpha=1.0)
-    paired, desirable = "rejected_input_ids" in probe, probe.get("desirable")
+    paired = "rejected_input_ids" in probe
+    desirable = probe.get("desirable")
     out = losses.compute_loss(
         c.loss_names, c.loss.weights, hp, ours, SequenceLogps(ref, None), paired=paired, desirable=desirable, kl=kl
     )

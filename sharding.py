@@ -37,7 +37,8 @@ class OneProcess:
     saves_weights = False  # save writes no policy weights: a resume reads them from policy.pt (FSDP: its sharded files)
 
     def __init__(self, model: nn.Module, config):
-        self.device, self.rank = self.input_device(model), 0
+        self.device = self.input_device(model)
+        self.rank = 0
         if config.activation_checkpointing:  # FSDP applies it while sharding
             checkpoint_blocks(model, config.fsdp.wrap_policy)
 

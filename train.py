@@ -99,7 +99,8 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
-    path, remote = resolve_local(cfg.model.name_or_path), cfg.model.trust_remote_code
+    path = resolve_local(cfg.model.name_or_path)
+    remote = cfg.model.trust_remote_code
 
     def load(dtype: torch.dtype):
         if on_meta:
@@ -118,7 +119,8 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     utils.rank0_print(
         f"loading policy {path} in {cfg.fsdp.model_dtype}" + (f", computing in {compute}" if compute else "")
     )
-    policy, reference = load(dtype_of(cfg.fsdp.model_dtype)), None
+    policy = load(dtype_of(cfg.fsdp.model_dtype))
+    reference = None
     if losses.needs_reference(cfg.loss_names, cfg.loss.reference_free) and cfg.lora.r is None:
         dtype = cfg.model.reference_dtype or cfg.fsdp.model_dtype  # null: the policy's dtype
         utils.rank0_print(f"loading reference {path} in {dtype}, computing in {compute if mixed else dtype}")
@@ -253,7 +255,8 @@ def check_router_aux_loss(cfg) -> None:
     without experts, and `model` for one whose config has no router_aux_loss_coef."""
     import transformers
 
-    name, value = resolve_local(cfg.model.name_or_path), cfg.loss.router_aux_loss
+    name = resolve_local(cfg.model.name_or_path)
+    value = cfg.loss.router_aux_loss
     try:
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError):  # unreadable here: loading the model reports it
@@ -280,7 +283,8 @@ def check_sequence_parallel(cfg) -> None:
     (fewer key/value heads are repeated); RoPE types that scale by the longest position of a call are refused."""
     import transformers
 
-    name, sp = resolve_local(cfg.model.name_or_path), cfg.fsdp.ulysses_sequence_parallel_size
+    name = resolve_local(cfg.model.name_or_path)
+    sp = cfg.fsdp.ulysses_sequence_parallel_size
     try:
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
         heads = config.num_attention_heads
@@ -334,7 +338,8 @@ def check_data(cfg, world_size: int) -> dict:
                 f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
                 " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)"
             )
-    splits, (dp, ranks) = data.load_splits(cfg, load_tokenizer(cfg)), data_parallel_size(cfg, world_size)
+    splits = data.load_splits(cfg, load_tokenizer(cfg))
+    dp, ranks = data_parallel_size(cfg, world_size)
     for split, needed, knob in (
         ("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
         ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)"),
@@ -371,7 +376,8 @@ def too_few_pairs(cfg, split: str, examples, knob: str) -> data.DataError:
 def resume_run_dir(resume_from: str) -> str:
     """The run directory a resume continues, from what users copy: the run directory, its LATEST, or the step-N
     checkpoint LATEST points at (an earlier one would have its later checkpoints overwritten: refused)."""
-    path, latest = Path(resume_from), Path(resume_from).parent / "LATEST"
+    path = Path(resume_from)
+    latest = path.parent / "LATEST"
     if (path / "LATEST").exists():
         return str(path)
     if latest.exists() and (path.name == "LATEST" or path.resolve() == latest.resolve()):
@@ -432,14 +438,17 @@ def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it), with the resolved config saved in it as config.yaml
     (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
     if cfg.resume_from:
-        run_dir, created = Path(cfg.resume_from), False
+        run_dir = Path(cfg.resume_from)
+        created = False
     elif cfg.run_dir:
-        run_dir, created = Path(cfg.run_dir), not Path(cfg.run_dir).exists()
+        run_dir = Path(cfg.run_dir)
+        created = not run_dir.exists()
         if run_dir.is_dir():
             keep_earlier_start(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        run_dir, created = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs), True
+        run_dir = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs)
+        created = True
     utils.atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
     return run_dir, created
 
@@ -592,7 +601,8 @@ def launch(cfg, splits: dict | None = None) -> None:
 
 def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
     """One line: where the run stopped and the command that continues it (as given, resume_from replaced)."""
-    kept, name = [a for a in argv if not a.lstrip("-").startswith("resume_from=")], signal.Signals(e.signum).name
+    kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]
+    name = signal.Signals(e.signum).name
     if e.examples is None:
         return (
             f"interrupted ({name}) before the first checkpoint: start again with: python -u train.py {shlex.join(kept)}"
@@ -614,7 +624,8 @@ def valued_flags(argv: list[str]) -> tuple[list[str], str | None, str | None]:
         argv = argv[:i] + argv[i + 1 + (gpu is not None) :]
     if "--replay" in argv:
         i = argv.index("--replay")
-        replay_of, argv = (argv + [""])[i + 1], argv[:i] + argv[i + 2 :]
+        replay_of = (argv + [""])[i + 1]
+        argv = argv[:i] + argv[i + 2 :]
     return argv, gpu, replay_of
 
 
@@ -624,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    estimating, replay_of, gpu = "--estimate" in argv, None, None
+    estimating = "--estimate" in argv
+    gpu = replay_of = None
     if estimating or "--replay" in argv:
         argv, gpu, replay_of = valued_flags(argv)
         if replay_of == "":

@@ -51,7 +51,8 @@ class SequenceParallel:
         one-element causal (1, 1, T, T) stand-in marked `causal_only` (rows are right-padded, so a causal mask never
         lets a real token see padding; the model given none would build one for its slice): the wrapper runs a causal
         kernel or builds the mask per call."""
-        ids, t = kwargs["input_ids"], kwargs["input_ids"].size(1)
+        ids = kwargs["input_ids"]
+        t = ids.size(1)
         causal = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device).expand(1, 1, t, t)
         causal.causal_only = True
         positions = torch.arange(t, device=ids.device).expand_as(ids)
@@ -92,7 +93,8 @@ class _SelfAdjoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, collective, group) -> torch.Tensor:
-        ctx.collective, ctx.group = collective, group
+        ctx.collective = collective
+        ctx.group = group
         return collective(x, group)
 
     @staticmethod

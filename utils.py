@@ -80,7 +80,8 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
     if full_determinism:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
         torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 def get_rng_state() -> dict:
