@@ -145,6 +145,7 @@ class BasicTrainer:
             use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
         )
         self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.train_seconds = 0.0  # seconds in step_and_log since the loop began (online.py's generation share)
         self.stop = {"signal": None}
         self.log = RunLog(self.run_dir, rank, config)
         self.beta_dpo = losses.BetaDPO(seed)  # beta-DPO's running margins (a checkpoint keeps them)
@@ -351,10 +352,9 @@ class BasicTrainer:
             self.reference.precompute()
         resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
         self.loop_start = (time.time(), self.example_counter)
-        self.train_seconds = 0.0
         progress = dict(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.bars)
         with stop_on_signals(self.stop), tqdm.tqdm(**progress, dynamic_ncols=True) as bar:
-            for batch in rounds or self.train_batches():
+            for batch in self.train_batches() if rounds is None else rounds:
                 if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
                     if self.example_counter > 0 or c.do_first_eval:
                         self.evaluate_and_log()
