@@ -127,7 +127,8 @@ def geometry(config: dict) -> Geometry:
         widest = 3 * k * i + 2 * h  # without gradients: the MLP's act(gate), up, their product; the residual, norm's
         attention = (("q", h, heads * d), ("k", h, kv * d), ("v", h, kv * d), ("o", heads * d, h))  # (name, in, out)
         linears = tuple((f"self_attn.{p}_proj", a, b) for p, a, b in attention)
-        linears += tuple((f"mlp.{p}_proj", a, b) for p, a, b in (("gate", h, i), ("up", h, i), ("down", i, h)))
+        if family not in MOE:  # a mixture's fused experts and router: peft's all-linear adapts them, not counted
+            linears += tuple((f"mlp.{p}_proj", a, b) for p, a, b in (("gate", h, i), ("up", h, i), ("down", i, h)))
     else:
         i = get("n_inner", default=4 * h) if family == "gpt2" else config["intermediate_size"]
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)  # 2 norms, qkv, out, MLP
@@ -139,18 +140,15 @@ def geometry(config: dict) -> Geometry:
         # inputs (one shared input with GPT-NeoX's parallel residual)
         mlp_saved = 5 if act == "gelu_new" else 2  # gelu_new is Python (tanh formula): 4 tensors + its output
         neox = family == "gpt_neox"
-        parallel = family == "gpt_neox" and config.get("use_parallel_residual", True)
+        parallel = neox and config.get("use_parallel_residual", True)
         saved = Saved(6 * h + 3 * h * neox + mlp_saved * i, heads + 4, h if parallel else 2 * h, 0, 0, 0)
         widest = (4 if mlp_saved == 5 else 2) * i + 2 * h  # the MLP's input, its activation's temporaries
-        names = (
-            ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
-            if neox
-            else ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-        )
+        names = {
+            "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+            "gpt_neox": ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+        }[family]
         linears = tuple(zip(names, (h, h, h, i), (3 * h, h, i, h)))  # (name, in, out): qkv, out, MLP up, MLP down
     embed, head = vocab * h + positions, norm + (0 if tied else vocab * h)  # final norm (+ bias), untied head
-    if family in MOE:  # the attention's; peft's all-linear also adapts the fused experts and router: not counted
-        linears = linears[:4]
     params = embed + layers * block + head
     active = params - layers * (experts - k) * 3 * h * i if family in MOE else None
     return Geometry(h, layers, vocab, tied, block, embed, head, saved, widest, linears, kv * d, params, active)
@@ -205,18 +203,24 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
     if autocast:  # the weights' cast copies: every block's (checkpointing: the recomputed one's) and the LM head's
         weights = g.block_params + cfg.lora.r * sum(i + o for i, o in adapters) if lora else g.block_params
         act += (weights * (1 if ckpt else g.layers) + g.vocab * g.hidden) * c
+    return {"activations": act, "block activations": block, **_logits(cfg, g, tokens, c)}
+
+
+def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
+    """Per rank: the logits (or the tiled head's tiles) of `tokens` tokens in `c` bytes, the head's backward workspace."""
     chunk_rows = min(tokens, DEFAULT_CHUNK_SIZE)
-    head_backward = 0
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
         # gradient accumulator + a (V, H) tile product / final cast unless fp32 (LoRA: the head is frozen)
         logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
-        head_backward = 0 if lora else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
-    else:  # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or
-        chunked = cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff  # the bonus's: as set
-        entropy_rows = chunk_rows if chunked else tokens  # their gradient (backward)
-        logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
-    return {"activations": act, "logits": logits, "LM-head backward": head_backward, "block activations": block}
+        head_backward = 0 if cfg.lora.r is not None else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
+        return {"logits": logits, "LM-head backward": head_backward}
+    # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or their
+    # gradient (backward): chunked, but the bonus's as fsdp.entropy_from_logits_with_chunking sets
+    chunked = cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff
+    entropy_rows = chunk_rows if chunked else tokens
+    logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
+    return {"logits": logits, "LM-head backward": 0}
 
 
 def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
@@ -237,8 +241,10 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     adapters = g.layers * cfg.lora.r * sum(i + o for i, o in lora_linears(cfg, g)) if lora else 0
     # what gets gradients and optimizer state: the adapters (fp32: peft casts bf16 ones up), or every parameter
     trained, tw, block_trained = (adapters, 4, adapters / g.layers) if lora else (g.params, w, g.block_params)
+    gradients = trained * tw / shard
     needs_reference = losses.needs_reference(cfg.loss_names, cfg.loss.reference_free)
     ref_online = needs_reference and not cfg.precompute_ref_log_probs
+    reference = g.params * ref_w / shard if needs_reference and not lora else 0  # held online, else before training
     pairs = 1 if cfg.unpaired_loss or set(cfg.loss_names) == {"sft"} else 2  # sequences per example
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
     budget = cfg.max_tokens_per_microbatch
@@ -250,19 +256,18 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     # elsewhere through sdpa with a dense (R, 1, T, T) mask (padded rows: no mask, the model's causal one)
     dense = (cfg.padding_free or cfg.prefix_sharing) and not (device in FLEX_DEVICES and config["model_type"] in FLEX)
     several = cfg.gradient_accumulation_steps > 1 or bool(budget)  # micro-batches per step (a budget can split)
-    P = g.params
     root = g.embed_params + g.head_params  # FSDP's root unit: embeddings, final norm, LM head
     out = {
-        "parameters": P,
+        "parameters": g.params,
         "adapters": adapters,
-        "parameters per rank": (P + adapters) / shard,
+        "parameters per rank": (g.params + adapters) / shard,
         "micro-batch tokens": tokens,
         "compute bytes": c,
         "dense mask": dense,
-        "weights": (P * w + adapters * 4) / shard,
-        "reference weights": P * ref_w / shard if ref_online and not lora else 0,
-        "optimizer state": STATES[cfg.optimizer] * trained * tw / shard,
-        "gradients": trained * tw / shard,
+        "weights": (g.params * w + adapters * 4) / shard,
+        "reference weights": reference if ref_online else 0,
+        "optimizer state": STATES[cfg.optimizer] * gradients,
+        "gradients": gradients,
         **_activations(cfg, g, tokens, rows, c, w, dense),
     }
     gathered = ref_root = root_reduce = forward_units = 0
@@ -270,7 +275,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
         units = 1 + cfg.fsdp.forward_prefetch
         gathered = (units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
         if not cfg.fsdp.reshard_after_forward:  # every unit kept until its backward
-            gathered = P * c + block_trained * c
+            gathered = g.params * c + block_trained * c
         ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
         forward_units = units * g.block_params + root  # gathered by a forward alone (reference, evaluation)
         root_reduce = root * (c + r) if fsdp2 and not lora else 0  # unsharded grads + buffer
@@ -278,45 +283,42 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
     # with no_sync_accumulation the whole model's unsharded gradients (FSDP2: in reduce_dtype, FSDP1: param_dtype)
     unsynced = trained * (r if fsdp2 else c) if fsdp and cfg.no_sync_accumulation and several else 0
-    out["accumulated gradients"] = held = unsynced or (out["gradients"] if several else 0)
+    out["accumulated gradients"] = held = unsynced or (gradients if several else 0)
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
     start = held + out["activations"] + out["logits"] + max(out["LM-head backward"], ref_root)
-    backward = max(start, unsynced + out["gradients"] + out["block activations"] + root_reduce) + gathered
+    backward = max(start, unsynced + gradients + out["block activations"] + root_reduce) + gathered
     fused = cfg.fused_optimizer and cfg.optimizer == "AdamW"  # one kernel: no temporary
-    optimizer = out["gradients"] + (trained * tw / shard if STATES[cfg.optimizer] and not fused else 0)  # sqrt(v)
-    # forwards without gradients of eval_batch_size pairs per data-parallel group: a block's widest moment, the
-    # output hidden states and the rows gathered from them, the logits (or tiles); sampling: SAMPLE_GROUP's KV cache
+    optimizer = gradients + (gradients if STATES[cfg.optimizer] and not fused else 0)  # the temporary: sqrt(v)
+    # a forward without gradients, computing in b bytes per element: a block's widest moment, the output hidden
+    # states and the rows gathered from them, the units FSDP gathers for it (the logits apart)
+    no_grad = lambda tokens, b: ((g.widest + 2 * g.hidden) * tokens + forward_units) * b
+    # evaluation: eval_batch_size pairs per data-parallel group and their logits; sampling: SAMPLE_GROUP's KV cache
     eval_pairs = max(1, cfg.eval_batch_size // (world_size // sp))
     eval_tokens = -(-eval_pairs * pairs * cfg.max_length // sp)
-
-    def forward(b: int) -> int:  # computing in b bytes per element
-        logits = _activations(cfg, g, eval_tokens, eval_pairs * pairs, b, w, dense)["logits"]
-        return (g.widest + 2 * g.hidden) * eval_tokens * b + logits + forward_units * b
-
+    forward = lambda b: no_grad(eval_tokens, b) + _logits(cfg, g, eval_tokens, b)["logits"]
     kv_cache = 2 * g.layers * g.kv_width * c * SAMPLE_GROUP * (cfg.max_prompt_length + cfg.max_new_tokens)
     out["phases"] = {
         "backward": static + backward,
         "optimizer step": static + optimizer,
         "evaluation": static + max(forward(c), kv_cache * cfg.sample_during_eval),
     }
-    precomputed = P * ref_w / shard if needs_reference and cfg.precompute_ref_log_probs and not lora else 0
     if needs_reference and cfg.precompute_ref_log_probs:  # before training: policy and reference, no optimizer state
-        out["phases"]["reference pass"] = out["weights"] + precomputed + forward(ref_c)
+        out["phases"]["reference pass"] = out["weights"] + reference + forward(ref_c)
     if cfg.self_check:  # before the first step, the reference still loaded (a resume: the optimizer state too): a few
         # pairs' forwards, and with the tiled head the full fp32 logits of the plain path it is compared with
         probe = min(PROBE_PAIRS, max(1, micro)) * pairs * cfg.max_length
         full = min(probe * g.vocab * 4, HEAD_LOGITS_BYTES) if cfg.tiled_lm_head else 0
-        kept = static + precomputed + full
-        out["phases"]["self check"] = kept + ((g.widest + 2 * g.hidden) * probe + forward_units) * c
+        precomputed = 0 if ref_online else reference  # static holds an online one
+        out["phases"]["self check"] = static + precomputed + full + no_grad(probe, c)
     out["peak phase"] = max(out["phases"], key=out["phases"].get)
     out["peak"] = out["phases"][out["peak phase"]]
     # FLOPs: 6 N per trained token (forward 2N, backward 4N), 2 N more with checkpointing (a second forward),
     # 2 N per token through an online reference; N = parameters outside the input embedding (as trainers.flops_params).
     # LoRA: N counts the adapters, and the frozen weights' backward computes only the inputs' gradients (2 N)
     # A mixture of experts: N counts the parameters a token runs through (top-k experts), memory all of them
-    n = (g.active or P) - g.embed_params + (g.vocab * g.hidden if g.tied else 0)
-    out["FLOPs parameters"], out["mixture of experts"] = n, g.active is not None
+    n = (g.active or g.params) - g.embed_params + (g.vocab * g.hidden if g.tied else 0)
+    out["FLOPs parameters"] = n
     n_tokens = cfg.batch_size * pairs * cfg.max_length
     out["model FLOPs per step"] = (6 + 2 * ref_online) * (n + adapters) * n_tokens
     forward_flops = (2 + 2 * cfg.activation_checkpointing) * (n + adapters)
@@ -377,7 +379,7 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
         f"FLOPs per step: model {e['model FLOPs per step']:.3e}, executed {e['executed FLOPs per step']:.3e} "
         f"(all ranks; {e['executed FLOPs per step'] / world:.3e} per rank)"
     )
-    if e["mixture of experts"]:
+    if family in MOE:  # its FLOPs count the active parameters
         lines.append(
             f"mixture of experts: FLOPs count N = {e['FLOPs parameters'] / 1e6:.2f}M, the parameters a token "
             f"runs through (its top-k experts; as throughput/mfu), memory all {e['parameters'] / 1e6:.2f}M"
