@@ -140,7 +140,6 @@ def _wrap(implementation: str):
     (T x T scores anyway), a causal mask per call. A FlexAttention block mask (logps.block_masks: on GPUs, built over
     whole sequences) goes to FlexAttention."""
     original = ALL_ATTENTION_FUNCTIONS.get(implementation)  # eager is unregistered: each model file has its own
-    takes_is_causal = implementation == "sdpa"
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         inner = _eager_attention(module) if implementation == "eager" else original
@@ -157,15 +156,16 @@ def _wrap(implementation: str):
             module = _AttentionView(module, sinks=module.sinks[heads])
             if "s_aux" in kwargs:  # the copy FlexAttention and flash kernels read
                 kwargs["s_aux"] = module.sinks
-        causal = getattr(attention_mask, "causal_only", False)
-        if causal and takes_is_causal:
-            attention_mask, kwargs["is_causal"] = None, True
         # (B, H, T/sp, d), all heads at my positions -> (B, H/sp, T, d), my heads at all positions
         query, key, value = (_exchange(x, sp) for x in (query, key, value))
-        if causal and not takes_is_causal:
-            t = query.size(-2)
-            low = torch.finfo(torch.bfloat16).min
-            attention_mask = torch.full((t, t), low, dtype=torch.bfloat16, device=query.device).triu_(1)[None, None]
+        if getattr(attention_mask, "causal_only", False):  # the stand-in: sdpa's causal kernel, or eager's mask
+            if implementation == "sdpa":
+                attention_mask = None
+                kwargs["is_causal"] = True
+            else:
+                t = query.size(-2)
+                low = torch.finfo(torch.bfloat16).min
+                attention_mask = torch.full((t, t), low, dtype=torch.bfloat16, device=query.device).triu_(1)[None, None]
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)
         # (B, T, H/sp, d) -> (B, T/sp, H, d); no attention weights: they would be per head slice
         return _exchange(out, sp), None
