@@ -119,15 +119,7 @@ def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
         return []
     dtype = compute_dtype(c, ref.mixed, c.model.reference_dtype or c.fsdp.model_dtype)
     live = ref.forward(inputs)
-    checks = []
-    if c.precompute_ref_log_probs:  # every rank asks for the same rows: the table's forwards are collectives
-        wanted = sorted({i for part in all_gather_object(probe["example_index"].tolist()) for i in part})
-        ref.tables = {"train": ref.table("train", wanted)}  # read as the loss reads it (Reference.logps), then unset:
-        cached = ref.logps(probe, inputs, "train").sums.to(live.sums)
-        ref.tables = {}  # precompute fills the tables
-        what = "precomputed reference log-probs vs a live reference forward"
-        fix = "precompute_ref_log_probs=false (or delete the cached table)"
-        checks.append(compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix))
+    checks = cache(t, probe, inputs, live, dtype) if c.precompute_ref_log_probs else []
     if not starts_as_policy(t):  # nothing to compare at step 0
         why = "the reference's weights are not the policy's (another archive or dtype, or a resumed run)"
         return checks + [dict(check="reference", passed=True, skipped=why)]
@@ -136,13 +128,25 @@ def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
     return checks + [dict(check, step0_loss=step0, zero_margin_loss=closed)]
 
 
+def cache(t, probe: dict, inputs: dict, live: SequenceLogps, dtype: torch.dtype) -> list[dict]:
+    """The cached table's log-probs, read as the loss reads them (Reference.logps), vs a live reference forward."""
+    ref = t.reference
+    # every rank asks for the same rows: the table's forwards are collectives
+    wanted = sorted({i for part in all_gather_object(probe["example_index"].tolist()) for i in part})
+    ref.tables = {"train": ref.table("train", wanted)}
+    cached = ref.logps(probe, inputs, "train").sums.to(live.sums)
+    ref.tables = {}  # unset: precompute fills the tables
+    what = "precomputed reference log-probs vs a live reference forward"
+    fix = "precompute_ref_log_probs=false (or delete the cached table)"
+    return [compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix)]
+
+
 def starts_as_policy(t) -> bool:
     """Whether the reference holds the policy's weights (this rank's shards, element by element: both models are
     sharded alike) and computes in the same precision; one answer for all ranks."""
     from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
 
     ref = t.reference
-    c = t.config
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor shard
     if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)
         same = all(not local(p).any() for name, p in t.policy.named_parameters() if "lora_B" in name)
@@ -153,7 +157,7 @@ def starts_as_policy(t) -> bool:
             p.dtype == refs[k].dtype and p.shape == refs[k].shape and torch.equal(p, refs[k].to(p.device))
             for k, p in policy.items()
         )
-    return t.sharding.all_true(same and ref.mixed == (c.fsdp.mixed_precision is not None))
+    return t.sharding.all_true(same and ref.mixed == (t.config.fsdp.mixed_precision is not None))
 
 
 def zero_margin_loss(t, probe: dict, ours: SequenceLogps, ref: torch.Tensor) -> float:

@@ -339,23 +339,19 @@ def check_data(cfg, world_size: int) -> dict:
                 " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)"
             )
     splits = data.load_splits(cfg, load_tokenizer(cfg))
-    dp, ranks = data_parallel_size(cfg, world_size)
-    for split, needed, knob in (
-        ("train", cfg.batch_size, f"batch_size={cfg.batch_size}"),
-        ("test", dp, f"{ranks} {dp} (one eval pair per data-parallel rank)"),
-    ):
-        examples = splits[split]
-        if len(examples) < needed:
-            raise too_few_pairs(cfg, split, examples, knob)
-        steps = split == "train" and data.num_steps(
-            len(examples), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples
+    train = splits["train"]
+    if len(train) < cfg.batch_size:
+        raise too_few_pairs(cfg, "train", train, f"batch_size={cfg.batch_size}")
+    steps = data.num_steps(len(train), batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, n_examples=cfg.n_examples)
+    if steps and cfg.warmup_steps >= steps:
+        print(
+            f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
+            f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})",
+            file=sys.stderr,
         )
-        if steps and cfg.warmup_steps >= steps:
-            print(
-                f"warning: warmup_steps={cfg.warmup_steps} >= the run's {steps} steps: the learning rate never reaches"
-                f" lr={cfg.lr:g} (set warmup_steps=N, N < {steps})",
-                file=sys.stderr,
-            )
+    dp, ranks = data_parallel_size(cfg, world_size)
+    if len(splits["test"]) < dp:
+        raise too_few_pairs(cfg, "test", splits["test"], f"{ranks} {dp} (one eval pair per data-parallel rank)")
     return splits
 
 
