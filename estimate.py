@@ -207,7 +207,7 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
 
 
 def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
-    """Per rank: the logits (or the tiled head's tiles) of `tokens` tokens in `c` bytes, the head's backward workspace."""
+    """Per rank: logits (or the tiled head's tiles) of `tokens` tokens in `c` bytes, the head's backward workspace."""
     chunk_rows = min(tokens, DEFAULT_CHUNK_SIZE)
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
