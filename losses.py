@@ -68,22 +68,20 @@ def _exp_capped(x: Tensor) -> Tensor:
     return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1.0))
 
 
-# f-DPO (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240): (log u, beta, f_alpha) -> beta * g(log u), g = f'
-# shifted so that g(0) = 0 (departure 3). beta is applied inside, for the form exp(log beta - log u) of departure 7:
-# in fp32 exp overflows at 88.7, and the gradient of an overflowed exp is NaN.
+# f-DPO (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240): (log u, beta, alpha = f_alpha) -> beta * g(log u),
+# g = f' shifted so that g(0) = 0 (departure 3). beta is applied inside, for the form exp(log beta - log u) of
+# departure 7: in fp32 exp overflows at 88.7, and the gradient of an overflowed exp is NaN.
 F_DIVERGENCES: dict[str, Callable[[Tensor, float, float], Tensor]] = {
     # f(u) = u log u, f'(u) = log u + 1: plain DPO
-    "reverse_kl": lambda log_u, beta, f_alpha: beta * log_u,
+    "reverse_kl": lambda log_u, beta, alpha: beta * log_u,
     # f(u) = -log u, f'(u) = -1/u: beta (1 - exp(-log u)) in the stable form beta - exp(log beta - log u)
-    "forward_kl": lambda log_u, beta, f_alpha: beta - _exp_capped(math.log(beta) - log_u),
+    "forward_kl": lambda log_u, beta, alpha: beta - _exp_capped(math.log(beta) - log_u),
     # f(u) = u log u - (u + 1) log((u + 1) / 2), f'(u) = log(2u / (1 + u)) = log 2 + log sigmoid(log u)
-    "js_divergence": lambda log_u, beta, f_alpha: beta * (F.logsigmoid(log_u) + math.log(2.0)),
-    # f'(u) = (1 - u^-a) / a, a = f_alpha in (0, 1]: a -> 0 is reverse KL, a = 1 forward KL (Wang et al.'s alpha).
+    "js_divergence": lambda log_u, beta, alpha: beta * (F.logsigmoid(log_u) + math.log(2.0)),
+    # f'(u) = (1 - u^-alpha) / alpha, alpha in (0, 1] (Wang et al.'s): alpha -> 0 is reverse KL, alpha = 1 forward KL.
     # TRL 1.x writes (u^(c-1) - 1) / (c - 1), c = f_alpha_divergence_coef (c = 1: reverse KL), so f_alpha = 1 - c;
-    # TRL's first f-DPO code used our a directly (tests/test_losses.py checks both). Stable form as forward_kl.
-    "alpha_divergence": lambda log_u, beta, f_alpha: (
-        beta / f_alpha - _exp_capped(math.log(beta / f_alpha) - f_alpha * log_u)
-    ),
+    # TRL's first f-DPO code used our alpha directly (tests/test_losses.py checks both). Stable form as forward_kl.
+    "alpha_divergence": lambda log_u, beta, alpha: beta / alpha - _exp_capped(math.log(beta / alpha) - alpha * log_u),
 }
 
 
