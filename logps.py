@@ -164,10 +164,9 @@ def label_logps(
         )
     if bias is not None and (not head or bias.shape != weight.shape[:1]):
         raise ValueError(f"bias must be (V,) beside a weight (V, H); got bias {tuple(bias.shape)}")
-    if len({t.dtype for t in (x, weight, bias) if t is not None}) > 1:
-        raise TypeError(
-            f"x, weight and bias must share a dtype; got {[t.dtype for t in (x, weight, bias) if t is not None]}"
-        )
+    given = [t for t in (x, weight, bias) if t is not None]
+    if len({t.dtype for t in given}) > 1:
+        raise TypeError(f"x, weight and bias must share a dtype; got {[t.dtype for t in given]}")
     chunk_size = head_tile_rows(weight.shape[0] if head else x.shape[1], x.dtype) if chunk_size is None else chunk_size
     if chunk_size < 1 or (softcap is not None and softcap <= 0):
         raise ValueError(f"chunk_size must be >= 1 and softcap > 0 or None; got {chunk_size}, {softcap}")
@@ -203,11 +202,8 @@ def tiled_head(config) -> tuple[float, Optional[float]]:
     kind = config.model_type
     text = getattr(config, "text_config", None) or config  # multimodal: the text model's
     op, key = HEAD_POSTPROCESSING.get(kind, (None, None))
-    found = [
-        f"{k}={v}"
-        for k, o in HEAD_KEYS.items()
-        if k != key and (v := getattr(text, k, None)) is not None and (o == "tanh" or v != 1)
-    ]
+    values = {k: getattr(text, k, None) for k in HEAD_KEYS if k != key}  # the keys its type's entry does not apply
+    found = [f"{k}={v}" for k, v in values.items() if v is not None and (HEAD_KEYS[k] == "tanh" or v != 1)]
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         found.append("its own code (auto_map)")
     if found:
