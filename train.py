@@ -433,18 +433,11 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
     """(the run directory, whether this run created it), with the resolved config saved in it as config.yaml
     (config.resumed.yaml on a resume, written only once check_inputs accepted the checkpoint)."""
-    if cfg.resume_from:
-        run_dir = Path(cfg.resume_from)
-        created = False
-    elif cfg.run_dir:
-        run_dir = Path(cfg.run_dir)
-        created = not run_dir.exists()
-        if run_dir.is_dir():
-            keep_earlier_start(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        run_dir = utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs)
-        created = True
+    run_dir = Path(cfg.resume_from or cfg.run_dir or utils.get_local_run_dir(cfg.exp_name, cfg.local_dirs))
+    created = not run_dir.exists()
+    if run_dir.is_dir() and not cfg.resume_from:  # run_dir given again: an earlier start's files move aside
+        keep_earlier_start(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     utils.atomic_write_text(run_dir / ("config.resumed.yaml" if cfg.resume_from else "config.yaml"), to_yaml(cfg))
     return run_dir, created
 
@@ -670,8 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)  # 2 bad input (nothing loaded or written), 3 non-finite, 4 self-check
         return 3 if isinstance(e, trainers.NonFiniteError) else 4 if isinstance(e, self_check.SelfCheckError) else 2
     except trainers.Interrupted as e:
-        if utils.get_rank() == 0:
-            print(interrupt_message(e, argv), file=sys.stderr, flush=True)
+        utils.rank0_print(interrupt_message(e, argv), file=sys.stderr)
         return 128 + e.signum
     return 0
 

@@ -110,10 +110,8 @@ def first_usable_dir(dirs: Iterable[str]) -> Path:
 
 
 def get_local_run_dir(exp_name: str, local_dirs: Iterable[str]) -> Path:
-    """<first usable local dir>/runs/<exp_name>_<timestamp>; microseconds, so that two runs never collide."""
-    run_dir = first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S_%f')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    """<first usable local dir>/runs/<exp_name>_<timestamp>, not made yet; microseconds: two runs never collide."""
+    return first_usable_dir(local_dirs) / "runs" / f"{exp_name}_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S_%f')}"
 
 
 def hub_offline() -> bool:
