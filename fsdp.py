@@ -248,12 +248,8 @@ class FSDP2(Sharded):
     def shard(
         self, model: nn.Module, checkpoint: bool, mixed_precision: bool = True, reshard_after_forward: bool = True
     ) -> nn.Module:
-        dtypes = self.mixed_precision_dtypes() if mixed_precision else None
-        mp = (
-            MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"])
-            if dtypes
-            else MixedPrecisionPolicy()
-        )
+        dtypes = (self.mixed_precision_dtypes() if mixed_precision else None) or {}  # {}: no cast, FSDP2's default
+        mp = MixedPrecisionPolicy(param_dtype=dtypes.get("param_dtype"), reduce_dtype=dtypes.get("reduce_dtype"))
         if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:  # FSDP2 casts no buffers: once, here
             for buffer in filter(torch.is_floating_point, model.buffers()):
                 buffer.data = buffer.data.to(dtypes["buffer_dtype"])
@@ -267,14 +263,9 @@ class FSDP2(Sharded):
             checkpoint_blocks(model, self.fsdp.wrap_policy)
         if isinstance(self.blocks, tuple):
             units = size_based_modules(model, self.blocks[1])
-        else:  # a checkpointed block's unit is its checkpoint wrapper
-            inner = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
-            blocks = tuple(self.blocks)
-            units = [
-                m
-                for m in model.modules()
-                if id(m) not in inner and isinstance(getattr(m, "_checkpoint_wrapped_module", m), blocks)
-            ]
+        else:  # each block, or the checkpoint wrapper around it (a checkpointed block's unit)
+            wrapper = {m._checkpoint_wrapped_module: m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+            units = [wrapper.get(m, m) for m in model.modules() if isinstance(m, tuple(self.blocks))]
         offload = (
             CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.fsdp.offload_policy else OffloadPolicy()
         )
