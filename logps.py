@@ -359,10 +359,8 @@ def packed_inputs(
             raise ValueError(f"shared_prefix needs chosen rows, then the rejected rows of the same pairs; got {n} rows")
         n //= 2
         differ = (ids[:n] != ids[n:]) | (labels[:n] != IGNORE_INDEX) | (labels[n:] != IGNORE_INDEX)
-        prompts = [
-            min(p, lengths[i], lengths[n + i])
-            for i, p in enumerate(torch.where(differ.any(1), differ.int().argmax(1), t).tolist())
-        ]
+        first = torch.where(differ.any(1), differ.int().argmax(1), t).tolist()  # a pair's first differing column
+        prompts = [min(p, lengths[i], lengths[n + i]) for i, p in enumerate(first)]
         units = [[(i, 0, lengths[i]), (n + i, p, lengths[n + i])] for i, p in enumerate(prompts)]
     sizes = [sum(e - s for _, s, e in unit) for unit in units]
     rows = packed_rows(sizes, capacity) if capacity else [[u] for u in range(len(units))]

@@ -229,9 +229,8 @@ def rpo_loss(
     also "RPO" in Liu et al. 2024 (arXiv:2405.16436). loss = dpo_loss + alpha * chosen_nll, Shape (batch,).
     Intuition: DPO alone can lower the chosen likelihood too; the NLL term keeps it up. Typical beta 0.1, alpha 1.0.
     The same as `names=[dpo, sft], weights=[1, alpha]`."""
-    losses, chosen_rewards, rejected_rewards = dpo_loss(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta=beta
-    )
+    logps = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
+    losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, beta=beta)
     return losses + rpo_alpha * chosen_nll, chosen_rewards, rejected_rewards
 
 
