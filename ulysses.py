@@ -37,9 +37,15 @@ class SequenceParallel:
     size: int
 
     @staticmethod
+    @contextlib.contextmanager
     def paused():
-        """paused() below, reached through the group by code that does not import this file (self_check.py)."""
-        return paused()
+        """Plain attention inside (sampling: every rank generates from whole prompts); also reached through the group
+        by code that does not import this file (self_check.py)."""
+        paused_before, _PAUSED[0] = _PAUSED[0], True
+        try:
+            yield
+        finally:
+            _PAUSED[0] = paused_before
 
     def sum_over_group(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the group's ranks (any shape), differentiable when x requires grad."""
@@ -189,14 +195,5 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
         module.ulysses_group = sp
 
 
-@contextlib.contextmanager
-def paused():
-    """Plain attention inside (sampling: every rank generates from whole prompts)."""
-    paused_before, _PAUSED[0] = _PAUSED[0], True
-    try:
-        yield
-    finally:
-        _PAUSED[0] = paused_before
-
-
+paused = SequenceParallel.paused  # also by its module name: sampling (online.py, fsdp.py) and tests
 whole_row_inputs = SequenceParallel.whole_row_inputs  # also by its module name: tests build the stand-in alone
