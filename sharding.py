@@ -38,7 +38,6 @@ class OneProcess:
 
     def __init__(self, model: nn.Module, config):
         self.device = self.input_device(model)
-        self.rank = 0
         if config.activation_checkpointing:  # FSDP applies it while sharding
             checkpoint_blocks(model, config.fsdp.wrap_policy)
 
