@@ -45,6 +45,7 @@ import utils
 from utils import rank0_print
 
 CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
+COUNTERS = ("example_counter", "batch_counter", "nonfinite_in_a_row", "nonfinite_total")  # kept in trainer_state.pt
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
     "AdamW": lambda params, cfg: torch.optim.AdamW(
@@ -130,11 +131,10 @@ class BasicTrainer:
         self.world_size = world_size
         n_params = flops_params(policy)  # MFU's N, counted before any sharding (meta tensors know their shapes too)
         self.sp = None  # a Ulysses group (FSDPTrainer with fsdp.ulysses_sequence_parallel_size > 1)
-        self.sharding, policy, reference_model = self.spread(policy, reference_model)
+        self.sharding, self.policy, reference_model = self.spread(policy, reference_model)
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir = Path(run_dir)
-        self.policy = policy
         self.tokenizer = tokenizer
         self.device = self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
@@ -174,7 +174,7 @@ class BasicTrainer:
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * n_params
-        model_config = unwrap(policy).config
+        model_config = unwrap(self.policy).config
         setting = c.loss.router_aux_loss
         # a mixture of experts: its routers logged; loss.router_aux_loss as a number (null 0, off; model: the model
         # config's router_aux_loss_coef, which train.py checked exists)
@@ -626,7 +626,7 @@ class Reference:
         parts, real = micro_batches(rows, c, t.sharding)
         total = torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
         for i, part in enumerate(parts):
-            chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in cut_padding(part, "chosen").items()}
+            chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in cut_padding(part).items()}
             with t.autocast():
                 sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
             ref = self.forward(chunk)
@@ -723,7 +723,8 @@ class Reference:
         )
         if missing:
             mine = rank_share(missing, t.dp_rank, t.dp_size)  # as many forwards on every rank (collectives under FSDP)
-            size, values = max(1, c.eval_batch_size // t.dp_size), []
+            size = max(1, c.eval_batch_size // t.dp_size)
+            values = []
             for start in range(0, len(mine), size):
                 rows = data.collate(examples.rows(mine[start : start + size]), t.tokenizer.pad_token_id)
                 sums = self.forward(concatenated_inputs(rows)).sums.float().cpu()
@@ -774,10 +775,7 @@ class Checkpoints:
             torch.save(
                 {
                     "format": CHECKPOINT_FORMAT,
-                    "example_counter": t.example_counter,
-                    "batch_counter": t.batch_counter,
-                    "nonfinite_in_a_row": t.nonfinite_in_a_row,
-                    "nonfinite_total": t.nonfinite_total,
+                    **{name: getattr(t, name) for name in COUNTERS},
                     "wandb_id": getattr(t.log.wandb_run, "id", None),
                     "model": t.config.model.name_or_path,
                     "datasets": list(t.config.datasets),
@@ -840,8 +838,8 @@ class Checkpoints:
                 f"resume: lr {before[0]:.6g} -> {t.scheduler._last_lr[0]:.6g} at step {t.scheduler.last_epoch} "
                 f"(lr={c.lr:g}, scheduler={c.scheduler}, warmup_steps={c.warmup_steps})"
             )
-        t.example_counter, t.batch_counter = state["example_counter"], state["batch_counter"]
-        t.nonfinite_in_a_row, t.nonfinite_total = state["nonfinite_in_a_row"], state["nonfinite_total"]
+        for name in COUNTERS:
+            setattr(t, name, state[name])
         t.beta_dpo.load_state_dict(state)
         utils.set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
         t.log.truncate(t.example_counter)
@@ -1003,28 +1001,30 @@ def pair_tokens(batch: dict, shared_prefix: bool = False) -> torch.Tensor:
 def split_by_tokens(batch: dict, max_tokens: int, shared_prefix: bool = False) -> list[dict]:
     """Micro-batches of consecutive pairs whose real tokens (pair_tokens) stay within `max_tokens` (a larger pair goes
     alone), each cut to its own longest sequence: a long pair costs what it weighs, not everyone's padding."""
-    sides = [s for s in ("chosen", "rejected") if f"{s}_attention_mask" in batch]
-    groups, load, micro_batches = [[]], 0, []
+    groups = [[]]
+    load = 0
     for i, size in enumerate(pair_tokens(batch, shared_prefix).tolist()):
         if groups[-1] and load + size > max_tokens:
-            groups, load = groups + [[]], 0
+            groups.append([])
+            load = 0
         groups[-1].append(i)
         load += size
-    for group in groups:
-        micro = {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()}
-        for s in sides:
-            micro = cut_padding(micro, s)
-        micro_batches.append(micro)
-    return micro_batches
+    micro = [
+        {k: v[group] if torch.is_tensor(v) else [v[i] for i in group] for k, v in batch.items()} for group in groups
+    ]
+    return [cut_padding(rows) for rows in micro]
 
 
-def cut_padding(rows: dict, side: str) -> dict:
-    """The rows with their `side` (chosen, rejected) sequences cut to the longest one's real tokens: they are
+def cut_padding(rows: dict) -> dict:
+    """The rows with each side's (chosen, rejected) sequences cut to that side's longest real tokens: they are
     right-padded, so no forward runs over padding columns only."""
-    width = int(rows[f"{side}_attention_mask"].sum(1).max())
-    return dict(
-        rows, **{f"{side}_{k}": rows[f"{side}_{k}"][:, :width] for k in ("input_ids", "attention_mask", "labels")}
-    )
+    cut = dict(rows)
+    for side in ("chosen", "rejected"):
+        if f"{side}_attention_mask" in rows:
+            width = int(rows[f"{side}_attention_mask"].sum(1).max())
+            for k in ("input_ids", "attention_mask", "labels"):
+                cut[f"{side}_{k}"] = rows[f"{side}_{k}"][:, :width]
+    return cut
 
 
 def split_batch(batch: dict, k: int) -> list[dict]:
