@@ -632,12 +632,10 @@ def _label_logps(
         # under device_map the LM head may sit on another GPU than the backbone's output
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         chunk = head_tile_rows(weight.shape[0], weight.dtype)
-    else:  # the logits stand where the hidden states were: the kernel's weight is None
+    else:  # the logits stand where the hidden states were: no head (weight None), nothing to scale or cap
         hidden = call(**kwargs, use_cache=False).logits
-        weight = None
-        bias = None
-        scale = 1.0
-        softcap = None
+        weight, bias = None, None
+        scale, softcap = 1.0, None
         chunk = DEFAULT_CHUNK_SIZE
     targets = targets.to(hidden.device)  # free on the same device
     scored = targets != IGNORE_INDEX
