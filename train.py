@@ -405,16 +405,7 @@ def world_size_of(cfg) -> int:
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | None = None) -> None:
     utils.seed_everything(cfg.seed, cfg.fsdp.full_determinism)
-    device_map = None
-    if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
-        if importlib.util.find_spec("accelerate") is None:  # transformers' device_map needs it; we do not
-            raise ConfigError(
-                [
-                    "trainer=BasicTrainer on several GPUs spreads the model with transformers' device_map,"
-                    " which needs `pip install accelerate`; or use trainer=FSDPTrainer"
-                ]
-            )
-        device_map = "balanced"  # naive model parallel, as the original
+    device_map = balanced_device_map() if cfg.trainer == "BasicTrainer" and torch.cuda.device_count() > 1 else None
     tokenizer, policy, reference = load_models(cfg, device_map, on_meta=cfg.trainer == "FSDPTrainer" and rank != 0)
     splits = splits or data.load_splits(cfg, tokenizer)  # a spawned rank: from the cache check_inputs filled
     if rank == 0 and not cfg.resume_from:  # a resume keeps the manifest of the run it continues
@@ -428,6 +419,18 @@ def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | No
     )
     del policy, reference  # the trainer owns the models: precompute_ref_log_probs can free the reference for real
     trainer.train()
+
+
+def balanced_device_map() -> str:
+    """BasicTrainer on several GPUs: naive model parallel, as the original, by transformers' device_map."""
+    if importlib.util.find_spec("accelerate") is None:  # transformers' device_map needs it; we do not
+        raise ConfigError(
+            [
+                "trainer=BasicTrainer on several GPUs spreads the model with transformers' device_map,"
+                " which needs `pip install accelerate`; or use trainer=FSDPTrainer"
+            ]
+        )
+    return "balanced"
 
 
 def prepare_run_dir(cfg) -> tuple[Path, bool]:
