@@ -95,12 +95,12 @@ def finished_round(folder: Path) -> dict | None:
 def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
     """Round r's prompts sampled and scored (each rank its groups), paired and written; returns its statistics."""
     c, o = t.config, t.config.online
-    n = t.config.online.samples_per_prompt
+    n = o.samples_per_prompt
     tokenizer = t.tokenizer
     pad = tokenizer.pad_token_id
     picked = [(r * o.prompts_per_round + j) % len(prompts) for j in range(o.prompts_per_round)]
     groups = [picked[s : s + o.prompts_per_generate] for s in range(0, len(picked), o.prompts_per_generate)]
-    mine = (list(range(len(groups)))[t.dp_rank :: t.dp_size] + [-1] * t.dp_size)[: -(-len(groups) // t.dp_size)]
+    mine = [g if g < len(groups) else -1 for g in range(t.dp_rank, -(-len(groups) // t.dp_size) * t.dp_size, t.dp_size)]
     eos = unwrap(t.policy).generation_config.eos_token_id  # where generate stops (a chat model's end of turn too)
     stops = {tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
     sampling = dict(max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, pad_token_id=pad)
@@ -143,22 +143,21 @@ def write_round(t, r: int, folder: Path, prompts: list, rows: list, seconds: tup
     """Each prompt's best sample over its worst where the gap exceeds min_score_gap: pairs.jsonl, then round.json."""
     o = t.config.online
     pairs = []
-    gaps = []
-    lengths = [0, 0]
-    for _, i, texts, _, tokens, scores in rows:
+    lengths = []  # each pair's (chosen, rejected) generated tokens
+    for _, i, texts, _, generated, scores in rows:
         best, worst = scores.index(max(scores)), scores.index(min(scores))
         if scores[best] - scores[worst] > o.min_score_gap:
             # a chat prompt stays messages: the loader renders it through the template, as it was sampled
             reply = [[assistant(x)] for x in texts] if isinstance(prompts[i], list) else texts
             pair = dict(prompt=prompts[i], chosen=reply[best], rejected=reply[worst], prompt_index=i)
             pairs.append(dict(pair, chosen_score=scores[best], rejected_score=scores[worst], scores=scores))
-            gaps.append(scores[best] - scores[worst])
-            lengths = [lengths[0] + tokens[best], lengths[1] + tokens[worst]]
+            lengths.append((generated[best], generated[worst]))
     samples = [s for row in rows for s in row[5]]
     tokens = sum(sum(row[4]) for row in rows)
+    gaps = [p["chosen_score"] - p["rejected_score"] for p in pairs]
     gap = statistics.fmean(gaps) if gaps else math.nan
     unfinished = 1 - sum(sum(row[3]) for row in rows) / len(samples)
-    ratio = lengths[0] / (lengths[1] or math.nan)
+    ratio = sum(chosen for chosen, _ in lengths) / (sum(rejected for _, rejected in lengths) or math.nan)
     values = r, statistics.fmean(samples), len(pairs) / len(rows), gap, ratio, unfinished, tokens / seconds[0]
     stats = dict(zip(STATS, values), pairs=len(pairs), sample_seconds=seconds[0], score_seconds=seconds[1])
     if t.rank == 0:  # rank 0 writes; the others wait, then all read the file
