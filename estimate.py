@@ -215,10 +215,9 @@ def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
         logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
         head_backward = 0 if cfg.lora.r is not None else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
         return {"logits": logits, "LM-head backward": head_backward}
-    # the logits kept for backward, beside them the fp32 softmax work of the logged entropy (forward) or their
-    # gradient (backward): chunked, but the bonus's as fsdp.entropy_from_logits_with_chunking sets
-    chunked = cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff
-    entropy_rows = chunk_rows if chunked else tokens
+    # the logits kept for backward, beside them the fp32 softmax work of the entropy: the logged one's (forward) in
+    # chunks, the bonus's (its gradient, in backward) in chunks as fsdp.entropy_from_logits_with_chunking sets
+    entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff else tokens
     logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
     return {"logits": logits, "LM-head backward": 0}
 
