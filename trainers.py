@@ -288,8 +288,6 @@ class BasicTrainer:
     def step_statistics(self, batch: dict) -> dict:
         """What a loss needs from the whole step before it is split: KTO's KL reference point, stored per row (split
         like any other column), its kl_* rows dropped."""
-        if not self.unpaired:
-            return batch
         kl = self.reference.kl_point(batch).cpu().expand(len(batch["chosen_input_ids"])).clone()
         return dict({k: v for k, v in batch.items() if not k.startswith("kl_")}, kl_reference_point=kl)
 
@@ -298,7 +296,8 @@ class BasicTrainer:
         """Accumulate gradients over the micro-batches of this rank's pairs, then one guarded step."""
         c, sharding = self.config, self.sharding
         self.policy.train()
-        batch = self.step_statistics(batch)
+        if self.unpaired:  # KTO: its KL reference point, from the whole step
+            batch = self.step_statistics(batch)
         micro, real = micro_batches(batch, c, sharding)
         collected = defaultdict(list)
         per_rank = c.batch_size / self.dp_size
