@@ -126,12 +126,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
         utils.rank0_print(f"loading reference {path} in {dtype}, computing in {compute if mixed else dtype}")
         reference = load(dtype_of(dtype)).eval().requires_grad_(False)
     if cfg.model.archive and not on_meta:
-        state = load_archive(cfg.model.archive, policy)
-        for model in filter(None, (policy, reference)):
-            model.load_state_dict(state)
-        utils.rank0_print(
-            f"loaded archive {cfg.model.archive} into policy" + (" and reference" if reference is not None else "")
-        )
+        load_archive(cfg.model.archive, policy, reference)
     if cfg.lora.r is not None:
         policy = add_lora(cfg.lora, policy)
     return load_tokenizer(cfg), policy, reference
@@ -162,8 +157,8 @@ def add_lora(lora, policy):
     return policy
 
 
-def load_archive(path: str, model) -> dict:
-    """The weights of an earlier run's policy.pt, checked against `model` before anything is loaded."""
+def load_archive(path: str, model, reference=None) -> None:
+    """The weights of an earlier run's policy.pt into `model` (and `reference`), checked against it first."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["state"]
     except Exception as e:  # noqa: BLE001 - any unreadable file: say which and why
@@ -182,7 +177,9 @@ def load_archive(path: str, model) -> dict:
                 f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}"
             ]
         )
-    return state
+    for target in filter(None, (model, reference)):
+        target.load_state_dict(state)
+    utils.rank0_print(f"loaded archive {path} into policy" + (" and reference" if reference is not None else ""))
 
 
 def work_offline_if_the_hub_is_unreachable(cfg) -> None:
