@@ -157,13 +157,13 @@ def add_lora(lora, policy):
     return policy
 
 
-def load_archive(path: str, model, reference=None) -> None:
-    """The weights of an earlier run's policy.pt into `model` (and `reference`), checked against it first."""
+def load_archive(path: str, policy, reference=None) -> None:
+    """The weights of an earlier run's policy.pt into `policy` (and `reference`), checked against it first."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)["state"]
     except Exception as e:  # noqa: BLE001 - any unreadable file: say which and why
         raise ConfigError([f"model.archive={path}: not a policy.pt checkpoint ({type(e).__name__}: {e})"]) from None
-    expected = model.state_dict()
+    expected = policy.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     shapes = [
         f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
@@ -173,11 +173,11 @@ def load_archive(path: str, model, reference=None) -> None:
     if missing or unexpected or shapes:
         raise ConfigError(
             [
-                f"model.archive={path} does not fit model {type(model).__name__}: missing {missing[:5]}, "
+                f"model.archive={path} does not fit model {type(policy).__name__}: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]}"
             ]
         )
-    for target in filter(None, (model, reference)):
+    for target in filter(None, (policy, reference)):
         target.load_state_dict(state)
     utils.rank0_print(f"loaded archive {path} into policy" + (" and reference" if reference is not None else ""))
 
