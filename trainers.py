@@ -683,7 +683,7 @@ class Reference:
         )
         self.tables = {
             "train": self.table("train", sorted({i for batch in used for i in batch})),
-            "test": self.table("test", None),
+            "test": self.table("test", list(range(t.n_eval_pairs))),
         }
         freed = 0 if self.lora else t.sharding.release(self.model)  # under LoRA the model IS the policy: kept
         self.model = None
@@ -694,13 +694,12 @@ class Reference:
             left = f"; {torch.cuda.memory_allocated(t.device) / 2**20:.0f} MiB still allocated on {t.device}"
         rank0_print(f"reference log-probs ready; reference model freed ({freed / 2**20:.1f} MiB on rank 0{left})")
 
-    def table(self, split: str, wanted: Optional[list[int]]) -> torch.Tensor:
+    def table(self, split: str, wanted: list[int]) -> torch.Tensor:
         """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached under a
         key of model, archive, dtype, tokenizer and tokenized examples; a later run computes only what the cache lacks.
         Rank 0 reads the cache (local_dirs may be node-local); every rank takes its table."""
         t, c = self.trainer, self.trainer.config
         examples = t.splits[split]
-        wanted = list(range(min(c.n_eval_examples, len(examples)))) if wanted is None else wanted
         archive = Path(c.model.archive) if c.model.archive else None
         key = (
             c.model.name_or_path,
