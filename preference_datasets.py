@@ -364,6 +364,13 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
             "lists of {role, content} messages"
         )
     lists = [name for name in fields if isinstance(row[name], list)]  # every text field, or UltraFeedback's two
+    if lists:
+        _check_messages(row, where, lists)
+
+
+def _check_messages(row: dict, where: str, lists: list[str]) -> None:
+    """A row's message lists: known roles, a prompt of at least one message, and each other list one assistant reply
+    after the prompt's messages (repeated or not), or, without a prompt list, a conversation ending in one."""
     for name, (k, message) in ((name, m) for name in lists for m in enumerate(row[name])):
         _check_fields(message, at := f"{where}: field '{name}' message {k}", MESSAGE_FIELDS, "message")
         if (role := message["role"]) not in CHAT_ROLES:
@@ -911,7 +918,7 @@ def get_batch_iterator(
     n_examples, rank, world_size, start_example, shuffle), collated, with `example_index`; raises at once. `balance`
     deals by the tokens of the rows an example becomes: one row, its prompt once, with `shared_prompt`."""
     sizes = None
-    if balance:
+    if balance and order.get("world_size", 1) > 1:  # one rank's share is the whole batch: nothing to balance
         prompt, chosen, rejected = split.lengths
         sizes = row_tokens([prompt + chosen] + [prompt + rejected] * bool(rejected.any()), prompt, shared_prompt)
     return (
