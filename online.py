@@ -53,7 +53,7 @@ def rounds(t, prompts: list, score):
     """Round by round, this rank's share of one pass over the round's pairs. Runs from the loop's first batch: after
     the resume and self_check (on the datasets' training pairs: the head, layout and reference are the rounds' too)."""
     c, o = t.config, t.config.online
-    resumed_at = t.example_counter if c.resume_from else None
+    resumed_at = t.example_counter  # the pairs a resumed checkpoint had seen (0 on a fresh start)
     done = 0  # the steps of the rounds before this one
     share = dict(batch_size=c.batch_size, n_epochs=1, rank=t.dp_rank, world_size=t.dp_size, balance=c.balance_batch)
     for r in range(o.rounds):
@@ -69,7 +69,7 @@ def rounds(t, prompts: list, score):
         pairs = data.load_splits(as_data, t.tokenizer)["train"] if stats["pairs"] else []
         steps = len(pairs) // c.batch_size
         start = done * c.batch_size  # the pairs seen before this round
-        if fresh or start > (resumed_at or 0):  # else the resume kept its record
+        if fresh or start > resumed_at:  # else the resume kept its record
             t.log(start, {k: stats[k] for k in STATS})
         if fresh and not steps:
             rank0_print(f"round {r}: skipped: {stats['pairs']} pairs over online.min_score_gap, fewer than a batch")
