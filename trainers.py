@@ -27,7 +27,6 @@ import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -72,7 +71,7 @@ class Interrupted(Exception):
     """SIGTERM or SIGINT: the run stopped after a step and wrote a checkpoint to resume from (`at_once`: a second
     Ctrl-C stopped it without one; `step` and `examples` are then LATEST's, or None before the first checkpoint)."""
 
-    def __init__(self, signum: int, step: Optional[int], examples: Optional[int], run_dir: Path, at_once: bool = False):
+    def __init__(self, signum: int, step: int | None, examples: int | None, run_dir: Path, at_once: bool = False):
         super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs)")
         self.signum = signum
         self.step = step
@@ -118,11 +117,11 @@ class BasicTrainer:
         config,
         seed: int,
         run_dir: str,
-        reference_model: Optional[nn.Module] = None,
+        reference_model: nn.Module | None = None,
         rank: int = 0,
         world_size: int = 1,
         tokenizer=None,
-        splits: Optional[dict] = None,
+        splits: dict | None = None,
     ):
         c = config
         self.config = config
@@ -213,7 +212,7 @@ class BasicTrainer:
             f"optimizer {c.optimizer}, lr {c.lr:g}, warmup_steps {c.warmup_steps}, scheduler {c.scheduler}{original}"
         )
 
-    def spread(self, policy: nn.Module, reference_model: Optional[nn.Module]) -> tuple:
+    def spread(self, policy: nn.Module, reference_model: nn.Module | None) -> tuple:
         """How the models are spread over processes: the sharding object the loop calls, and the policy and reference
         to train with. One process: `OneProcess`, the models as they are; FSDPTrainer shards them."""
         return OneProcess(policy, self.config), policy, reference_model
@@ -508,7 +507,7 @@ class RunLog:
         self.wandb_run = None
         self.last_progress = time.time()
 
-    def start(self, resumed_wandb_id: Optional[str]) -> None:
+    def start(self, resumed_wandb_id: str | None) -> None:
         c = self.config
         if self.rank == 0 and not c.debug and c.wandb.enabled:
             import wandb  # seconds to import: only runs that log to it pay
@@ -575,7 +574,7 @@ class Reference:
     """The reference log-probs: a forward of the reference model (LoRA: the policy with its adapters off), or a
     table precomputed over the data (precompute_ref_log_probs); and TR-DPO's updates of the reference."""
 
-    def __init__(self, trainer: BasicTrainer, model: Optional[nn.Module]):
+    def __init__(self, trainer: BasicTrainer, model: nn.Module | None):
         c = trainer.config
         self.trainer = trainer
         self.tables = {}  # split -> (n_examples, 2) precomputed sums
@@ -590,7 +589,7 @@ class Reference:
         return unwrap(self.model).disable_adapter() if self.lora else contextlib.nullcontext()
 
     @torch.no_grad()
-    def forward(self, inputs: dict[str, torch.Tensor], per_token: bool = False) -> Optional[SequenceLogps]:
+    def forward(self, inputs: dict[str, torch.Tensor], per_token: bool = False) -> SequenceLogps | None:
         """The reference log-probs of `inputs`' sequences (forward_logps), or None without a reference model."""
         t = self.trainer
         if self.model is None or t.config.loss.reference_free:
@@ -607,7 +606,7 @@ class Reference:
 
     def logps(
         self, batch: dict, inputs: dict[str, torch.Tensor], split: str, per_token: bool = False
-    ) -> Optional[SequenceLogps]:
+    ) -> SequenceLogps | None:
         """Reference log-probs of chosen then rejected (2B,): from the precomputed table (sums only), or a forward."""
         if self.tables:
             table = self.tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
@@ -637,7 +636,7 @@ class Reference:
         total = t.sharding.gather(total[None]).sum(0)
         return (total[0] / total[1]).float().reshape(1)
 
-    def sample(self, batch: dict, seed: int) -> Optional[list[str]]:
+    def sample(self, batch: dict, seed: int) -> list[str] | None:
         if self.model is None:
             return None
         with self.context():
@@ -815,7 +814,7 @@ class Checkpoints:
         model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.trainer.tokenizer.save_pretrained(out)
 
-    def resume(self) -> Optional[str]:
+    def resume(self) -> str | None:
         """Weights, optimizer, schedule (this run's lr and schedule from the loaded step), RNG and data position from
         run_dir/LATEST (resume_from set); returns the W&B run id to continue."""
         t, c = self.trainer, self.trainer.config
@@ -1048,7 +1047,7 @@ def merged_lora_state(
     scaling: float,
     transposed: frozenset = frozenset(),
     adapter: str = "default",
-    experts: Optional[dict] = None,
+    experts: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """A peft LoRA model's full state dict -> the base model's with each adapter merged, W + scaling * B @ A (scaling
     = lora.alpha / lora.r), keys without peft's prefixes. Layers in `transposed` store W as (in, out) (transformers'
@@ -1101,7 +1100,7 @@ class FSDPTrainer(BasicTrainer):
     """BasicTrainer with policy and reference sharded as the original FSDPTrainer did (each block a unit, FULL_SHARD,
     BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (fsdp.py) does the rest."""
 
-    def spread(self, policy: nn.Module, reference_model: Optional[nn.Module]) -> tuple:
+    def spread(self, policy: nn.Module, reference_model: nn.Module | None) -> tuple:
         """The engine fsdp.strategy names, on this rank's device, and both models sharded by it (the reference in its
         own compute dtype, config.reference_mixed); Ulysses installed first, as recomputed blocks attend through it."""
         if not torch.distributed.is_initialized():
