@@ -388,7 +388,8 @@ def packed_inputs(
     )
     if extra:
         predictor, first_token, label, sequence, column = (torch.tensor(c, device=device) for c in zip(*extra))
-        row_labels.view(-1)[first_token], label = IGNORE_INDEX, labels.flatten()[label]
+        row_labels.view(-1)[first_token] = IGNORE_INDEX  # predicted by the prompt's last position, not the chosen's
+        label = labels.flatten()[label]
         extra = tuple(x[label != IGNORE_INDEX] for x in (predictor, label, sequence, column))
     positions = (source % t).masked_fill_(pad, 0)
     owner = torch.where(pad, -1, source // t)
