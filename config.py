@@ -232,12 +232,6 @@ class LoraSettings(BaseConfig):
     )
 
 
-SCORER = (
-    lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
-    "rule, reward_model=<directory> or python=<module>:<function>",
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig(BaseConfig):
     """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
@@ -250,7 +244,10 @@ class OnlineConfig(BaseConfig):
     scorer: str = param(
         "rule",
         "rule (the toy's own), reward_model (a sequence classifier) or python (score(prompts, completions) -> floats)",
-        SCORER,
+        (
+            lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
+            "rule, reward_model=<directory> or python=<module>:<function>",
+        ),
     )
     prompts: Optional[str] = param(
         None, "a .jsonl of {prompt: ...} rows (text or chat messages); null = the datasets' .jsonl train prompts"
@@ -429,12 +426,12 @@ def _expectation(key: str, allowed: Any, t) -> tuple:
     null = " or null" * (type(None) in _members(t))
     if isinstance(allowed, tuple):
         return (lambda v: v in allowed), f"one of {', '.join(map(str, allowed))}{null}"
-    (low, high), low_in, high_in = (float(x) for x in allowed[1:-1].split(",")), allowed[0] == "[", allowed[-1] == "]"
-    words = (
-        f"{'>=' if low_in else '>'} {low:g}"
-        if high == float("inf")
-        else f"{low:g} {'<=' if low_in else '<'} {key.rpartition('.')[2]} {'<=' if high_in else '<'} {high:g}"
-    )
+    low, high = (float(x) for x in allowed[1:-1].split(","))
+    low_in = allowed[0] == "["  # a square bracket includes its end: "[0, 0.5)" is 0 <= v < 0.5
+    high_in = allowed[-1] == "]"
+    words = f"{low:g} {'<=' if low_in else '<'} {key.rpartition('.')[2]} {'<=' if high_in else '<'} {high:g}"
+    if high == float("inf"):  # "(0, inf)" reads "> 0"
+        words = f"{'>=' if low_in else '>'} {low:g}"
     return (lambda v: (v >= low if low_in else v > low) and (v <= high if high_in else v < high)), words + null
 
 
@@ -538,7 +535,7 @@ def _flag(name: Any, flag: str) -> bool:
     return isinstance(name, str) and bool(loss_registry().get(name, {}).get(flag))
 
 
-def _ignored_problems(cfg: Config, explicit: dict[str, int]) -> list[str]:
+def _ignored_problems(cfg: Config, explicit: set[str]) -> list[str]:
     """Keys a group file or the command line changed from their default that this run would ignore, each with why."""
     names = [n for n in cfg.loss_names if isinstance(n, str) and n in loss_registry()]
     selected = ", ".join(names) or "none"
@@ -624,8 +621,8 @@ def typed(keys: dict, key: str, value, raw: str):
     return raw if text and raw not in ("null", "~") else value
 
 
-def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
-    """Defaults, group files, overrides -> ({dotted key: value}, {key: layer: 1 group file, 2 command line}, flags)."""
+def compose(argv: list[str]) -> tuple[dict, set[str], set[str]]:
+    """Defaults, group files, overrides -> ({dotted key: value}, keys a group file or the command line set, flags)."""
     choices, overrides, flags, problems = parse_argv(argv)
     keys = schema()
     base = _read_yaml(CONFIG_DIR / "config.yaml")
@@ -682,7 +679,7 @@ def compose(argv: list[str]) -> tuple[dict, dict[str, int], set[str]]:
     problems += [f"{k}: a value is required (set it on the command line: {k}=...)" for k in required.values()]
     if problems:
         raise ConfigError(problems)
-    explicit = {k: layer for k, (spelling, _, layer) in setting.items() if layer and spelling not in RENAMED}
+    explicit = {k for k, (spelling, _, layer) in setting.items() if layer and spelling not in RENAMED}
     return values, explicit, flags
 
 
@@ -795,9 +792,9 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
             hint = f"; {n} is a preset of several losses: loss={n}" if preset else _suggest(n, known)
             problems.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + hint)
     if any(_flag(n, "batch_statistics") for n in c.loss_names) or c.loss.dynamic_beta > 0:
-        problems += _batch_statistics_rules(c, world_size)
+        problems += _batch_statistics_rules(c, ws, ranks)
     if c.unpaired_loss or c.pairs_to_unpaired:
-        problems += _unpaired_rules(c, world_size)
+        problems += _unpaired_rules(c, ws, ranks)
     if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
         problems += _modifier_rules(c)
     if c.precompute_ref_log_probs:
@@ -833,9 +830,8 @@ def _precision_rules(c: Config) -> list[str]:
     return problems
 
 
-def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[str]:
+def _batch_statistics_rules(c: Config, ws: int, ranks: str) -> list[str]:
     """A loss that reads statistics of the whole batch (or beta-DPO's batch-level beta): one micro-batch per step."""
-    ws, ranks = data_parallel_size(c, world_size)
     batch_level = [n for n in c.loss_names if _flag(n, "batch_statistics")]
     batch_level += ["loss.dynamic_beta"] * (c.loss.dynamic_beta > 0)
     accum = c.gradient_accumulation_steps
@@ -852,9 +848,8 @@ def _batch_statistics_rules(c: Config, world_size: Optional[int]) -> list[str]:
     ]
 
 
-def _unpaired_rules(c: Config, world_size: Optional[int]) -> list[str]:
+def _unpaired_rules(c: Config, ws: int, ranks: str) -> list[str]:
     """Unpaired losses (kto) and pairs_to_unpaired."""
-    ws, ranks = data_parallel_size(c, world_size)
     kto = next((n for n in c.loss_names if _flag(n, "unpaired")), None)
     if not kto:  # then pairs_to_unpaired=true brought us here
         return [f"pairs_to_unpaired=true: only unpaired losses (kto) read it; loss.name is {c.loss.name!r}"]
