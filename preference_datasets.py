@@ -489,10 +489,8 @@ class TokenizedExample(NamedTuple):
 
 # The Arrow columns of a tokenized split, one per TokenizedExample field (int32 ids: half int64's bytes)
 SCHEMA = pa.schema(
-    [
-        (name, pa.list_(pa.int32()) if name.endswith("_ids") else pa.bool_() if name == "desirable" else pa.string())
-        for name in TokenizedExample._fields
-    ]
+    (name, pa.list_(pa.int32()) if name.endswith("_ids") else pa.bool_() if name == "desirable" else pa.string())
+    for name in TokenizedExample._fields
 )
 
 
