@@ -671,11 +671,11 @@ def compose(argv: list[str]) -> tuple[dict, set[str], set[str]]:
                 value = None
             if key == "fsdp.wrap_policy" and isinstance(value, dict) and isinstance(value.get(BLOCKS), str):
                 value = {**value, BLOCKS: [value[BLOCKS]]}
-            before = values[key]
             last = setting.get(key)
-            values[key], setting[key] = value, (spelling, given, layer)
             if last and last[2] == layer > 0 and last[0] != spelling:  # two spellings of one key, one layer
-                problems += _disagree(last, setting[key], before, value, values["fsdp.dtype"])
+                problems += _disagree(last, (spelling, given, layer), values[key], value, values["fsdp.dtype"])
+            values[key] = value
+            setting[key] = (spelling, given, layer)
     problems += [f"{k}: a value is required (set it on the command line: {k}=...)" for k in required.values()]
     if problems:
         raise ConfigError(problems)
