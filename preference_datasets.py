@@ -369,8 +369,7 @@ def check_row(row: Any, where: str, shape: str = "pair") -> None:
 
 
 def _check_messages(row: dict, where: str, lists: list[str]) -> None:
-    """A row's message lists: known roles, a prompt of at least one message, and each other list one assistant reply
-    after the prompt's messages (repeated or not), or, without a prompt list, a conversation ending in one."""
+    """A row's message lists: known roles, a non-empty prompt, and each other list ending in one assistant reply."""
     for name, (k, message) in ((name, m) for name in lists for m in enumerate(row[name])):
         _check_fields(message, at := f"{where}: field '{name}' message {k}", MESSAGE_FIELDS, "message")
         if (role := message["role"]) not in CHAT_ROLES:
