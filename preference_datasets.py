@@ -433,17 +433,17 @@ def read_rows(path: Path) -> list[dict]:
     if not located:
         raise DataError(f"{path}: no rows (the file is empty, or an empty list); expected {what} rows")
     shape = detect_shape(located[0][0])  # the first row decides; every row must then have that shape
+    first = {}  # {is a chat row: 'line N' of the first such row}
     for row, where in located:
         check_row(row, where, shape)
-    if SHAPES[shape].fields.get("prompt") is TEXT:  # strings are used verbatim, messages through the chat template
-        # {is a chat row: 'line N' of the first such row} (reversed: the first row of a kind is written last)
-        first = {isinstance(row["prompt"], list): where.rpartition(", ")[2] for row, where in reversed(located)}
-        if len(first) == 2:  # a warning, not an error: every row is valid, and a mixed file may be meant
-            warnings.warn(
-                f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
-                f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
-                "meant put each in a file of its own (datasets=[a,b])"
-            )
+        first.setdefault(isinstance(row.get("prompt"), list), where.rpartition(", ")[2])
+    # strings are used verbatim, messages through the chat template; a warning: every row is valid, a mix may be meant
+    if len(first) == 2 and SHAPES[shape].fields.get("prompt") is TEXT:
+        warnings.warn(
+            f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
+            f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
+            "meant put each in a file of its own (datasets=[a,b])"
+        )
     return [row for row, _ in located]
 
 
