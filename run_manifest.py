@@ -155,7 +155,8 @@ def replay_config(original_dir, overrides: list[str]):
         )
         flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
         cfg = config.build(config.Config, flat, "", problems)
-        problems += config.validate(cfg)
+    if not problems:  # types must be right before the cross-field rules can read them
+        problems = config.validate(cfg)
     if problems:
         raise config.ConfigError(problems)
     return cfg, flags

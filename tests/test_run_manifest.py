@@ -5,8 +5,10 @@ import io
 import json
 import subprocess
 
+import pytest
 import torch
 
+import config
 import preference_datasets as data
 import run_manifest
 from test_train import REPO, metrics, train, train_py
@@ -95,6 +97,12 @@ def test_replay_of_the_toy_sft_run_matches_exactly(tmp_path):
     assert "loss:" in out.getvalue() and not (tmp_path / "not_run").exists()
     cfg, _ = run_manifest.replay_config(original, ["exp_name=null", "wandb.project=007"])  # typed as on a command line
     assert cfg.exp_name is None and cfg.wandb.project == "007"
+    # a hand-edited config.yaml of the wrong type: ConfigError naming the key, not a TypeError from the rules
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.yaml").write_text((original / "config.yaml").read_text().replace("batch_size: ", "batch_size: x"))
+    with pytest.raises(config.ConfigError, match="batch_size"):
+        run_manifest.replay_config(broken, [])
 
     # the comparison can fail: one altered value of the original shows up as that metric's difference
     first = next(r for r in records if "loss/train" in r)
