@@ -244,7 +244,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     needs_reference = losses.needs_reference(cfg.loss_names, cfg.loss.reference_free)
     ref_online = needs_reference and not cfg.precompute_ref_log_probs
     reference = g.params * ref_w / shard if needs_reference and not lora else 0  # held online, else before training
-    pairs = 1 if cfg.unpaired_loss or set(cfg.loss_names) == {"sft"} else 2  # sequences per example
+    pairs = 2 if cfg.trains_on_pairs else 1  # sequences per example
     sp = cfg.fsdp.ulysses_sequence_parallel_size if fsdp else 1  # a group of sp ranks shares its pairs
     budget = cfg.max_tokens_per_microbatch
     micro = cfg.batch_size // (world_size // sp) // (1 if budget else cfg.gradient_accumulation_steps)
