@@ -367,7 +367,7 @@ class BasicTrainer:
         """The optimizer of the trainable parameters; its schedule: linear warmup from 0 to the peak over warmup_steps,
         then DECAYS[scheduler] until the last step."""
         c = self.config
-        warmup = self.config.warmup_steps
+        warmup = c.warmup_steps
         total = self.total_steps
         self.optimizer = OPTIMIZERS[c.optimizer]([p for p in self.policy.parameters() if p.requires_grad], c)
 
@@ -440,9 +440,8 @@ class BasicTrainer:
         self.policy.eval()
         collected = defaultdict(list)
         with self.sharding.params_on_device(self.policy):
-            for batch in tqdm.tqdm(
-                self.eval_batches, desc="Computing eval metrics", disable=not self.bars, leave=False
-            ):
+            bar = tqdm.tqdm(self.eval_batches, desc="Computing eval metrics", disable=not self.bars, leave=False)
+            for batch in bar:
                 _, metrics = self.batch_metrics(batch, "eval")
                 valid = batch["valid"].to(self.device)
                 for name, v in metrics.items():  # per row (or completion); the repeats completing a batch are left out
