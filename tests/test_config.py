@@ -409,7 +409,9 @@ def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
 
 
 def test_batch_statistic_losses_refuse_several_ranks():
-    cfg, _ = load_config(["loss=bco_pair", "trainer=FSDPTrainer"])  # world size not known yet: train.py re-checks
+    with pytest.raises(ConfigError, match="bco_pair uses statistics of the whole batch"):  # the launcher's 2 ranks
+        load_config(["loss=bco_pair", "trainer=FSDPTrainer", "n_workers=2"])
+    cfg, _ = load_config(["loss=bco_pair", "trainer=FSDPTrainer"], world_size=1)
     assert any(
         "bco_pair uses statistics of the whole batch" in p and "world size 2" in p
         for p in config.validate(cfg, world_size=2)
