@@ -726,14 +726,13 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
     return ws, "world size"
 
 
-def world_size_of(cfg: Config) -> int:
-    """Processes that will train: 1 (BasicTrainer), torchrun's WORLD_SIZE, or what train.launch starts."""
+def known_world_size(cfg: Config) -> Optional[int]:
+    """Processes that will train, where the config and the environment say: 1 (BasicTrainer), torchrun's WORLD_SIZE,
+    n_workers; None: train.launch counts the GPUs, so the rules that need it wait for train.check_inputs."""
     if cfg.trainer == "BasicTrainer":
         return 1
-    import torch  # on first use: --help needs none
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # NVML may count GPUs CUDA cannot use
-    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.n_workers or gpus or 2
+    workers = cfg.n_workers if (cfg.n_workers or 0) > 0 else None  # a bad n_workers is refused by its own rule
+    return int(os.environ.get("WORLD_SIZE") or 0) or workers
 
 
 def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
@@ -1029,7 +1028,7 @@ def _online_rules(c: Config) -> list[str]:
 
 
 def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> tuple[Config, set[str]]:
-    """Compose, type-check and validate (world_size None: world_size_of the config). Returns (config, flags)."""
+    """Compose, type-check and validate (world_size None: known_world_size). Returns (config, flags)."""
     values, explicit, flags = compose(sys.argv[1:] if argv is None else argv)
     problems = []
     cfg = build(Config, values, "", problems)
@@ -1038,7 +1037,7 @@ def load_config(argv: Optional[list[str]] = None, world_size: Optional[int] = No
     if "eval_every" not in explicit and (bs := cfg.batch_size) > 0:
         # the default adapts: the original's `example_counter % eval_every` never fired if batch_size did not divide it
         cfg = dataclasses.replace(cfg, eval_every=max(bs, cfg.eval_every // bs * bs))
-    if problems := validate(cfg, world_size or world_size_of(cfg)) + _ignored_problems(cfg, explicit):
+    if problems := validate(cfg, world_size or known_world_size(cfg)) + _ignored_problems(cfg, explicit):
         raise ConfigError(problems)
     if cfg.exp_name is None:
         cfg = dataclasses.replace(cfg, exp_name=f"{'+'.join(cfg.loss_names)}_{Path(cfg.model.name_or_path).name}")

@@ -156,7 +156,7 @@ def replay_config(original_dir, overrides: list[str]):
         flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
         cfg = config.build(config.Config, flat, "", problems)
     if not problems:  # types must be right before the cross-field rules can read them
-        problems = config.validate(cfg, config.world_size_of(cfg))
+        problems = config.validate(cfg, config.known_world_size(cfg))
     if problems:
         raise config.ConfigError(problems)
     return cfg, flags

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from config import DTYPES, ConfigError, data_parallel_size, dtype_of, help_text, load_config, loss_registry
-from config import to_yaml, world_size_of
+from config import known_world_size, to_yaml, validate
 
 if __name__ == "__main__":  # before the imports below: they take seconds (torch), and they import losses.py
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -202,7 +202,10 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
 
 
 def check_inputs(cfg, world_size: int) -> dict:
-    """Every check of the user's input that needs no model (--cfg runs them too); returns the tokenized splits."""
+    """The checks of the user's input beyond load_config's that need no model (--cfg runs them too); returns the
+    tokenized splits."""
+    if known_world_size(cfg) is None and (problems := validate(cfg, world_size)):  # at the count of GPUs, once known
+        raise ConfigError(problems)
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
     data.validate_sources(cfg.datasets)
@@ -388,6 +391,12 @@ def resume_run_dir(resume_from: str) -> str:
         f"resume_from={resume_from}: no checkpoint there; expected a run directory holding LATEST "
         "(or its LATEST, or the step-N checkpoint LATEST points at)"
     )
+
+
+def world_size_of(cfg) -> int:
+    """Processes that will train: config.known_world_size, else what `launch` starts (one per GPU, 2 on CPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # NVML may count GPUs CUDA cannot use
+    return known_world_size(cfg) or gpus or 2
 
 
 def worker_main(rank: int, world_size: int, cfg, run_dir: str, splits: dict | None = None) -> None:

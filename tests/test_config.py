@@ -419,6 +419,26 @@ def test_batch_statistic_losses_refuse_several_ranks():
     assert not config.validate(cfg, world_size=1)
 
 
+def test_the_config_is_checked_at_the_world_size_it_names_never_at_the_hosts_gpus(monkeypatch):
+    """load_config checks the world-size rules where the config or torchrun names the size (BasicTrainer: 1); an
+    FSDPTrainer run sized by the GPUs it finds is checked once train.py has counted them, so a config's verdict
+    never depends on the machine that loads it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg, _ = load_config(["trainer=FSDPTrainer"])  # batch_size=4 would not divide over 8 GPUs
+    assert config.known_world_size(cfg) is None and config.validate(cfg, 8)
+    assert config.known_world_size(load_config([])[0]) == 1
+    with pytest.raises(ConfigError, match="x world size=8"):
+        load_config(["trainer=FSDPTrainer", "n_workers=8"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="x world size=8"):
+        load_config(["trainer=FSDPTrainer"])
+    assert load_config(["batch_size=3"])[0].batch_size == 3  # BasicTrainer is one process, whatever torchrun says
+
+
 def test_the_sweep_example_starts_from_the_sft_checkpoint_and_targets_a_metric_that_can_rank_it():
     """Each grid point of sweeps/dpo_beta_lr.yaml is a valid run from model.archive (the SFT checkpoint), ranked by
     the toy task's sampled rule rate (rewards_eval/accuracies is 1.0 at every point after a few steps)."""
