@@ -728,7 +728,7 @@ def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str
 
 def known_world_size(cfg: Config) -> Optional[int]:
     """Processes that will train, where the config and the environment say: 1 (BasicTrainer), torchrun's WORLD_SIZE,
-    n_workers; None: train.launch counts the GPUs, so the rules that need it wait for train.check_inputs."""
+    n_workers; None: train.launch counts the GPUs, so train.main checks the rules that need it once it has."""
     if cfg.trainer == "BasicTrainer":
         return 1
     workers = cfg.n_workers if (cfg.n_workers or 0) > 0 else None  # a bad n_workers is refused by its own rule
@@ -778,7 +778,8 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         )
     if c.fused_optimizer and c.optimizer != "AdamW":
         problems.append(f"fused_optimizer=true: only AdamW has a fused kernel here (optimizer={c.optimizer})")
-    if c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size:
+    # under BasicTrainer fsdp_size is refused as ignored (FSDP_ONLY), not held against a world size of 1
+    if c.trainer == "FSDPTrainer" and c.fsdp.fsdp_size > 0 and world % c.fsdp.fsdp_size:
         problems.append(f"fsdp.fsdp_size={c.fsdp.fsdp_size}: expected a divisor of the world size {world}")
     if c.loss.weights is not None and len(c.loss.weights) != len(c.loss_names):
         problems.append(f"loss.weights={c.loss.weights}: expected one weight per loss name ({len(c.loss_names)})")

@@ -202,10 +202,8 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
 
 
 def check_inputs(cfg, world_size: int) -> dict:
-    """The checks of the user's input beyond load_config's that need no model (--cfg runs them too); returns the
+    """The checks of the user's input beyond the config's that need no model (--cfg runs them too); returns the
     tokenized splits."""
-    if known_world_size(cfg) is None and (problems := validate(cfg, world_size)):  # at the count of GPUs, once known
-        raise ConfigError(problems)
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
     data.validate_sources(cfg.datasets)
@@ -633,14 +631,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
         work_offline_if_the_hub_is_unreachable(cfg)
+        world_size = world_size_of(cfg)
+        if known_world_size(cfg) is None and (problems := validate(cfg, world_size)):  # load_config could not count
+            raise ConfigError(problems)
         if estimating:  # from config.json alone: no weights
             import estimate  # its tables: off a training run's path (a CUDA trainer reads the GPU peaks)
 
-            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size_of(cfg), gpu))
+            print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size, gpu))
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
             cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
-        splits = check_inputs(cfg, world_size_of(cfg))
+        splits = check_inputs(cfg, world_size)
         if recorded := cfg.resume_from or replay_of:  # the data must be the recorded run's
             run_manifest.check_against(recorded, cfg, splits, "resume" if cfg.resume_from else "replay")
         if "--cfg" in flags:
