@@ -744,16 +744,18 @@ def test_lora_without_peft_says_how_to_install_it_before_loading_a_model(monkeyp
 
 def test_a_run_sized_by_its_gpus_is_checked_at_their_count_before_anything_loads(monkeypatch, capsys):
     """FSDPTrainer without n_workers or torchrun: one rank per GPU, a count the config cannot know; train.main checks
-    the world-size rules at it before --cfg, --estimate or a run go on (load_config checked the rest)."""
+    the world-size rules at it before --cfg, --estimate or a run go on (load_config checked the rest). BasicTrainer
+    under torchrun is refused: every rank would train its own copy into one run directory."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for flag in ("--cfg", "--estimate"):
         assert train_py.main(["trainer=FSDPTrainer", "loss=dpo", flag]) == 2
-        assert (
-            "batch_size=4: expected divisible by gradient_accumulation_steps=1 x world size=8"
-            in capsys.readouterr().err
-        )
+        error = capsys.readouterr().err
+        assert "batch_size=4: expected divisible by gradient_accumulation_steps=1 x world size=8" in error
+    monkeypatch.setenv("WORLD_SIZE", "8")  # torchrun's 8 ranks, each about to train the whole model alone
+    assert train_py.main(["loss=dpo", "--cfg"]) == 2
+    assert "trainer=BasicTrainer trains in one process, but torchrun started 8" in capsys.readouterr().err
 
 
 OFFLINE_PROBE = """
