@@ -630,15 +630,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         cfg, flags = run_manifest.replay_config(replay_of, argv) if replay_of is not None else load_config(argv)
-        work_offline_if_the_hub_is_unreachable(cfg)
-        world_size = world_size_of(cfg)
         if cfg.trainer == "BasicTrainer" and int(os.environ.get("WORLD_SIZE") or 1) > 1:  # each rank: a whole run
+            ranks = os.environ["WORLD_SIZE"]
             raise ConfigError(
                 [
-                    f"trainer=BasicTrainer trains in one process, but torchrun started {os.environ['WORLD_SIZE']}: add "
-                    "trainer=FSDPTrainer (or start one process: python -u train.py ...)"
+                    f"trainer=BasicTrainer trains in one process, but WORLD_SIZE={ranks} (torchrun started {ranks}): "
+                    "add trainer=FSDPTrainer, or unset WORLD_SIZE and start one process"
                 ]
             )
+        work_offline_if_the_hub_is_unreachable(cfg)
+        world_size = world_size_of(cfg)
         if known_world_size(cfg) is None and (problems := validate(cfg, world_size)):  # load_config could not count
             raise ConfigError(problems)
         if estimating:  # from config.json alone: no weights

@@ -436,7 +436,7 @@ def test_the_config_is_checked_at_the_world_size_it_names_never_at_the_hosts_gpu
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match="x world size=8"):
         load_config(["trainer=FSDPTrainer"])
-    assert load_config(["batch_size=3"])[0].batch_size == 3  # BasicTrainer is one process, whatever torchrun says
+    assert load_config(["batch_size=3"])[0].batch_size == 3  # one process (train.main refuses it under torchrun)
     with pytest.raises(ConfigError) as info:  # one line: the knob is ignored here, not "no divisor of 1"
         load_config(["fsdp.fsdp_size=2"])
     assert info.value.problems == ["fsdp.fsdp_size=2: only applies to trainer=FSDPTrainer (this run uses BasicTrainer)"]

@@ -755,7 +755,9 @@ def test_a_run_sized_by_its_gpus_is_checked_at_their_count_before_anything_loads
         assert "batch_size=4: expected divisible by gradient_accumulation_steps=1 x world size=8" in error
     monkeypatch.setenv("WORLD_SIZE", "8")  # torchrun's 8 ranks, each about to train the whole model alone
     assert train_py.main(["loss=dpo", "--cfg"]) == 2
-    assert "trainer=BasicTrainer trains in one process, but torchrun started 8" in capsys.readouterr().err
+    assert (
+        "trainer=BasicTrainer trains in one process, but WORLD_SIZE=8 (torchrun started 8)" in capsys.readouterr().err
+    )
 
 
 OFFLINE_PROBE = """
