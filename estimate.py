@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import config
+import config_loader
 import losses
 from config import dtype_of
 from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
@@ -367,8 +368,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
-    values = config.flatten(cfg.to_dict())
-    schema = config.schema()
+    values = config_loader.flatten(cfg.to_dict())
+    schema = config_loader.schema()
     # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
     values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
     for key, note in NOT_MODELLED.items():

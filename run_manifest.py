@@ -21,6 +21,7 @@ import torch
 import yaml
 
 import config
+import config_loader
 import utils
 
 REPO = Path(__file__).resolve().parent
@@ -140,10 +141,10 @@ def replay_config(original_dir, overrides: list[str]):
     path = Path(original_dir) / "config.yaml"
     if not path.is_file():
         raise config.ConfigError([f"--replay {original_dir}: no config.yaml there (expected a train.py run directory)"])
-    keys = config.schema()
+    keys = config_loader.schema()
     # config.yaml is already resolved (renamed keys, derived eval_every): rebuilt as it is, over the defaults
-    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config.flatten(yaml.safe_load(path.read_text()))}
-    _, given, flags, problems = config.parse_argv(overrides)
+    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config_loader.flatten(yaml.safe_load(path.read_text()))}
+    _, given, flags, problems = config_loader.parse_argv(overrides)
     problems += [
         f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"
         for key, _, raw in given
@@ -153,10 +154,10 @@ def replay_config(original_dir, overrides: list[str]):
         flat.update(
             resume_from=None, run_dir=f"{Path(original_dir).resolve()}-replay-{datetime.now():%Y%m%d_%H%M%S_%f}"
         )
-        flat.update({key: config.typed(keys, key, value, raw) for key, value, raw in given})
-        cfg = config.build(config.Config, flat, "", problems)
+        flat.update({key: config_loader.typed(keys, key, value, raw) for key, value, raw in given})
+        cfg = config_loader.build(config.Config, flat, "", problems)
     if not problems:  # types must be right before the cross-field rules can read them
-        problems = config.validate(cfg, config.known_world_size(cfg))
+        problems = config_loader.validate(cfg, config_loader.known_world_size(cfg))
     if problems:
         raise config.ConfigError(problems)
     return cfg, flags

@@ -21,8 +21,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from config import DTYPES, ConfigError, data_parallel_size, dtype_of, help_text, load_config, loss_registry
-from config import known_world_size, to_yaml, validate
+from config import DTYPES, ConfigError, dtype_of
+from config_loader import data_parallel_size, help_text, load_config, loss_registry
+from config_loader import known_world_size, to_yaml, validate
 
 if __name__ == "__main__":  # before the imports below: they take seconds (torch), and they import losses.py
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -392,7 +393,7 @@ def resume_run_dir(resume_from: str) -> str:
 
 
 def world_size_of(cfg) -> int:
-    """Processes that will train: config.known_world_size, else what `launch` starts (one per GPU, 2 on CPU)."""
+    """Processes that will train: config_loader.known_world_size, else what `launch` starts (one per GPU, 2 on CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # NVML may count GPUs CUDA cannot use
     return known_world_size(cfg) or gpus or 2
 

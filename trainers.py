@@ -37,7 +37,8 @@ import yaml
 import losses
 import preference_datasets as data
 import self_check
-from config import dtype_of, flatten
+from config import dtype_of
+from config_loader import flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import OneProcess, unwrap
 import utils

@@ -741,7 +741,7 @@ def profile_child(spec: dict) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
     import logps
     import trainers
-    from config import load_config
+    from config_loader import load_config
     from train import load_models
     from utils import seed_everything
 

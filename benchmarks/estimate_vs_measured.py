@@ -179,9 +179,9 @@ def worker(args: list[str], out: str) -> None:
 
 def measure(root: Path, args: list[str]) -> float:
     """The largest peak RSS increase over the ranks of one run, in bytes."""
-    import config
+    import config_loader
 
-    cfg, _ = config.load_config(args)
+    cfg, _ = config_loader.load_config(args)
     world = (cfg.n_workers or 2) if cfg.trainer == "FSDPTrainer" else 1
     # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in the heap, so RSS would
     # count tensors long freed; a fixed 64 KiB threshold returns every freed tensor, and RSS follows live memory
@@ -228,7 +228,7 @@ def main() -> None:
     if opts.worker:
         worker(rest[1:] if rest[:1] == ["--"] else rest, opts.worker)
         return
-    import config
+    import config_loader
     import estimate
 
     chosen = [int(i) for i in opts.only.split(",")] if opts.only else range(len(CONFIGS))
@@ -240,7 +240,7 @@ def main() -> None:
         model, extra = CONFIGS[i]
         make_model(root, model)
         args = run_args(root, model, extra)
-        cfg, _ = config.load_config(args)
+        cfg, _ = config_loader.load_config(args)
         world = 1 if cfg.trainer != "FSDPTrainer" else cfg.n_workers or 2
         est = estimate.estimate(cfg, json.loads((root / model / "config.json").read_text()), world, "cpu")["peak"]
         measured = measure(root, args)

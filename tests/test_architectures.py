@@ -39,7 +39,7 @@ import fsdp
 import logps
 import losses
 import trainers
-from config import load_config
+from config_loader import load_config
 from utils import get_open_port
 
 FAST = [

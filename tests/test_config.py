@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 import config
-from config import BLOCKS, Config, ConfigError, EngineConfig, FSDPEngineConfig, help_text, load_config, schema
+import config_loader
+from config import Config, ConfigError, EngineConfig, FSDPEngineConfig
+from config_loader import BLOCKS, help_text, load_config, schema
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGINAL_COMMAND = (
@@ -128,7 +130,7 @@ def test_each_default_is_written_once_in_the_dataclasses():
 def test_the_original_long_command_resolves_to_typed_values():
     # in-process: `--cfg` also runs the run's input checks, and this command's hub data, model and archive are
     # not here (tests/test_train.py checks that `--cfg` refuses what the run refuses)
-    cfg = yaml.safe_load(config.to_yaml(load_config(ORIGINAL_COMMAND)[0]))
+    cfg = yaml.safe_load(config_loader.to_yaml(load_config(ORIGINAL_COMMAND)[0]))
     assert cfg["model"]["name_or_path"] == "EleutherAI/pythia-2.8b"
     assert cfg["fsdp"]["wrap_policy"] == {"transformer_layer_cls_to_wrap": ["GPTNeoXLayer"]}
     assert cfg["datasets"] == ["hh"]
@@ -294,12 +296,12 @@ def test_config_reads_the_loss_registry_from_the_imported_losses_py():
     import losses
 
     keys = set(config.LossConfig())
-    assert sorted(config.loss_registry()) == sorted(losses.LOSSES)
+    assert sorted(config_loader.loss_registry()) == sorted(losses.LOSSES)
     for name, spec in losses.LOSSES.items():
         params = inspect.signature(spec.fn).parameters.values()
         reads = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "chosen_nll"]
         assert set(reads) <= keys, (name, reads)  # every hyperparameter is a config key
-        entry = config.loss_registry()[name]
+        entry = config_loader.loss_registry()[name]
         assert entry["reads"] == reads, name
         assert entry["batch_statistics"] == spec.batch_statistics, name
         assert entry["needs_reference"] == spec.needs_reference and entry["average_log_prob"] == spec.average_log_prob
@@ -310,13 +312,13 @@ def test_loss_hyperparameters_are_declared_once_as_loss_config_fields():
     f_divergence's choices are the implemented ones."""
     import losses
 
-    read = {key for entry in config.loss_registry().values() for key in entry["reads"]}
+    read = {key for entry in config_loader.loss_registry().values() for key in entry["reads"]}
     for f in dataclasses.fields(config.LossConfig):
         if f.name in read:
             assert (
                 f"  loss.{f.name}: {type(f.default).__name__} = {f.default!r}  # {f.metadata['doc']}" in help_text()
             ), f.name
-    assert set(config.CHOICES["loss.f_divergence"]) == set(losses.F_DIVERGENCES)
+    assert set(config_loader.CHOICES["loss.f_divergence"]) == set(losses.F_DIVERGENCES)
     with pytest.raises(ConfigError) as info:
         load_config(
             [
@@ -395,7 +397,7 @@ def test_losses_py_is_ordinary_python(tmp_path):
 def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
     """Presets restate defaults freely (dpo.yaml sets f_alpha: 0.5 for reverse_kl); only a value changed away
     from the default that no selected loss reads is refused, wherever it was set."""
-    for name in config._group_choices("loss"):
+    for name in config_loader._group_choices("loss"):
         load_config([f"loss={name}"])
     load_config(["loss=sft", "loss.beta=0.1"])  # the default, typed again: nothing is ignored
     load_config(["loss=dpo", "loss.label_smoothing=0.3"])  # cDPO, as the original code
@@ -414,9 +416,9 @@ def test_batch_statistic_losses_refuse_several_ranks():
     cfg, _ = load_config(["loss=bco_pair", "trainer=FSDPTrainer"], world_size=1)
     assert any(
         "bco_pair uses statistics of the whole batch" in p and "world size 2" in p
-        for p in config.validate(cfg, world_size=2)
+        for p in config_loader.validate(cfg, world_size=2)
     )
-    assert not config.validate(cfg, world_size=1)
+    assert not config_loader.validate(cfg, world_size=1)
 
 
 def test_the_config_is_checked_at_the_world_size_it_names_never_at_the_hosts_gpus(monkeypatch):
@@ -429,8 +431,8 @@ def test_the_config_is_checked_at_the_world_size_it_names_never_at_the_hosts_gpu
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg, _ = load_config(["trainer=FSDPTrainer"])  # batch_size=4 would not divide over 8 GPUs
-    assert config.known_world_size(cfg) is None and config.validate(cfg, 8)
-    assert config.known_world_size(load_config([])[0]) == 1
+    assert config_loader.known_world_size(cfg) is None and config_loader.validate(cfg, 8)
+    assert config_loader.known_world_size(load_config([])[0]) == 1
     with pytest.raises(ConfigError, match="x world size=8"):
         load_config(["trainer=FSDPTrainer", "n_workers=8"])
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -23,7 +23,7 @@ import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import trainers
 import utils
-from config import load_config
+from config_loader import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = [

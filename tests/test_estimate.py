@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import config
+import config_loader
 import estimate
 import logps
 import self_check
@@ -45,7 +46,7 @@ def test_parameter_count_equals_the_real_model(model_type, extra):
 def test_memory_follows_the_geometry():
     """Sharding over 2 ranks halves the per-rank weights; checkpointing and precomputing the reference lower the peak."""
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
-    est = lambda *args, world=1: estimate.estimate(config.load_config(["loss=dpo", *args])[0], model, world)
+    est = lambda *args, world=1: estimate.estimate(config_loader.load_config(["loss=dpo", *args])[0], model, world)
     base = est()
     assert est("trainer=FSDPTrainer", world=2)["weights"] == base["weights"] / 2
     assert est("activation_checkpointing=true")["activations"] < base["activations"]
@@ -63,7 +64,9 @@ def test_tiled_head_logits_follow_the_tile_size():
     """At Llama-3's vocabulary the tiled head's tiles shrink to HEAD_TILE_BYTES: the estimate counts those rows."""
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
     big = dict(model, vocab_size=128256)
-    est = estimate.estimate(config.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1)
+    est = estimate.estimate(
+        config_loader.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1
+    )
     assert est["logits"] == 4 * logps.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
 
 
@@ -106,7 +109,7 @@ BIG_VOCAB = dict(TOY, vocab_size=128256)  # a Llama-3 vocabulary on the toy bloc
 
 
 def est(*args, model=TOY, world=1, device="cuda"):
-    return estimate.estimate(config.load_config(["loss=dpo", *args])[0], model, world, device)
+    return estimate.estimate(config_loader.load_config(["loss=dpo", *args])[0], model, world, device)
 
 
 def static(e):
@@ -158,7 +161,7 @@ def test_reshard_after_forward_false_keeps_the_whole_policy_gathered_but_not_the
 def test_null_reference_dtype_is_the_policys(tmp_path):
     """config/model/blank_model.yaml sets reference_dtype: null (the policy's dtype), which --estimate must read."""
     shutil.copy(REPO / "toy" / "tiny-llama" / "config.json", tmp_path / "config.json")
-    cfg, _ = config.load_config(
+    cfg, _ = config_loader.load_config(
         [
             "loss=dpo",
             "model=blank_model",
@@ -213,7 +216,7 @@ def saved_per_layer(model_type: str, extra: dict, args: list, rows: int = 2, len
     """Bytes autograd keeps for one decoder layer of a (rows, length) forward, in the regime `args` sets (bf16
     weights, autocast, LoRA, packed rows' dense mask): a 2-layer model's saved tensors minus a 1-layer one's, each
     storage counted once, parameters left out (an autocast's weight copies are in)."""
-    cfg = config.load_config(["loss=dpo", *args])[0]
+    cfg = config_loader.load_config(["loss=dpo", *args])[0]
     autocast = cfg.fsdp.mixed_precision and cfg.trainer == "BasicTrainer"
     kept = []
     for layers in (2, 1):
@@ -293,7 +296,7 @@ def test_saved_activations_are_what_a_real_block_keeps(model_type, extra, args, 
     """Per layer: the bytes of every tensor autograd saves in a real block, in fp32, bf16 (FSDP's mixed precision
     casts the weights), under autocast (fp32 weights: the norms stay fp32, each linear keeps its own bf16 input and
     weight), with LoRA, and with packed rows' dense mask on CPU (a float copy per layer, k and v on every head)."""
-    cfg = config.load_config(["loss=dpo", "batch_size=1", "max_length=64", "max_prompt_length=32", *args])[0]
+    cfg = config_loader.load_config(["loss=dpo", "batch_size=1", "max_length=64", "max_prompt_length=32", *args])[0]
     model = json.loads(AutoConfig.for_model(model_type, **{**TINY, **extra}).to_json_string())
     e = estimate.estimate(cfg, model, 2 if cfg.trainer == "FSDPTrainer" else 1, device="cpu")
     assert e["micro-batch tokens"] == 2 * 64
@@ -402,7 +405,7 @@ def test_report_names_the_peak_phase():
     checked = [est(*long, *tiled, model=BIG_VOCAB)["phases"]["self check"] for tiled in ([], ["tiled_lm_head=false"])]
     assert checked[0] - checked[1] == self_check.HEAD_LOGITS_BYTES
     assert "self check" not in est("self_check=false")["phases"]
-    cfg = config.load_config(
+    cfg = config_loader.load_config(
         ["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32", "max_prompt_length=16"]
     )[0]
     out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 1)
@@ -412,9 +415,11 @@ def test_report_names_the_peak_phase():
 def test_keys_the_estimate_does_not_model_are_printed():
     """Offloading, forward_only and size-based FSDP units are not modelled: the report says what it counts instead
     (a block class named in fsdp.wrap_policy, as the toy model's group does, is what it counts)."""
-    cfg = config.load_config(
+    cfg = config_loader.load_config(
         ["loss=dpo", "trainer=FSDPTrainer", "n_workers=2", "fsdp.strategy=fsdp2", "fsdp.offload_policy=true"]
     )[0]
     out = estimate.report(cfg, str(REPO / "toy" / "tiny-llama"), 2)
     assert "assumes: parameters, gradients and optimizer state counted on the device (fsdp.offload_policy=True" in out
-    assert "assumes" not in estimate.report(config.load_config(["loss=dpo"])[0], str(REPO / "toy" / "tiny-llama"), 1)
+    assert "assumes" not in estimate.report(
+        config_loader.load_config(["loss=dpo"])[0], str(REPO / "toy" / "tiny-llama"), 1
+    )

@@ -26,7 +26,7 @@ import fsdp
 import sharding
 import train as train_py
 import trainers
-from config import load_config
+from config_loader import load_config
 from utils import get_open_port, seed_everything
 
 from conftest import LOCAL_DIRS, TEST_LOCAL_DIR  # runs and caches in a temporary directory

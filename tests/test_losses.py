@@ -169,9 +169,9 @@ def test_dpo_label_smoothing_is_cdpo_as_in_the_original_code():
     """The original DPO code's `loss=dpo loss.label_smoothing=eps` is conservative DPO:
     eps = 0.3, beta h = [0, 1, 2]: loss = 0.7 (-log sigma(z)) + 0.3 (-log sigma(-z))
     = [ln 2, 0.5133, 0.5269], through the real config loader and the dispatcher."""
-    import config
+    import config_loader
 
-    cfg, _ = config.load_config(["loss=dpo", "loss.label_smoothing=0.3"])
+    cfg, _ = config_loader.load_config(["loss=dpo", "loss.label_smoothing=0.3"])
     out = compute_loss(cfg.loss_names, cfg.loss.weights, cfg.loss, **pair_inputs())
     expected = [0.7 * neg_log_sigmoid(z) + 0.3 * neg_log_sigmoid(-z) for z in (0.0, 1.0, 2.0)]
     close(out.losses, expected)

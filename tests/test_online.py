@@ -17,7 +17,8 @@ import transformers
 import online
 import run_manifest
 import train as train_py
-from config import ConfigError, load_config
+from config import ConfigError
+from config_loader import load_config
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 

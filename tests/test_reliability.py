@@ -483,12 +483,12 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(reference, tmp_path, da
 # In-process trainers, built the way train.py's worker_main builds them
 # ---------------------------------------------------------------------------------------------------------
 def build_trainer(run_dir: Path, *overrides: str):
-    import config
+    import config_loader
     import train
     import trainers
     from utils import seed_everything
 
-    cfg, _ = config.load_config([*RUN, f"run_dir={run_dir}", *overrides])
+    cfg, _ = config_loader.load_config([*RUN, f"run_dir={run_dir}", *overrides])
     run_dir, _ = train.prepare_run_dir(cfg)
     seed_everything(cfg.seed, cfg.fsdp.full_determinism)
     tokenizer, policy, reference_model = train.load_models(cfg)
@@ -639,6 +639,7 @@ def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, 
 def test_trust_remote_code_is_off_unless_asked():
     import ast
     import config
+    import config_loader
     import yaml
 
     assert config.ModelConfig().trust_remote_code is False
@@ -647,7 +648,9 @@ def test_trust_remote_code_is_off_unless_asked():
         assert (text.get("model", text) or {}).get("trust_remote_code", False) is False, path
         name = path.stem
         if path.parent.name == "model":
-            cfg, _ = config.load_config([f"model={name}", "model.name_or_path=some/model", "model.block_name=Block"])
+            cfg, _ = config_loader.load_config(
+                [f"model={name}", "model.name_or_path=some/model", "model.block_name=Block"]
+            )
             assert cfg.model.trust_remote_code is False, name
     calls = []
     for source in sorted(REPO.glob("*.py")):
@@ -746,7 +749,7 @@ def test_the_same_run_is_accepted_by_the_checks_that_refuse_others(resumable, tm
 
 
 def test_an_archive_of_another_architecture_is_refused_with_a_clear_message(tmp_path, monkeypatch):
-    import config
+    import config_loader
     import train
     from transformers import AutoModelForCausalLM
 
@@ -754,7 +757,7 @@ def test_an_archive_of_another_architecture_is_refused_with_a_clear_message(tmp_
     archive = tmp_path / "policy.pt"
     model = AutoModelForCausalLM.from_pretrained(other_architecture(tmp_path))
     torch.save({"step_idx": 8, "state": model.state_dict(), "metrics": {}}, archive)
-    cfg, _ = config.load_config([*RUN, f"model.archive={archive}"])
+    cfg, _ = config_loader.load_config([*RUN, f"model.archive={archive}"])
     with pytest.raises(ValueError) as refused:
         train.load_models(cfg)
     message = str(refused.value)

@@ -24,7 +24,7 @@ import logps
 import self_check
 import train as train_py
 import trainers
-from config import load_config
+from config_loader import load_config
 from utils import get_open_port
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory

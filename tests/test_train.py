@@ -245,12 +245,12 @@ def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template
     assert refused.returncode == 2 and "set model.chat_template=chatml" in refused.stderr, refused.stderr
     template = tmp_path / "template.jinja"
     template.write_text(train_py.CHAT_TEMPLATES["chatml"])
-    import config
+    import config_loader
     import preference_datasets as data
 
     for given in ("chatml", str(template)):
         train(tmp_path / given.replace("/", "_"), *args, f"model.chat_template={given}")
-        cfg, _ = config.load_config([*FAST, *args, f"model.chat_template={given}"])
+        cfg, _ = config_loader.load_config([*FAST, *args, f"model.chat_template={given}"])
         first = data.load_tokenized(cfg.datasets, train_py.load_tokenizer(cfg), "train")[0]
         assert first.prompt.startswith("<|im_start|>user\n") and first.prompt.endswith("<|im_start|>assistant\n")
 
@@ -651,7 +651,7 @@ def test_lora_dpo_resumed_after_a_kill_is_exact_and_exports_merged_weights(tmp_p
 def test_lora_loads_without_library_warnings():
     """peft's get_peft_model asks transformers a deprecated question: a FutureWarning on every LoRA run (before)."""
     import warnings
-    from config import load_config
+    from config_loader import load_config
 
     cfg, _ = load_config([*FAST, "loss=dpo", "n_examples=8", *LORA])
     with warnings.catch_warnings(record=True) as caught:
@@ -693,7 +693,7 @@ def test_a_precomputed_reference_is_freed_for_real(tmp_path, monkeypatch, capsys
     import gc
     import transformers
     import trainers
-    from config import load_config
+    from config_loader import load_config
 
     seen = {}
     precompute = trainers.Reference.precompute

@@ -25,7 +25,7 @@ import fsdp
 import sharding
 import train as train_py
 import trainers
-from config import load_config
+from config_loader import load_config
 from utils import disable_dropout
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
@@ -405,9 +405,9 @@ def test_each_fsdp_strategy_is_one_sharding_object_picked_in_one_place():
     name, so a new strategy is a new class and an entry, not branches through the file."""
     import ast
 
-    import config
+    import config_loader
 
-    assert set(fsdp.SHARDINGS) == set(config.CHOICES["fsdp.strategy"])
+    assert set(fsdp.SHARDINGS) == set(config_loader.CHOICES["fsdp.strategy"])
     for cls in fsdp.SHARDINGS.values():  # each implements what differs between the strategies
         assert issubclass(cls, sharding.OneProcess) and all(
             name in vars(cls) for name in ("shard", "gradient_sync", "clip", "reshard")

@@ -311,14 +311,14 @@ def test_lora_under_fsdp_samples_at_evaluation_over_nccl(tmp_path, strategy):
 
 def _fsdp1_settings(rank, port, out):
     """A world of 1 over NCCL: FSDPTrainer's FSDP1 wrappers, as train.py builds them."""
-    import config
+    import config_loader
     import train as train_py
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     torch.cuda.set_device(0)
     utils.init_distributed(60, cuda=True)
     try:
-        cfg, _ = config.load_config(
+        cfg, _ = config_loader.load_config(
             [
                 *FAST,
                 "model=tiny",
