@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib
 import os
 import sys
 import traceback
@@ -360,6 +361,13 @@ def build(cls, values: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
+# Options whose config rules live in their own file beside their code, imported only when on: {module: switch}
+OPTIONS = {
+    "lora": lambda c: c.lora.r is not None,
+    "reference_cache": lambda c: c.precompute_ref_log_probs,
+}
+
+
 # --- Validation: each key against RULES, then the rules across keys; each problem one line ---
 def data_parallel_size(cfg: Config, world_size: Optional[int]) -> tuple[int, str]:
     """Ranks that see different pairs (Ulysses groups share theirs), and how a message names them."""
@@ -451,18 +459,16 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         problems += _unpaired_rules(c, ws, ranks)
     if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
         problems += _modifier_rules(c)
-    if c.precompute_ref_log_probs:
-        problems += _per_token_reference_rule(c)
     if c.prefix_sharing:
         problems += _prefix_sharing_rules(c)
     if c.fsdp.ulysses_sequence_parallel_size > 1:
         problems += _ulysses_rules(c, world)
-    if c.lora.r is not None:
-        problems += _lora_rules(c)
     if c.ref_update.tau is not None:
         problems += _ref_update_rules(c)
     if c.online.rounds is not None:
         problems += _online_rules(c)
+    for name, on in OPTIONS.items():  # each option's own rules, in its file, read only when it is on
+        problems += importlib.import_module(name).rules(c, world) if on(c) else []
     return problems
 
 
@@ -525,22 +531,6 @@ def _unpaired_rules(c: Config, ws: int, ranks: str) -> list[str]:
             "the reference on mismatched prompt/completion pairs of each batch)"
         )
     return problems
-
-
-def _per_token_reference_rule(c: Config) -> list[str]:
-    """The precomputed reference table holds sums: refused for whatever reads each token's reference log-prob (LD-DPO,
-    or a token-level loss: losses.logps_needed says which, so such a loss is written in losses.py alone)."""
-    import losses  # loss_registry() has imported it
-
-    if not losses.logps_needed(c.loss)["per_token"]:
-        return []
-    ld = c.loss.ld_alpha != 1
-    what = f"loss.name={c.loss.name!r} reads the reference's log-prob of each token"
-    what = "LD-DPO weighs the reference's tokens too" if ld else what
-    return [
-        f"{f'loss.ld_alpha={c.loss.ld_alpha} and ' * ld}precompute_ref_log_probs=true: {what}, and the "
-        "precomputed table holds sums only; set one of them off"
-    ]
 
 
 def _modifier_rules(c: Config) -> list[str]:
@@ -609,21 +599,6 @@ def _ulysses_rules(c: Config, world: int) -> list[str]:
     if world % sp:
         return [f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"]
     return []
-
-
-def _lora_rules(c: Config) -> list[str]:
-    problems = []
-    if c.trainer == "FSDPTrainer" and c.fsdp.strategy == "fsdp" and not c.fsdp.use_orig_params:
-        problems.append(
-            "lora.r with fsdp.strategy=fsdp: FSDP1 flattens frozen base weights and trainable adapters into one "
-            "parameter, so it needs fsdp.use_orig_params=true (or use fsdp.strategy=fsdp2)"
-        )
-    if c.ref_update.tau is not None:
-        problems.append(
-            f"lora.r={c.lora.r} and ref_update.tau={c.ref_update.tau}: the LoRA reference is the base model with the "
-            "adapters off, which TR-DPO cannot move; use one of them"
-        )
-    return problems
 
 
 def _ref_update_rules(c: Config) -> list[str]:

@@ -32,22 +32,13 @@ import torch
 import config
 import config_loader
 import losses
+from utils import DEVICES
 from config import dtype_of
 from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
 from preference_datasets import SAMPLE_GROUP
 from self_check import HEAD_LOGITS_BYTES, PROBE_PAIRS
 
 GiB = 2**30
-# name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
-DEVICES = {
-    "H200": (989.0, 67.0, 141),
-    "H100": (989.0, 67.0, 80),
-    "A100": (312.0, 19.5, 80),
-    "A100-40GB": (312.0, 19.5, 40),
-    "L40S": (362.0, 91.6, 48),
-    "A10": (125.0, 31.2, 24),  # A10G too: the name is matched as a substring of the device's (trainers' MFU)
-    "L4": (121.0, 30.3, 24),
-}
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
 USABLE = 0.9  # of device memory: the CUDA context, the allocator's fragmentation and NCCL buffers take the rest
 STATES = {"AdamW": 2, "RMSprop": 1, "SGD": 0}  # optimizer state tensors per parameter (SGD without momentum)

@@ -26,8 +26,8 @@ import preference_datasets as data
 import ulysses
 from config import ConfigError
 from sharding import unwrap
-from trainers import CheckpointError, sampling_seed
-from utils import atomic_write_text, broadcast_object, file_sha256, rank0_print
+from checkpoints import CheckpointError
+from utils import atomic_write_text, broadcast_object, file_sha256, rank0_print, sampling_seed
 
 # round r, group g samples from sampling_seed(seed, STREAM + r, g): past any pairs count, so never evaluation's stream
 STREAM = 1 << 40
@@ -53,14 +53,14 @@ def rounds(t, prompts: list, score):
     """Round by round, this rank's share of one pass over the round's pairs. Runs from the loop's first batch: after
     the resume and self_check (on the datasets' training pairs: the head, layout and reference are the rounds' too)."""
     c, o = t.config, t.config.online
-    resumed_at = t.example_counter  # the pairs a resumed checkpoint had seen (0 on a fresh start)
+    resumed_at = t.state.example_counter  # the pairs a resumed checkpoint had seen (0 on a fresh start)
     done = 0  # the steps of the rounds before this one
     share = dict(batch_size=c.batch_size, n_epochs=1, rank=t.dp_rank, world_size=t.dp_size, balance=c.balance_batch)
     for r in range(o.rounds):
         folder = t.run_dir / "rounds" / str(r)
         # a resume reuses a complete round file (rank 0's verdict for all); a fresh start samples every round
         stats = broadcast_object(finished_round(folder) if t.rank == 0 and c.resume_from else None)
-        if stats is None and t.batch_counter > done:
+        if stats is None and t.state.batch_counter > done:
             raise CheckpointError(f"cannot resume: the checkpoint is inside round {r}, but {folder} is incomplete")
         fresh = stats is None
         stats = stats or make_round(t, r, prompts, score, folder)
@@ -73,13 +73,13 @@ def rounds(t, prompts: list, score):
             t.log(start, {k: stats[k] for k in STATS})
         if fresh and not steps:
             rank0_print(f"round {r}: skipped: {stats['pairs']} pairs over online.min_score_gap, fewer than a batch")
-        here = dict(seed=c.seed + r, start_example=t.example_counter - start, shared_prompt=c.prefix_sharing)
+        here = dict(seed=c.seed + r, start_example=t.state.example_counter - start, shared_prompt=c.prefix_sharing)
         seconds = t.train_seconds
         # none where a resume is past this round; the trainer takes each step (evaluating first when it is due)
         yield from data.get_batch_iterator(pairs, t.tokenizer.pad_token_id, **share, **here) if steps else []
         if train_seconds := t.train_seconds - seconds:  # sampling against the round's sampling, scoring and steps
             spent = stats["sample_seconds"] + stats["score_seconds"] + train_seconds
-            t.log(t.example_counter, {"throughput/generation_share": stats["sample_seconds"] / spent})
+            t.log(t.state.example_counter, {"throughput/generation_share": stats["sample_seconds"] / spent})
         done += steps
 
 
@@ -296,5 +296,5 @@ def record(c) -> dict:
     if kind == "reward_model":
         files = sorted(p for p in Path(arg).rglob("*") if p.is_file())
         scorer["sha256"] = {str(p.relative_to(arg)): file_sha256(p) for p in files}
-    seeds = f"round r, group g: trainers.sampling_seed({c.seed}, {STREAM} + r, g)"
+    seeds = f"round r, group g: utils.sampling_seed({c.seed}, {STREAM} + r, g)"
     return {"settings": c.online.to_dict(), "seeds": seeds, "scorer": scorer}

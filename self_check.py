@@ -24,7 +24,7 @@ import losses
 from logps import SequenceLogps, concatenated_inputs, forward_logps
 from sharding import unwrap
 from config import dtype_of
-from utils import all_gather_object, atomic_write_text, rank0_print
+from utils import atomic_write_text, clean_name, rank0_print
 
 REPORT = "self_check.json"  # in run_dir, beside run_manifest.json
 PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to cost a fraction of a step
@@ -58,7 +58,9 @@ def run(t) -> None:
     with torch.no_grad(), t.sharding.params_on_device(t.policy):
         # the run's own path (a differentiable entropy bonus makes the policy's untiled)
         ours = policy_logps(t, inputs, **t.forward_options(bool(c.loss.entropy_coeff)))
-        checks = head(t, inputs, dtype) + layout(t, inputs, ours, dtype) + reference(t, probe, inputs, ours)
+        checks = head(t, inputs, dtype) + layout(t, inputs, ours, dtype)
+        checks += t.cache.probe(t, probe, inputs, ours, dtype) if t.cache else []  # reference_cache.py's
+        checks += reference(t, probe, inputs, ours)
     t.sharding.reshard(t.policy)
     finish(t, checks, time.time() - start, probe["example_index"].tolist())
 
@@ -119,7 +121,7 @@ def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
         return []
     dtype = compute_dtype(c, ref.mixed, c.model.reference_dtype or c.fsdp.model_dtype)
     live = ref.forward(inputs)
-    checks = cache(t, probe, inputs, live, dtype) if c.precompute_ref_log_probs else []
+    checks = []
     if not starts_as_policy(t):  # nothing to compare at step 0
         why = "the reference's weights are not the policy's (another archive or dtype, or a resumed run)"
         return checks + [dict(check="reference", passed=True, skipped=why)]
@@ -128,24 +130,9 @@ def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:
     return checks + [dict(check, step0_loss=step0, zero_margin_loss=closed)]
 
 
-def cache(t, probe: dict, inputs: dict, live: SequenceLogps, dtype: torch.dtype) -> list[dict]:
-    """The cached table's log-probs, read as the loss reads them (Reference.logps), vs a live reference forward."""
-    ref = t.reference
-    # every rank asks for the same rows: the table's forwards are collectives
-    wanted = sorted({i for part in all_gather_object(probe["example_index"].tolist()) for i in part})
-    ref.tables = {"train": ref.table("train", wanted)}
-    cached = ref.logps(probe, inputs, "train").sums.to(live.sums)
-    ref.tables = {}  # unset: precompute fills the tables
-    what = "precomputed reference log-probs vs a live reference forward"
-    fix = "precompute_ref_log_probs=false (or delete the cached table)"
-    return [compare(t, "cache", what, SequenceLogps(cached, live.counts), live, dtype, fix)]
-
-
 def starts_as_policy(t) -> bool:
     """Whether the reference holds the policy's weights (this rank's shards, element by element: both models are
     sharded alike) and computes in the same precision; one answer for all ranks."""
-    from trainers import clean_name  # the wrappers' prefixes (activation checkpointing wraps the policy only)
-
     ref = t.reference
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # FSDP2's DTensor shard
     if ref.lora:  # the policy with its adapters off: the same function while every adapter's B is zero (peft's init)

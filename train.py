@@ -13,12 +13,10 @@ SIGTERM or Ctrl-C stop after the step with a checkpoint and print the command th
 import dataclasses
 import importlib.util
 import os
-import shlex
 import shutil
 import signal
 import socket
 import sys
-import warnings
 from pathlib import Path
 
 from config import DTYPES, ConfigError, dtype_of
@@ -40,6 +38,7 @@ import torch  # noqa: E402
 import logps  # noqa: E402
 import losses  # noqa: E402
 import preference_datasets as data  # noqa: E402
+import checkpoints  # noqa: E402
 import run_manifest  # noqa: E402
 import self_check  # noqa: E402
 import trainers  # noqa: E402
@@ -129,33 +128,10 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     if cfg.model.archive and not on_meta:
         load_archive(cfg.model.archive, policy, reference)
     if cfg.lora.r is not None:
-        policy = add_lora(cfg.lora, policy)
+        import lora  # optional: check_inputs refused lora.r without peft, before any model loaded
+
+        policy = lora.add(cfg.lora, policy)
     return load_tokenizer(cfg), policy, reference
-
-
-def add_lora(lora, policy):
-    """The policy with peft's LoRA adapters (lora.r set); only they train."""
-    import peft  # optional: check_inputs refused lora.r without it, before any model loaded
-
-    with warnings.catch_warnings():  # peft asks transformers a deprecated question on every run: not the user's to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        policy = peft.get_peft_model(
-            policy,
-            peft.LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                bias="none",
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
-        )
-    utils.rank0_print(
-        f"LoRA r={lora.r} alpha={lora.alpha} on {lora.target_modules}: "
-        f"{sum(p.numel() for p in policy.parameters() if p.requires_grad)} trainable parameters of "
-        f"{sum(p.numel() for p in policy.parameters())}"
-    )
-    return policy
 
 
 def load_archive(path: str, policy, reference=None) -> None:
@@ -211,8 +187,8 @@ def check_inputs(cfg, world_size: int) -> dict:
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])
     if cfg.resume_from:  # under torchrun every rank runs this: sizes here, rank 0 alone hashes (distributed_worker)
-        ckpt = trainers.validate_checkpoint(Path(cfg.resume_from) / "LATEST", hashes=not started_by_torchrun(cfg))
-        trainers.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
+        ckpt = checkpoints.validate_checkpoint(Path(cfg.resume_from) / "LATEST", hashes=not started_by_torchrun(cfg))
+        checkpoints.check_compatible(torch.load(ckpt / "trainer_state.pt", weights_only=True), cfg, world_size)
     elif cfg.run_dir and (Path(cfg.run_dir) / "LATEST").exists():  # a fresh start may not reuse a run's directory
         raise FileExistsError(
             f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir"
@@ -366,32 +342,6 @@ def too_few_pairs(cfg, split: str, examples, knob: str) -> data.DataError:
     )
 
 
-def resume_run_dir(resume_from: str) -> str:
-    """The run directory a resume continues, from what users copy: the run directory, its LATEST, or the step-N
-    checkpoint LATEST points at (an earlier one would have its later checkpoints overwritten: refused)."""
-    path = Path(resume_from)
-    latest = path.parent / "LATEST"
-    if (path / "LATEST").exists():
-        return str(path)
-    if latest.exists() and (path.name == "LATEST" or path.resolve() == latest.resolve()):
-        return str(path.parent)
-    if latest.exists() and path.name.startswith("step-"):
-        raise FileNotFoundError(
-            f"resume_from={resume_from}: not the run's latest checkpoint ({latest} -> {latest.resolve().name});"
-            f" a resume continues from LATEST and would overwrite the later checkpoints. To go back to"
-            f" {path.name}: ln -sfn {path.name} {latest}"
-        )
-    if (path / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"resume_from={resume_from}: no LATEST checkpoint there: the run stopped before its first"
-            " checkpoint; start it again with the same command, without resume_from"
-        )
-    raise FileNotFoundError(
-        f"resume_from={resume_from}: no checkpoint there; expected a run directory holding LATEST "
-        "(or its LATEST, or the step-N checkpoint LATEST points at)"
-    )
-
-
 def world_size_of(cfg) -> int:
     """Processes that will train: config_loader.known_world_size, else what `launch` starts (one per GPU, 2 on CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # NVML may count GPUs CUDA cannot use
@@ -470,7 +420,7 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
     )
     try:
         distributed_worker(cfg, run_dir)
-    except trainers.Interrupted as e:  # the launcher tells the user how to resume
+    except checkpoints.Interrupted as e:  # the launcher tells the user how to resume
         sys.exit(128 + e.signum)
     except self_check.SelfCheckError:  # every rank agreed; the launcher reads the message from run_dir/self_check.json
         sys.exit(4)
@@ -492,14 +442,14 @@ def distributed_worker(cfg, run_dir: str | None, splits: dict | None = None) -> 
         run_dir = str(utils.broadcast_object(run_dir))
         check_shared_run_dir(run_dir)
         if torchrun and cfg.resume_from:  # check_inputs compared sizes on every rank; the bytes are hashed once
-            verdict = rank == 0 and checkpoint_problem(Path(cfg.resume_from) / "LATEST")
+            verdict = rank == 0 and checkpoints.checkpoint_problem(Path(cfg.resume_from) / "LATEST")
             if verdict := utils.broadcast_object(verdict, slow=True):
-                raise trainers.CheckpointError(verdict)
+                raise checkpoints.CheckpointError(verdict)
         worker_main(rank, world_size, cfg, run_dir, splits)
     except BaseException as e:
         remove_orphan(run_dir, created)
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C under torchrun: one line per rank, no traceback
-            raise interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
+            raise checkpoints.interrupted(signal.SIGINT, Path(run_dir), cfg.batch_size, at_once=True) from None
         raise
     finally:
         utils.destroy_distributed()
@@ -518,24 +468,8 @@ def check_shared_run_dir(run_dir: str) -> None:
         )
 
 
-def checkpoint_problem(ckpt: Path) -> str | None:
-    """validate_checkpoint's message for a damaged checkpoint, None for a sound one (a verdict to broadcast)."""
-    try:
-        trainers.validate_checkpoint(ckpt)
-    except trainers.CheckpointError as e:
-        return str(e)
-    return None
-
-
 def started_by_torchrun(cfg) -> bool:
     return cfg.trainer != "BasicTrainer" and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def interrupted(signum: int, run_dir: Path, batch_size: int, at_once: bool = False) -> trainers.Interrupted:
-    """The Interrupted that the ranks' exit (or a second Ctrl-C) means, at the run's LATEST checkpoint if any."""
-    latest = run_dir / "LATEST"
-    examples = int(os.readlink(latest).split("-")[1]) if latest.is_symlink() else None
-    return trainers.Interrupted(signum, examples and examples // batch_size, examples, run_dir, at_once)
 
 
 def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
@@ -561,7 +495,7 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
             raise self_check.SelfCheckError(self_check.failure(run_dir)) from None
         if e.exit_code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise
-        raise interrupted(e.exit_code - 128, run_dir, cfg.batch_size) from None
+        raise checkpoints.interrupted(e.exit_code - 128, run_dir, cfg.batch_size) from None
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -581,24 +515,9 @@ def launch(cfg, splits: dict | None = None) -> None:
     except BaseException as e:
         remove_orphan(run_dir, created)
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, without a checkpoint
-            raise interrupted(signal.SIGINT, run_dir, cfg.batch_size, at_once=True) from None
+            raise checkpoints.interrupted(signal.SIGINT, run_dir, cfg.batch_size, at_once=True) from None
         raise
     print(f"done; run directory: {run_dir}", flush=True)
-
-
-def interrupt_message(e: trainers.Interrupted, argv: list[str]) -> str:
-    """One line: where the run stopped and the command that continues it (as given, resume_from replaced)."""
-    kept = [a for a in argv if not a.lstrip("-").startswith("resume_from=")]
-    name = signal.Signals(e.signum).name
-    if e.examples is None:
-        return (
-            f"interrupted ({name}) before the first checkpoint: start again with: python -u train.py {shlex.join(kept)}"
-        )
-    resume = f"resume with: python -u train.py {shlex.join([*kept, f'resume_from={e.run_dir}'])}"
-    if e.at_once:
-        latest = f"the latest is step {e.step} ({e.examples} pairs)"
-        return f"interrupted ({name}) at once, without a checkpoint; {latest}: {resume}"
-    return f"interrupted at step {e.step} ({e.examples} pairs, {name}); {resume}"
 
 
 def valued_flags(argv: list[str]) -> tuple[list[str], str | None, str | None]:
@@ -649,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             print(estimate.report(cfg, resolve_local(cfg.model.name_or_path), world_size, gpu))
             return 0
         if cfg.resume_from:  # the run directory, whichever of its paths was given
-            cfg = dataclasses.replace(cfg, resume_from=resume_run_dir(cfg.resume_from))
+            cfg = dataclasses.replace(cfg, resume_from=checkpoints.resume_run_dir(cfg.resume_from))
         splits = check_inputs(cfg, world_size)
         if recorded := cfg.resume_from or replay_of:  # the data must be the recorded run's
             run_manifest.check_against(recorded, cfg, splits, "resume" if cfg.resume_from else "replay")
@@ -665,14 +584,14 @@ def main(argv: list[str] | None = None) -> int:
         FileExistsError,
         FileNotFoundError,
         run_manifest.ManifestError,
-        trainers.CheckpointError,
+        checkpoints.CheckpointError,
         trainers.NonFiniteError,
         self_check.SelfCheckError,
     ) as e:
         print(f"error: {e}", file=sys.stderr)  # 2 bad input (nothing loaded or written), 3 non-finite, 4 self-check
         return 3 if isinstance(e, trainers.NonFiniteError) else 4 if isinstance(e, self_check.SelfCheckError) else 2
-    except trainers.Interrupted as e:
-        utils.rank0_print(interrupt_message(e, argv), file=sys.stderr)
+    except checkpoints.Interrupted as e:
+        utils.rank0_print(checkpoints.interrupt_message(e, argv), file=sys.stderr)
         return 128 + e.signum
     return 0
 

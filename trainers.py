@@ -14,38 +14,30 @@ loss; then clip, one decision on non-finite values for all ranks, step.
 from __future__ import annotations
 
 import contextlib
-import gc
-import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import threading
 import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 import tqdm
-import yaml
 
 import losses
 import preference_datasets as data
 import self_check
 from config import dtype_of
-from config_loader import flatten
 from logps import SequenceLogps, concatenated_inputs, forward_logps
+from checkpoints import Checkpoints, Interrupted, TrainState, stop_on_signals
 from sharding import OneProcess, unwrap
 import utils
-from utils import rank0_print
+from utils import clean_name, rank0_print, sampling_seed
 
-CHECKPOINT_FORMAT = 1  # bumped when the files of a checkpoint change meaning
-COUNTERS = ("example_counter", "batch_counter", "nonfinite_in_a_row", "nonfinite_total")  # kept in trainer_state.pt
 OPTIMIZERS = {
     "RMSprop": lambda params, cfg: torch.optim.RMSprop(params, lr=cfg.lr),
     "AdamW": lambda params, cfg: torch.optim.AdamW(
@@ -62,49 +54,6 @@ DECAYS = {  # fraction of the peak learning rate after warmup, as a function of 
 
 class NonFiniteError(RuntimeError):
     """More than max_nonfinite_steps non-finite steps in a row: the run stops (after a checkpoint)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from: damaged, incomplete or of another run. Nothing was loaded."""
-
-
-class Interrupted(Exception):
-    """SIGTERM or SIGINT: the run stopped after a step and wrote a checkpoint to resume from (`at_once`: a second
-    Ctrl-C stopped it without one; `step` and `examples` are then LATEST's, or None before the first checkpoint)."""
-
-    def __init__(self, signum: int, step: int | None, examples: int | None, run_dir: Path, at_once: bool = False):
-        super().__init__(f"{signal.Signals(signum).name}: stopped at step {step} ({examples} pairs)")
-        self.signum = signum
-        self.step = step
-        self.examples = examples
-        self.run_dir = run_dir
-        self.at_once = at_once
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: dict):
-    """Inside, SIGTERM (how SLURM and most schedulers preempt) and SIGINT (Ctrl-C) set stop["signal"] instead of
-    ending the process: the loop finishes its step, writes a checkpoint and raises Interrupted. A second SIGINT
-    stops at once, without a checkpoint. Outside the main thread (where Python delivers signals) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if stop["signal"] is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        stop["signal"] = signum
-        rank0_print(
-            f"{signal.Signals(signum).name}: stopping after this step, with a checkpoint "
-            "(Ctrl-C again: now, without one)"
-        )
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 class BasicTrainer:
@@ -144,7 +93,7 @@ class BasicTrainer:
             checkpointing=c.fsdp.entropy_checkpointing,
             use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
         )
-        self.example_counter = self.batch_counter = self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.state = TrainState()  # the counters a checkpoint keeps
         self.train_seconds = 0.0  # seconds in step_and_log since the loop began (online.py's generation share)
         self.stop = {"signal": None}
         self.log = RunLog(self.run_dir, rank, config)
@@ -170,7 +119,12 @@ class BasicTrainer:
             test, n_examples=c.n_eval_model_samples * c.sample_during_eval, **shares
         )
         self.reference = Reference(self, reference_model)
-        self.checkpoints = Checkpoints(self)
+        self.cache = None  # precompute_ref_log_probs: reference_cache.py
+        if c.precompute_ref_log_probs:
+            import reference_cache as cache
+
+            self.cache = cache
+        self.checkpoints = Checkpoints(self.run_dir, c, self.sharding, rank, world_size, tokenizer)
         # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * n_params
@@ -188,10 +142,8 @@ class BasicTrainer:
             )
         peak = 0.0  # throughput/mfu divides by the device's dense bf16 peak (datasheets); peak_tflops wins
         if self.device.type == "cuda":
-            from estimate import DEVICES
-
             gpu = torch.cuda.get_device_name(self.device)
-            peak = next((bf16 for name, (bf16, _, _) in DEVICES.items() if name in gpu), 0.0)
+            peak = next((bf16 for name, (bf16, _, _) in utils.DEVICES.items() if name in gpu), 0.0)
         self.peak_flops = 1e12 * (c.peak_tflops or peak)
         unit = "completions" if self.unpaired else "pairs"
         ranks = f"world size {world_size}"
@@ -269,7 +221,7 @@ class BasicTrainer:
             desirable=batch.get("desirable"),
             kl=kl,
             beta_dpo=self.beta_dpo,
-            step=self.batch_counter if split == "train" else None,
+            step=self.state.batch_counter if split == "train" else None,
         )
         metrics = dict(out.metrics, **{"entropy/chosen": policy.entropy[:n].detach()})
         if paired:
@@ -316,12 +268,13 @@ class BasicTrainer:
         if sharding.all_true(finite):  # every rank steps, or every rank skips
             sharding.step(self.optimizer)
             self.scheduler.step()
-            self.nonfinite_in_a_row = 0
+            self.state.nonfinite_in_a_row = 0
         else:  # skip: parameters, optimizer state and schedule stay as they were
-            self.nonfinite_in_a_row, self.nonfinite_total = self.nonfinite_in_a_row + 1, self.nonfinite_total + 1
+            self.state.nonfinite_in_a_row += 1
+            self.state.nonfinite_total += 1
             rank0_print(
-                f"non-finite loss or gradient at step {self.batch_counter}: step skipped "
-                f"({self.nonfinite_in_a_row} in a row, {self.nonfinite_total} in total)"
+                f"non-finite loss or gradient at step {self.state.batch_counter}: step skipped "
+                f"({self.state.nonfinite_in_a_row} in a row, {self.state.nonfinite_total} in total)"
             )
         self.optimizer.zero_grad(set_to_none=True)
         # nanmean: a metric that does not apply to an example is NaN there (KTO's rewards/chosen on undesirable ones)
@@ -329,7 +282,7 @@ class BasicTrainer:
         tokens = pair_tokens(batch, c.prefix_sharing).sum()
         tokens = sharding.gather(tokens.reshape(1).float().to(self.device)).sum().item() / self.sp_size
         lr = self.scheduler.get_last_lr()[0]
-        return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=lr, nonfinite_steps=float(self.nonfinite_total))
+        return dict(mean, tokens=tokens, grad_norm=grad_norm, lr=lr, nonfinite_steps=float(self.state.nonfinite_total))
 
     # --- the loop --------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -344,25 +297,46 @@ class BasicTrainer:
 
             rounds = online.batches(self)  # before the optimizer: it sets the schedule's length
         self.build_optimizer()
-        self.log.start(self.checkpoints.resume() if c.resume_from else None)
+        if c.resume_from:
+            self.resume()
+        self.log.start(self.state.wandb_id)
+        self.state.wandb_id = getattr(self.log.wandb_run, "id", None)
         self.sharding.barrier()  # W&B starts on rank 0 alone (up to minutes online): the others wait here
         self_check.run(self)  # on the resumed weights, before the first step and before precompute frees the reference
-        if c.precompute_ref_log_probs:
-            self.reference.precompute()
-        resumed_at = self.example_counter if c.resume_from else None  # its evaluation and checkpoint already happened
-        self.loop_start = (time.time(), self.example_counter)
-        progress = dict(total=self.total_steps, initial=self.batch_counter, unit="step", disable=not self.bars)
+        if self.cache:
+            self.cache.precompute(self)
+        resumed_at = (
+            self.state.example_counter if c.resume_from else None
+        )  # its evaluation and checkpoint already happened
+        self.loop_start = (time.time(), self.state.example_counter)
+        progress = dict(total=self.total_steps, initial=self.state.batch_counter, unit="step", disable=not self.bars)
         with stop_on_signals(self.stop), tqdm.tqdm(**progress, dynamic_ncols=True) as bar:
             for batch in self.train_batches() if rounds is None else rounds:
-                if self.example_counter % c.eval_every == 0 and self.example_counter != resumed_at:
-                    if self.example_counter > 0 or c.do_first_eval:
+                if self.state.example_counter % c.eval_every == 0 and self.state.example_counter != resumed_at:
+                    if self.state.example_counter > 0 or c.do_first_eval:
                         self.evaluate_and_log()
-                    if self.example_counter > 0:
-                        self.checkpoints.save()
+                    if self.state.example_counter > 0:
+                        self.save_checkpoint()
                 self.step_and_log(batch, bar)
-        if self.example_counter != resumed_at:
+        if self.state.example_counter != resumed_at:
             self.evaluate_and_log()
-            self.checkpoints.save()
+            self.save_checkpoint()
+
+    def save_checkpoint(self, lean: bool = False) -> None:
+        """run_dir/step-N of this run's state (checkpoints.py); TR-DPO's moving reference is trained state too."""
+        self.state.beta_dpo_running = self.beta_dpo.running
+        metrics = getattr(self, "last_eval_metrics", {})
+        args = self.state, self.policy, self.optimizer, self.scheduler, self.trained_reference(), metrics
+        self.checkpoints.save(*args, lean=lean)
+
+    def resume(self) -> None:
+        """This run's state from its LATEST checkpoint; the records written after it go (the run writes them again)."""
+        self.checkpoints.resume(self.state, self.policy, self.optimizer, self.scheduler, self.trained_reference())
+        self.beta_dpo.running = self.state.beta_dpo_running
+        self.log.truncate(self.state.example_counter)
+
+    def trained_reference(self) -> nn.Module | None:
+        return self.reference.model if self.config.ref_update.tau is not None else None
 
     def build_optimizer(self) -> None:
         """The optimizer of the trainable parameters; its schedule: linear warmup from 0 to the peak over warmup_steps,
@@ -391,7 +365,7 @@ class BasicTrainer:
             rank=self.dp_rank,
             world_size=self.dp_size,
             seed=self.seed,
-            start_example=self.example_counter,
+            start_example=self.state.example_counter,
             balance=c.balance_batch,
             kl_rows=self.unpaired,
             shared_prompt=c.prefix_sharing,
@@ -404,8 +378,8 @@ class BasicTrainer:
         with self.sharding.params_on_device(self.policy):
             metrics = self.train_step(batch)
         seconds = time.time() - start
-        self.batch_counter += 1
-        self.example_counter += c.batch_size
+        self.state.batch_counter += 1
+        self.state.example_counter += c.batch_size
         if c.ref_update.tau is not None:  # TR-DPO
             self.reference.update()
         tokens = metrics.pop("tokens")
@@ -413,22 +387,25 @@ class BasicTrainer:
         metrics["throughput/tokens_per_second"] = tokens / seconds
         # the original's name: pairs over seconds since the loop started
         started, examples_then = self.loop_start
-        metrics["examples_per_second"] = (self.example_counter - examples_then) / (time.time() - started)
-        metrics["counters/examples"], metrics["counters/updates"] = self.example_counter, self.batch_counter
+        metrics["examples_per_second"] = (self.state.example_counter - examples_then) / (time.time() - started)
+        metrics["counters/examples"], metrics["counters/updates"] = self.state.example_counter, self.state.batch_counter
         if self.peak_flops:  # model FLOPs utilization
             metrics["throughput/mfu"] = self.flops_per_token * tokens / seconds / (self.peak_flops * self.world_size)
-        self.log.progress(bar, metrics, self.batch_counter, self.total_steps, self.example_counter)
-        if self.batch_counter % c.log_every_steps == 0 or self.batch_counter == self.total_steps:
-            self.log(self.example_counter, metrics)  # a step cadence: the same config logs the same steps
+        self.log.progress(bar, metrics, self.state.batch_counter, self.total_steps, self.state.example_counter)
+        if self.state.batch_counter % c.log_every_steps == 0 or self.state.batch_counter == self.total_steps:
+            self.log(self.state.example_counter, metrics)  # a step cadence: the same config logs the same steps
         if self.sharding.any_true(self.stop["signal"] is not None):  # a signal on any rank: all stop after this step
-            self.checkpoints.save(lean=True)
+            self.save_checkpoint(lean=True)
             raise Interrupted(
-                self.stop["signal"] or signal.SIGTERM, self.batch_counter, self.example_counter, self.run_dir
+                self.stop["signal"] or signal.SIGTERM,
+                self.state.batch_counter,
+                self.state.example_counter,
+                self.run_dir,
             )
-        if self.nonfinite_in_a_row > c.max_nonfinite_steps:
-            self.checkpoints.save()
+        if self.state.nonfinite_in_a_row > c.max_nonfinite_steps:
+            self.save_checkpoint()
             raise NonFiniteError(
-                f"{self.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
+                f"{self.state.nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
                 f"{c.max_nonfinite_steps}); checkpoint saved at {self.run_dir / 'LATEST'}"
             )
         self.train_seconds += time.time() - start  # online.py weighs a round's sampling against its steps
@@ -437,7 +414,7 @@ class BasicTrainer:
     @torch.no_grad()
     def evaluate_and_log(self) -> None:
         """Metrics averaged over exactly the eval pairs (all ranks), then samples from policy and reference."""
-        rank0_print(f"Running evaluation after {self.example_counter} train examples")
+        rank0_print(f"Running evaluation after {self.state.example_counter} train examples")
         self.policy.eval()
         collected = defaultdict(list)
         with self.sharding.params_on_device(self.policy):
@@ -450,8 +427,8 @@ class BasicTrainer:
             mean = {name: self.sharding.gather(torch.cat(v)).float().nanmean().item() for name, v in collected.items()}
             mean.update(self.sample_and_log() if self.sample_batches else {})
         self.sharding.reshard(self.policy)
-        rank0_print(f"eval after {self.example_counter}: {utils.formatted_dict(mean)}")
-        self.log(self.example_counter, mean)
+        rank0_print(f"eval after {self.state.example_counter}: {utils.formatted_dict(mean)}")
+        self.log(self.state.example_counter, mean)
         self.last_eval_metrics = mean
 
     def sample(self, model: nn.Module, batch: dict, seed: int) -> list[str]:
@@ -480,7 +457,9 @@ class BasicTrainer:
         for group, batch in self.sample_batches:  # as many on every rank: each generate is a collective under FSDP
             # the policy's stream depends on the examples seen, the frozen reference's not: at step 0 the two are
             # one, and equal weights give equal samples
-            policy = self.sample(self.policy, batch, sampling_seed(self.seed, self.example_counter, max(group, 0)))
+            policy = self.sample(
+                self.policy, batch, sampling_seed(self.seed, self.state.example_counter, max(group, 0))
+            )
             reference = self.reference.sample(batch, sampling_seed(self.seed, 0, max(group, 0))) or [None] * len(policy)
             rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)] if group >= 0 else []
         rows = [row[1:] for row in sorted(self.sharding.gather_objects(rows, self.sp_size), key=lambda row: row[0])]
@@ -492,7 +471,7 @@ class BasicTrainer:
                 metrics[f"samples/{who}_rule_rate"] = sum(map(rule, samples)) / len(samples)
             for row in rows[:3] if samples and self.rank == 0 else []:
                 print(f"  {who} sample | {row[0]!r} -> {row[column]!r}")
-        self.log.samples(self.example_counter, rows)
+        self.log.samples(self.state.example_counter, rows)
         return metrics
 
 
@@ -650,7 +629,7 @@ class Reference:
         * ref, in place. Both are sharded alike: local shards match element by element (no gather); names lose the
         wrapper prefixes (activation checkpointing wraps the policy's blocks only)."""
         c = self.trainer.config.ref_update
-        if self.trainer.batch_counter % c.tau:
+        if self.trainer.state.batch_counter % c.tau:
             return
         policy = {clean_name(k): v for k, v in self.trainer.policy.named_parameters()}
         reference = {clean_name(k): v for k, v in self.model.named_parameters()}
@@ -665,296 +644,6 @@ class Reference:
                     f"ref_update: {name} is {tuple(pol.shape)} in the policy, {tuple(ref.shape)} in the reference"
                 )
             ref.lerp_(pol.to(ref.device, ref.dtype), c.alpha)  # ref + alpha (policy - ref)
-
-    def precompute(self) -> None:
-        """precompute_ref_log_probs: one pass of the reference over the pairs this run uses (train and eval), cached on
-        disk, then the model is freed: training runs one model, not two."""
-        t, c = self.trainer, self.trainer.config
-        if self.model is None:  # nothing to precompute: reference_free, or a loss without a reference
-            return
-        used = data.iter_batch_indices(
-            t.n_train_pairs,
-            batch_size=c.batch_size,
-            shuffle=True,
-            seed=t.seed,
-            n_epochs=c.n_epochs,
-            n_examples=c.n_examples,
-        )
-        self.tables = {
-            "train": self.table("train", sorted({i for batch in used for i in batch})),
-            "test": self.table("test", list(range(t.n_eval_pairs))),
-        }
-        freed = 0 if self.lora else t.sharding.release(self.model)  # under LoRA the model IS the policy: kept
-        self.model = None
-        gc.collect()  # FSDP2's modules sit in reference cycles
-        left = ""
-        if t.device.type == "cuda":
-            torch.cuda.empty_cache()  # the freed blocks back to the device
-            left = f"; {torch.cuda.memory_allocated(t.device) / 2**20:.0f} MiB still allocated on {t.device}"
-        rank0_print(f"reference log-probs ready; reference model freed ({freed / 2**20:.1f} MiB on rank 0{left})")
-
-    def table(self, split: str, wanted: list[int]) -> torch.Tensor:
-        """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached under a
-        key of model, archive, dtype, tokenizer and tokenized examples; a later run computes only what the cache lacks.
-        Rank 0 reads the cache (local_dirs may be node-local); every rank takes its table."""
-        t, c = self.trainer, self.trainer.config
-        examples = t.splits[split]
-        archive = Path(c.model.archive) if c.model.archive else None
-        key = (
-            c.model.name_or_path,
-            c.model.reference_dtype or c.fsdp.model_dtype,
-            self.mixed and c.fsdp.mixed_precision,
-            archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
-            sorted(examples.keys.items()),  # data, tokenizer
-            len(examples),
-        )
-        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-        path = utils.first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest}.pt"
-        table = None
-        if t.rank == 0:
-            table = torch.load(path, weights_only=True) if path.exists() else torch.full((len(examples), 2), math.nan)
-        table = utils.broadcast_object(table)
-        missing = [i for i in wanted if math.isnan(table[i, 0])]
-        rank0_print(
-            f"reference log-probs of {split}: {len(wanted) - len(missing)} cached in {path}, {len(missing)} to compute"
-        )
-        if missing:
-            mine = rank_share(missing, t.dp_rank, t.dp_size)  # as many forwards on every rank (collectives under FSDP)
-            size = max(1, c.eval_batch_size // t.dp_size)
-            values = []
-            for start in range(0, len(mine), size):
-                rows = data.collate(examples.rows(mine[start : start + size]), t.tokenizer.pad_token_id)
-                sums = self.forward(concatenated_inputs(rows)).sums.float().cpu()
-                # SFT: one sequence per example, its sum in both columns
-                values.append(torch.stack([sums, sums], 1) if examples[0].rejected_ids is None else sums.view(2, -1).T)
-            # on the training device: a collective backend may take only that device's tensors (NCCL: CUDA)
-            where = t.sharding.gather(torch.tensor(mine, device=t.device)).cpu()
-            table[where] = t.sharding.gather(torch.cat(values).to(t.device)).cpu()
-            if t.rank == 0:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(table, path.with_suffix(".tmp"))
-                os.replace(path.with_suffix(".tmp"), path)
-        return table
-
-
-# --- Checkpoints ---
-class Checkpoints:
-    """run_dir/step-N: written as step-N.tmp and renamed when complete, LATEST swapped atomically, a manifest of
-    every file's size and sha256 checked before a resume trusts it. Holds policy.pt (the original's format), an HF
-    export, the optimizer and scheduler state, RNG, counters, and TR-DPO's reference."""
-
-    def __init__(self, trainer: BasicTrainer):
-        self.trainer = trainer
-
-    def save(self, lean: bool = False) -> None:
-        """A checkpoint of everything a resume needs. `lean` (the stop on a signal, whose grace period a scheduler or
-        torchrun cuts short): no consolidated policy.pt where the sharded state holds the weights, no HF export, no
-        sha256 (sizes only); the next full checkpoint writes them."""
-        t = self.trainer
-        if t.config.debug:
-            return rank0_print("debug=true: skipping checkpoint")
-        final, tmp = t.run_dir / f"step-{t.example_counter}", t.run_dir / f"step-{t.example_counter}.tmp"
-        if t.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        t.sharding.barrier()
-        t.sharding.save(t.policy, t.optimizer, tmp)  # what a resume needs of each rank (one process: optimizer.pt)
-        torch.save(utils.get_rng_state(), tmp / f"rng-{t.rank}.pt")
-        if t.config.ref_update.tau is not None:  # TR-DPO's reference is trained state
-            t.sharding.save(t.reference.model, None, tmp)
-        consolidate = not (lean and t.sharding.saves_weights)  # one process: policy.pt is the resume's weights
-        state = t.sharding.full_state_dict(t.policy) if consolidate else {}  # a collective under FSDP: rank 0 keeps it
-        if t.rank == 0:
-            if consolidate:
-                metrics = getattr(t, "last_eval_metrics", {})
-                torch.save({"step_idx": t.example_counter, "state": state, "metrics": metrics}, tmp / "policy.pt")
-            torch.save(t.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    **{name: getattr(t, name) for name in COUNTERS},
-                    "wandb_id": getattr(t.log.wandb_run, "id", None),
-                    "model": t.config.model.name_or_path,
-                    "datasets": list(t.config.datasets),
-                    "seed": t.seed,
-                    "batch_size": t.config.batch_size,
-                    "world_size": t.world_size,
-                    **t.beta_dpo.state_dict(),
-                },
-                tmp / "trainer_state.pt",
-            )
-            if not lean:
-                self.export_hf(state, tmp / "hf")
-        del state
-        t.sharding.barrier()
-        write_manifest(tmp, t.rank, t.world_size, hashes=not lean)
-        if t.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            link = t.run_dir / "LATEST.tmp"
-            link.unlink(missing_ok=True)
-            link.symlink_to(final.name)
-            os.replace(link, t.run_dir / "LATEST")
-            utils.fsync_dir(t.run_dir)
-            note = " (lean: no policy.pt, HF export or sha256)" if lean else ""
-            print(f"checkpoint written: {final}{note}", flush=True)
-        t.sharding.barrier()
-
-    def export_hf(self, state: dict, out: Path) -> None:
-        """A Hugging Face directory (safetensors + tokenizer) that plain `from_pretrained` loads; under LoRA the adapter
-        alone (peft's format) in out/../adapter and, in `out`, the base weights with the adapters merged."""
-        model = unwrap(self.trainer.policy)
-        if self.trainer.reference.lora:
-            lora = self.trainer.config.lora
-            model.save_pretrained(out.parent / "adapter", state_dict=state, safe_serialization=True)
-            state = merged_lora_state(
-                state, lora.alpha / lora.r, fan_in_fan_out_layers(model), experts=expert_lora_layers(model)
-            )
-            model = model.get_base_model()
-        model.save_pretrained(out, state_dict=state, safe_serialization=True)
-        self.trainer.tokenizer.save_pretrained(out)
-
-    def resume(self) -> str | None:
-        """Weights, optimizer, schedule (this run's lr and schedule from the loaded step), RNG and data position from
-        run_dir/LATEST (resume_from set); returns the W&B run id to continue."""
-        t, c = self.trainer, self.trainer.config
-        ckpt = Path(c.resume_from) / "LATEST"  # validated before any model loaded (train.check_inputs)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        check_compatible(state, c, t.world_size)
-        t.sharding.load(t.policy, t.optimizer, ckpt)
-        if c.ref_update.tau is not None:
-            t.sharding.load(t.reference.model, None, ckpt)
-        t.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-        before = [g["lr"] for g in t.optimizer.param_groups]  # the saved state holds the lr the run was started with
-        t.scheduler.base_lrs = [c.lr] * len(before)
-        for group, factor in zip(t.optimizer.param_groups, t.scheduler.lr_lambdas):
-            group["initial_lr"], group["lr"] = c.lr, c.lr * factor(t.scheduler.last_epoch)
-        t.scheduler._last_lr = [g["lr"] for g in t.optimizer.param_groups]
-        if before != t.scheduler._last_lr:
-            rank0_print(
-                f"resume: lr {before[0]:.6g} -> {t.scheduler._last_lr[0]:.6g} at step {t.scheduler.last_epoch} "
-                f"(lr={c.lr:g}, scheduler={c.scheduler}, warmup_steps={c.warmup_steps})"
-            )
-        for name in COUNTERS:
-            setattr(t, name, state[name])
-        t.beta_dpo.load_state_dict(state)
-        utils.set_rng_state(torch.load(ckpt / f"rng-{t.rank}.pt", weights_only=True))
-        t.log.truncate(t.example_counter)
-        rank0_print(f"resumed from {ckpt.resolve()} at {t.example_counter} examples ({t.batch_counter} steps)")
-        return state["wandb_id"] or ""
-
-
-def write_manifest(ckpt: Path, rank: int, world_size: int, hashes: bool = True) -> None:
-    """manifest.json: the size (and with `hashes` the sha256) of every file of the checkpoint, written last, each
-    file fsynced as it is read: a crash, a full disk or a later bit flip shows up at resume as a mismatch, never as
-    wrong weights. The ranks share the files, largest first, so hashing takes 1/world_size of the time."""
-    files = [p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"]
-    files.sort(key=lambda p: (-p.stat().st_size, str(p)))
-    sha256 = {}
-    for p in files[rank::world_size]:
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-            if hashes:
-                sha256[str(p.relative_to(ckpt))] = hashlib.file_digest(f, "sha256").hexdigest()
-    sha256 = dict(sorted(kv for part in utils.all_gather_object(sha256, slow=True) for kv in part.items()))
-    if rank == 0:
-        sizes = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(files)}
-        record = {"format": CHECKPOINT_FORMAT, "files": sizes, "sha256": sha256}
-        utils.atomic_write_text(ckpt / "manifest.json", json.dumps(record, indent=1))
-
-
-def validate_checkpoint(ckpt: Path, hashes: bool = True) -> Path:
-    """The checkpoint directory, after checking every file of its manifest (there, its size, and with `hashes` its
-    sha256). Nothing is loaded from one that fails; the message names each bad file and the run's earlier complete
-    checkpoints. It runs once per resume: in the launcher, or on rank 0 of a torchrun job (train.py)."""
-    run_dir = ckpt.parent
-    earlier = [  # complete checkpoints (a manifest: a directory), newest first
-        p.name
-        for p in run_dir.glob("step-*")
-        if not p.name.endswith(".tmp") and (p / "manifest.json").exists() and p.resolve() != ckpt.resolve()
-    ]
-    earlier.sort(key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1, reverse=True)
-    hint = ""
-    if earlier:
-        hint = (
-            f"\nearlier checkpoints in {run_dir}: {', '.join(earlier)}; to resume from one, point LATEST at it:"
-            f" ln -sfn {earlier[0]} {run_dir / 'LATEST'}"
-        )
-    if not ckpt.is_dir():
-        raise CheckpointError(
-            f"cannot resume: {ckpt}{f' -> {os.readlink(ckpt)}' if ckpt.is_symlink() else ''} is not a "
-            f"checkpoint directory{hint}"
-        )
-    if not (ckpt / "manifest.json").exists():
-        raise CheckpointError(f"cannot resume: {ckpt} has no manifest.json (no complete checkpoint there){hint}")
-    try:
-        record = json.loads((ckpt / "manifest.json").read_text())
-        listed, sums = dict(record["files"]), dict(record.get("sha256", {}))
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"cannot resume: {ckpt / 'manifest.json'} is unreadable ({type(e).__name__}: {e}){hint}"
-        ) from None
-    problems = []
-    for name, size in listed.items():
-        path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{name}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
-        elif hashes and name in sums and utils.file_sha256(path) != sums[name]:
-            problems.append(f"{name}: sha256 differs from the manifest (same size, other bytes: corrupted)")
-    if problems:
-        raise CheckpointError(
-            f"cannot resume: the checkpoint {ckpt.resolve()} is damaged, nothing was loaded:\n  "
-            + "\n  ".join(problems)
-            + hint
-        )
-    return ckpt
-
-
-# What a resume may change; any other key changes what the saved state means.
-RESUME_MAY_CHANGE = (
-    ("lr", "scheduler", "warmup_steps")  # applied after loading, printed
-    + ("n_epochs", "n_examples")  # the run's length
-    + ("eval_every", "n_eval_examples", "eval_batch_size", "do_first_eval")  # evaluation
-    + ("sample_during_eval", "n_eval_model_samples", "max_new_tokens", "temperature", "top_p")  # sampling
-    + ("minimum_log_interval_secs", "log_every_steps", "wandb.", "debug", "exp_name")  # logging
-    + ("local_dirs", "run_dir", "resume_from")  # file places
-    + ("collective_timeout_secs", "fsdp_port", "n_workers", "max_nonfinite_steps", "peak_tflops")  # launch, guards
-    # knobs that change memory or speed, not numbers; the self-check before the first step
-    + ("activation_checkpointing", "fsdp.param_offload", "fsdp.optimizer_offload", "fsdp.offload_policy")
-    + ("fsdp.forward_prefetch", "fsdp.entropy_from_logits_with_chunking", "fsdp.entropy_checkpointing")
-    + ("fsdp.use_torch_compile", "self_check")
-)
-
-
-def check_compatible(state: dict, config, world_size: int) -> None:
-    """Refuse, before anything is loaded, to resume a checkpoint of another model, data, geometry or objective."""
-    expected = {
-        "model": config.model.name_or_path,
-        "datasets": list(config.datasets),
-        "seed": config.seed,
-        "batch_size": config.batch_size,
-        "world_size": world_size,
-    }
-    wrong = [
-        f"{k}: checkpoint has {state.get(k)!r}, this run has {v!r}" for k, v in expected.items() if state.get(k) != v
-    ]
-    if state.get("format") != CHECKPOINT_FORMAT:
-        wrong.append(f"format: checkpoint has {state.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
-    original = Path(config.resume_from or "") / "config.yaml"
-    if config.resume_from and original.is_file():  # what the run was started with: any other change is refused
-        saved, now = flatten(yaml.safe_load(original.read_text()) or {}), flatten(config.to_dict())
-        wrong += [
-            f"{key}: the run was started with {saved.get(key)!r} ({original}), this run has {now.get(key)!r} (a resume "
-            f"may change only {', '.join(RESUME_MAY_CHANGE)})"
-            for key in sorted(set(saved) | set(now))
-            if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE)
-        ]
-    if wrong:
-        raise CheckpointError(
-            "cannot resume: the checkpoint belongs to a different run (nothing was loaded):\n  " + "\n  ".join(wrong)
-        )
 
 
 # --- Small pure helpers ---
@@ -972,11 +661,6 @@ def expert_share(config) -> float:
     k = getattr(config, "num_experts_per_tok", None)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     return k / experts if k and experts else 1.0
-
-
-def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
-    """The seed of one group's samples, mixed by numpy's SeedSequence (nearby inputs give unrelated streams)."""
-    return int(np.random.SeedSequence([seed, examples_seen, group]).generate_state(1)[0])
 
 
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
@@ -1028,72 +712,6 @@ def split_batch(batch: dict, k: int) -> list[dict]:
     """k consecutive micro-batches whose sizes differ by at most one (empty ones when there are fewer rows than k)."""
     n = len(batch["chosen_input_ids"])
     return [{key: v[i * n // k : (i + 1) * n // k] for key, v in batch.items()} for i in range(k)]
-
-
-def rank_share(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """Every world_size-th index from `rank`, padded with indices[0] to ceil(len / world_size): all ranks run as many
-    forwards (none empty while there are indices)."""
-    mine = indices[rank::world_size]
-    return mine + indices[:1] * (-(-len(indices) // world_size) - len(mine))
-
-
-def clean_name(name: str) -> str:
-    """A parameter or module name without the wrappers' prefixes (activation checkpointing, FSDP1)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
-
-
-def merged_lora_state(
-    state: dict[str, torch.Tensor],
-    scaling: float,
-    transposed: frozenset = frozenset(),
-    adapter: str = "default",
-    experts: dict | None = None,
-) -> dict[str, torch.Tensor]:
-    """A peft LoRA model's full state dict -> the base model's with each adapter merged, W + scaling * B @ A (scaling
-    = lora.alpha / lora.r), keys without peft's prefixes. Layers in `transposed` store W as (in, out) (transformers'
-    Conv1D in GPT-2, peft's fan_in_fan_out): their delta is (B @ A).T, as peft merges it. `experts` (expert_lora_layers:
-    peft's LoRA on fused 3-D expert parameters, nested one wrapper per parameter) adds B_e @ A_e to each expert e's
-    matrix, as peft's ParamWrapper.get_delta_weight. The live model is untouched."""
-    merged, deltas = {}, {}
-    for stem, (name, n, swapped) in (experts or {}).items():
-        a, b = (state[f"{stem}.lora_{x}.{adapter}.weight"].double() for x in "AB")
-        a, b = a.reshape(n, -1, a.shape[-1]), b.reshape(b.shape[0], -1, n)  # (experts, r, in), (out, r, experts)
-        base = next(
-            k for k in state if k.startswith(f"{stem}.base_layer.") and k.endswith(f".{name}") and ".lora_" not in k
-        )
-        deltas[base] = scaling * torch.einsum("ore,eri->e" + ("oi" if swapped else "io"), b, a)
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        if key in deltas:
-            value = value + deltas[key].to(value.dtype)
-        elif key.endswith(".base_layer.weight"):
-            stem = key[: -len(".base_layer.weight")]
-            delta = scaling * (
-                state[f"{stem}.lora_B.{adapter}.weight"].double() @ state[f"{stem}.lora_A.{adapter}.weight"].double()
-            )
-            value = value + (delta.T if stem in transposed else delta).to(value.dtype)
-        parts = key.removeprefix("base_model.model.").split(".")
-        merged[".".join(part for part in parts if part != "base_layer")] = value  # nested wrappers: each level
-    return merged
-
-
-def expert_lora_layers(model: nn.Module) -> dict[str, tuple[str, int, bool]]:
-    """State-dict stem of each peft LoRA layer on a fused expert parameter -> (its parameter's name, experts, whether
-    it is stored (experts, out, in)); peft's all-linear adapts them in transformers' MoE models."""
-    return {
-        clean_name(name): (m.parameter_name, m.num_experts, m._did_swap_in_out_features)
-        for name, m in model.named_modules()
-        if getattr(m, "num_experts", 1) > 1 and hasattr(m, "parameter_name")
-    }
-
-
-def fan_in_fan_out_layers(model: nn.Module) -> frozenset:
-    """State-dict stems of the LoRA layers whose base weight is stored (in, out) (peft sets fan_in_fan_out for
-    Conv1D)."""
-    return frozenset(
-        clean_name(name) for name, module in model.named_modules() if getattr(module, "fan_in_fan_out", False)
-    )
 
 
 class FSDPTrainer(BasicTrainer):

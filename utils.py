@@ -71,6 +71,23 @@ def use_shape_free_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def clean_name(name: str) -> str:
+    """A parameter or module name without the wrappers' prefixes (activation checkpointing, FSDP1)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+
+
+# name: (dense bf16 tensor peak TFLOP/s, fp32 peak TFLOP/s (no TF32), memory GiB); vendor datasheets
+DEVICES = {
+    "H200": (989.0, 67.0, 141),
+    "H100": (989.0, 67.0, 80),
+    "A100": (312.0, 19.5, 80),
+    "A100-40GB": (312.0, 19.5, 40),
+    "L40S": (362.0, 91.6, 48),
+    "A10": (125.0, 31.2, 24),  # A10G too: the name is matched as a substring of the device's (trainers' MFU)
+    "L4": (121.0, 30.3, 24),
+}
+
+
 # --- seeding and state ---
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
     """Seed python, numpy and torch (CPU and CUDA); with full_determinism also force deterministic kernels."""
@@ -82,6 +99,11 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+def sampling_seed(seed: int, examples_seen: int, group: int) -> int:
+    """The seed of one group's samples, mixed by numpy's SeedSequence (nearby inputs give unrelated streams)."""
+    return int(np.random.SeedSequence([seed, examples_seen, group]).generate_state(1)[0])
 
 
 def get_rng_state() -> dict:

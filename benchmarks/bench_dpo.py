@@ -765,7 +765,7 @@ def profile_child(spec: dict) -> None:
     )
     trainer.build_optimizer()
     if cfg.precompute_ref_log_probs:
-        trainer.reference.precompute()
+        trainer.cache.precompute(trainer)
     batches = trainer.train_batches()
 
     # wrap the LM head's kernel (looked up on its class at each forward_logps) so that its forward shows as one range

@@ -38,6 +38,7 @@ from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import fsdp
 import logps
 import losses
+import lora
 import trainers
 from config_loader import load_config
 from utils import get_open_port
@@ -316,8 +317,8 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     if name.endswith("interrupted"):
         save = trainer.checkpoints.save
 
-        def save_then_die():
-            save()
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
             raise Preempted
 
         trainer.checkpoints.save = save_then_die
@@ -878,7 +879,7 @@ def test_lora_reference_on_moe_is_the_base_model(models):
     and its fused 3-D experts, stored (experts, out, in)), padded rows; gpt-oss (whose experts all-linear leaves alone)
     with peft's target_parameters on its fused experts, stored (experts, in, out), packed rows. With random adapters the
     policy's log-probs move; the reference, the policy inside trainers.Reference.context (adapters off), gives exactly
-    (torch.equal) the base model's log-probs and routing; the HF export's merged weights (trainers.merged_lora_state)
+    (torch.equal) the base model's log-probs and routing; the HF export's merged weights (lora.merged_lora_state)
     give the policy's log-probs (1e-5; before expert_lora_layers the experts' keys came out wrong)."""
     import types
     import peft
@@ -905,11 +906,11 @@ def test_lora_reference_on_moe_is_the_base_model(models):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         merged = AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
         merged.load_state_dict(
-            trainers.merged_lora_state(
+            lora.merged_lora_state(
                 model.state_dict(),
                 2.0,
-                trainers.fan_in_fan_out_layers(model),
-                experts=trainers.expert_lora_layers(model),
+                lora.fan_in_fan_out_layers(model),
+                experts=lora.expert_lora_layers(model),
             )
         )  # the export's
         with torch.no_grad():

@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM
 
 import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+import checkpoints
+import reference_cache
 import trainers
 import utils
 from config_loader import load_config
@@ -72,7 +74,7 @@ def helpers(rank: int, world_size: int) -> dict:
 def slow_rank0(rank: int, run_dir: Path) -> dict:
     """Rank 0 takes SLOW_SECS to load the weights and SLOW_SECS to hash each checkpoint while the other rank waits;
     collective_timeout_secs is TIMEOUT_SECS. The run must complete."""
-    load_models, write_manifest = train_py.load_models, trainers.write_manifest
+    load_models, write_manifest = train_py.load_models, checkpoints.write_manifest
 
     def slow(fn):
         def run(*args, **kwargs):
@@ -82,7 +84,7 @@ def slow_rank0(rank: int, run_dir: Path) -> dict:
 
         return run
 
-    train_py.load_models, trainers.write_manifest = slow(load_models), slow(write_manifest)
+    train_py.load_models, checkpoints.write_manifest = slow(load_models), slow(write_manifest)
     cfg, _ = load_config([*FAST, "fsdp.strategy=fsdp", f"collective_timeout_secs={TIMEOUT_SECS}", f"run_dir={run_dir}"])
     start = time.time()
     try:
@@ -91,7 +93,7 @@ def slow_rank0(rank: int, run_dir: Path) -> dict:
     except Exception as e:  # recorded for the test to show; the other rank fails the same way
         return {"completed": False, "error": f"{type(e).__name__}: {e}"[:500]}
     finally:
-        train_py.load_models, trainers.write_manifest = load_models, write_manifest
+        train_py.load_models, checkpoints.write_manifest = load_models, write_manifest
 
 
 def nan_on_rank1(rank: int, run_dir: Path) -> dict:
@@ -266,9 +268,9 @@ def test_node_local_reference_cache_is_decided_by_rank_0_and_one_missing_pair_is
 
 
 def test_rank_shares_are_equal_and_never_empty():
-    assert [trainers.rank_share([7], r, 2) for r in (0, 1)] == [[7], [7]]
-    assert [trainers.rank_share([1, 2, 3, 4, 5], r, 2) for r in (0, 1)] == [[1, 3, 5], [2, 4, 1]]
-    assert trainers.rank_share([], 0, 2) == []
+    assert [reference_cache.rank_share([7], r, 2) for r in (0, 1)] == [[7], [7]]
+    assert [reference_cache.rank_share([1, 2, 3, 4, 5], r, 2) for r in (0, 1)] == [[1, 3, 5], [2, 4, 1]]
+    assert reference_cache.rank_share([], 0, 2) == []
 
 
 def test_a_run_dir_that_other_nodes_cannot_see_stops_every_rank_at_startup(distributed_results):

@@ -248,8 +248,8 @@ def run_scenario(name, args, rank, world_size, out_dir):
     if name.endswith("interrupted"):
         save = trainer.checkpoints.save
 
-        def save_then_die():
-            save()
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
             raise Preempted  # every rank, after the checkpoint's last barrier: a clean "kill"
 
         trainer.checkpoints.save = save_then_die
@@ -301,7 +301,7 @@ def run_scenario(name, args, rank, world_size, out_dir):
     try:
         trainer.train()
     except Preempted:
-        info["preempted_at"] = trainer.example_counter
+        info["preempted_at"] = trainer.state.example_counter
     finally:
         fsdp.move_optimizer_state = move
     info["optimizer_state_moves"] = moves

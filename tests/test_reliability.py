@@ -461,7 +461,7 @@ DAMAGES = {  # what is done to LATEST's checkpoint -> what the refusal must say
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_a_damaged_checkpoint_is_refused_naming_the_file(reference, tmp_path, damage):
-    import trainers
+    import checkpoints
 
     ref = reference.wait()
     run = tmp_path / "run"
@@ -469,11 +469,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(reference, tmp_path, da
     for step in ("step-80", "step-96"):
         shutil.copytree(ref / step, run / step)
     point_latest(run, "step-96")
-    assert trainers.validate_checkpoint(run / "LATEST") == run / "LATEST"  # intact: accepted
+    assert checkpoints.validate_checkpoint(run / "LATEST") == run / "LATEST"  # intact: accepted
     do, fragments = DAMAGES[damage]
     do(run / "step-96")
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
-        trainers.validate_checkpoint(run / "LATEST")
+        checkpoints.validate_checkpoint(run / "LATEST")
     message = str(refused.value)
     for fragment in [*fragments, "cannot resume", f"ln -sfn step-80 {run / 'LATEST'}"]:
         assert fragment in message, (fragment, message)
@@ -536,12 +536,14 @@ def test_a_nonfinite_loss_or_gradient_skips_the_step_and_changes_nothing(tmp_pat
     metrics = trainer.train_step(next(batches))  # 2. a finite loss with a non-finite gradient
     hook.remove()
     assert math.isfinite(metrics["loss/train"]) and not math.isfinite(metrics["grad_norm"])
-    assert metrics["nonfinite_steps"] == 2 and trainer.nonfinite_in_a_row == 2
+    assert metrics["nonfinite_steps"] == 2 and trainer.state.nonfinite_in_a_row == 2
     assert_bit_identical(before, snapshot(trainer), "after an inf gradient")
 
     metrics = trainer.train_step(next(batches))  # 3. finite again: the step is taken, the streak ends
     after = snapshot(trainer)
-    assert trainer.nonfinite_in_a_row == 0 and trainer.nonfinite_total == 2 and metrics["nonfinite_steps"] == 2
+    assert (
+        trainer.state.nonfinite_in_a_row == 0 and trainer.state.nonfinite_total == 2 and metrics["nonfinite_steps"] == 2
+    )
     assert not torch.equal(after[0]["lm_head.weight"], before[0]["lm_head.weight"])
     assert after[2]["last_epoch"] == before[2]["last_epoch"] + 1
 
@@ -624,15 +626,15 @@ def test_a_hostile_pickle_is_never_executed_as_archive_or_checkpoint(reference, 
         train.load_archive(str(archive), torch.nn.Linear(1, 1))
     assert not marker.exists()
     # A checkpoint whose manifest vouches for a hostile trainer_state.pt (an attacker rewrites both).
-    import trainers
+    import checkpoints
 
     run = copy_run(reference.wait(), tmp_path / "run")
     torch.save({"format": 1, "payload": Payload(marker)}, run / "step-96" / "trainer_state.pt")
-    trainers.write_manifest(run / "step-96", 0, 1)
+    checkpoints.write_manifest(run / "step-96", 0, 1)
     trainer = build_trainer(tmp_path / "other", f"resume_from={run}")
     trainer.build_optimizer()
     with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
-        trainer.checkpoints.resume()
+        trainer.resume()
     assert not marker.exists()
 
 
@@ -731,18 +733,18 @@ def test_a_checkpoint_of_another_run_is_refused_before_anything_is_loaded(
     trainer.build_optimizer()
     before = snapshot(trainer)
     with pytest.raises(ValueError, match="cannot resume: the checkpoint belongs to a different run") as refused:
-        trainer.checkpoints.resume()
+        trainer.resume()
     assert message in str(refused.value), str(refused.value)
     assert_bit_identical(before, snapshot(trainer), "refused resume")  # never half-loaded
-    assert trainer.example_counter == 0 and trainer.batch_counter == 0
+    assert trainer.state.example_counter == 0 and trainer.state.batch_counter == 0
 
 
 def test_the_same_run_is_accepted_by_the_checks_that_refuse_others(resumable, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     trainer = build_trainer(tmp_path / "unused", f"resume_from={resumable}", "lr=2e-4", "eval_every=32")
     trainer.build_optimizer()
-    trainer.checkpoints.resume()  # lr and eval_every may change on resume
-    assert trainer.example_counter == 96
+    trainer.resume()  # lr and eval_every may change on resume
+    assert trainer.state.example_counter == 96
     assert_bit_identical(
         latest(resumable, "policy.pt")["state"], {k: v for k, v in trainer.policy.state_dict().items()}
     )

@@ -692,23 +692,23 @@ def test_a_precomputed_reference_is_freed_for_real(tmp_path, monkeypatch, capsys
     bytes are printed."""
     import gc
     import transformers
-    import trainers
+    import reference_cache
     from config_loader import load_config
 
     seen = {}
-    precompute = trainers.Reference.precompute
+    precompute = reference_cache.precompute
 
-    def precompute_then_look(self):
-        precompute(self)
+    def precompute_then_look(t):
+        precompute(t)
         gc.collect()
-        inside = {id(m) for m in self.trainer.policy.modules()}
+        inside = {id(m) for m in t.policy.modules()}
         seen["alive"] = [
             type(o).__name__
             for o in gc.get_objects()
             if isinstance(o, transformers.PreTrainedModel) and id(o) not in inside
         ]
 
-    monkeypatch.setattr(trainers.Reference, "precompute", precompute_then_look)
+    monkeypatch.setattr(reference_cache, "precompute", precompute_then_look)
     cfg, _ = load_config(
         [
             *FAST,

@@ -24,6 +24,8 @@ import preference_datasets as data
 import fsdp
 import sharding
 import train as train_py
+import checkpoints
+import lora
 import trainers
 from config_loader import load_config
 from utils import disable_dropout
@@ -201,7 +203,7 @@ def test_beta_dpo_resumes_exactly_with_its_running_margins(tmp_path):
     saved = torch.load(state, weights_only=True)
     assert saved["beta_dpo_running"] is not None
     torch.save(dict(saved, beta_dpo_running=None), state)
-    trainers.write_manifest((tmp_path / "forgot" / "LATEST").resolve(), 0, 1)
+    checkpoints.write_manifest((tmp_path / "forgot" / "LATEST").resolve(), 0, 1)
     forgot = run(tmp_path / "forgot", *options, "n_examples=24", f"resume_from={tmp_path / 'forgot'}")
     assert not all(torch.equal(whole[k], forgot[k]) for k in whole)
 
@@ -445,16 +447,16 @@ def test_merged_lora_export_equals_peft_merge_and_unload(tmp_path, arch):
 
     model = AutoModelForCausalLM.from_pretrained(architectures.build(arch, tmp_path), dtype=torch.float32)
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    lora = peft.get_peft_model(
+    adapted = peft.get_peft_model(
         model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     )
     with torch.no_grad():
-        for name, p in lora.named_parameters():
+        for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # B = 0 at initialization would merge nothing
-    state = {k: v.detach().clone() for k, v in lora.state_dict().items()}
-    merged = trainers.merged_lora_state(state, 8 / 4, trainers.fan_in_fan_out_layers(lora))
-    expected = lora.merge_and_unload().state_dict()
+    state = {k: v.detach().clone() for k, v in adapted.state_dict().items()}
+    merged = lora.merged_lora_state(state, 8 / 4, lora.fan_in_fan_out_layers(adapted))
+    expected = adapted.merge_and_unload().state_dict()
     assert merged.keys() == expected.keys()
     for k, v in expected.items():
         torch.testing.assert_close(merged[k], v, atol=1e-6, rtol=1e-5, msg=k)

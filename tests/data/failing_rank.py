@@ -12,7 +12,7 @@ original_step = trainers.BasicTrainer.train_step
 
 
 def failing_step(self, batch):
-    if self.rank == 1 and self.batch_counter == 1:
+    if self.rank == 1 and self.state.batch_counter == 1:
         raise RuntimeError("injected failure on rank 1")
     return original_step(self, batch)
 

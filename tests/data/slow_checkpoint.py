@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fsdp  # noqa: E402
 import train  # noqa: E402
+import checkpoints  # noqa: E402
 import trainers  # noqa: E402
 
 
@@ -22,7 +23,7 @@ def slow(fn, variable: str):
 
 
 fsdp.Sharded.full_state_dict = slow(fsdp.Sharded.full_state_dict, "SLOW_CHECKPOINT_SECS")
-trainers.Checkpoints.export_hf = slow(trainers.Checkpoints.export_hf, "SLOW_CHECKPOINT_SECS")
+checkpoints.Checkpoints.export_hf = slow(checkpoints.Checkpoints.export_hf, "SLOW_CHECKPOINT_SECS")
 trainers.BasicTrainer.train_step = slow(trainers.BasicTrainer.train_step, "SLOW_STEP_SECS")
 if __name__ == "__main__":
     os.environ.setdefault("WANDB_MODE", "disabled")
