@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The GPU check of issue 11: small random GPT-2 / Llama / Qwen2 / Qwen3-MoE / gpt-oss models (benchmarks/gpu_models.py;
-# gpt-oss at gpt-oss-20b's attention geometry: sinks, 64 x 64 query heads, alternating 128-token windows) trained
-# with DPO on 1 GPU and on all GPUs of this node (nccl; train.py starts one process per GPU), fp32 and bf16,
-# under BasicTrainer, FSDP1 and FSDP2 with each FSDP knob. Prints one row per run (pairs/s and MFU: medians over the
-# steps after the first) and exits non-zero when any run failed; each run's log is under $WORK/logs/.
+# The long GPU matrix of issue 11, a separate opt-in script: for a short GPU loan run `python benchmarks/gpu_checks.py`
+# instead (the checks that matter most within its budget; `--dry-run` prints the plan). This one trains every
+# architecture with every trainer, precision and FSDP knob: one run per (architecture, setting), about a hundred on
+# one GPU, far past a short loan; on one GPU narrow it with ARCHS and ONLY (ARCHS=llama ONLY='^fsdp2_bf16$').
 #
-#   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs (~120 runs of ~30 s on 8 GPUs)
+# Small random GPT-2 / Llama / Qwen2 / Qwen3-MoE / gpt-oss models (benchmarks/gpu_models.py; gpt-oss at gpt-oss-20b's
+# attention geometry: sinks, 64 x 64 query heads, alternating 128-token windows) trained with DPO on 1 GPU and on all
+# GPUs of this node (nccl; train.py starts one process per GPU), fp32 and bf16, under BasicTrainer, FSDP1 and FSDP2
+# with each FSDP knob. Prints one row per run (pairs/s and MFU: medians over the steps after the first) and exits
+# non-zero when any run failed; each run's log is under $WORK/logs/.
+#
+#   bash benchmarks/gpu_check.sh                 # everything on this node's GPUs
 #   bash benchmarks/gpu_check.sh --dry-run       # print the commands, run nothing
 #   bash benchmarks/gpu_check.sh --cpu           # the script's own check on CPU: tiny Llama, 1 process + 2 gloo ranks
 # Then python -u benchmarks/gpu_prefix_sharing.py: prefix_sharing at Llama-3.2-1B geometry, with and without.
 #
 # The mixtures of experts also run with the router's load-balancing loss (loss.router_aux_loss=model, *_router_aux).
 # Environment: ARCHS ("gpt2 llama qwen2 qwen3_moe gpt_oss"), SIZE (small; tiny on CPU), STEPS (5), PEAK_TFLOPS
-# (the GPU's bf16 matmul peak for MFU, e.g. 989 for an H100 SXM; unset = trainers.PEAK_TFLOPS's entry for a known
-# GPU, else MFU shows "-"), WORK (a temporary directory), RUN_TIMEOUT (seconds per run, 900), ONLY (a regular
-# expression: run only the settings whose name matches it).
+# (the GPU's bf16 matmul peak for MFU, e.g. 989 for an H100 SXM; unset = estimate.DEVICES' entry for a known
+# GPU, else MFU shows "-"), WORK (a temporary directory), RUN_TIMEOUT (seconds per run and for the closing pytest,
+# 900; then SIGTERM to the run's whole process group, SIGKILL 30 s later), ONLY (a regular expression: run only the
+# settings whose name matches it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -100,7 +106,8 @@ while IFS=$'\t' read -r arch path; do
       continue
     fi
     rm -rf "$run_dir"
-    if env $visible timeout "$RUN_TIMEOUT" "${cmd[@]}" > "$WORK/logs/$arch-$name.log" 2>&1 \
+    # timeout signals the run's whole process group (train.py's ranks too); a run that ignores SIGTERM is killed
+    if env $visible timeout --kill-after=30 "$RUN_TIMEOUT" "${cmd[@]}" > "$WORK/logs/$arch-$name.log" 2>&1 \
        && numbers=$(python benchmarks/gpu_models.py summarize "$run_dir" 2>>"$WORK/logs/$arch-$name.log"); then
       IFS=$'\t' read -r pairs mfu <<< "$numbers"
       printf '%-8s %-28s %-5s %-6s %10s %8s\n' "$arch" "$name" "$gpus" ok "$pairs" "$mfu"
@@ -113,7 +120,9 @@ done <<< "$MODELS"
 
 # every run above checked itself (self_check.py); its own CUDA test adds the faults it must catch
 if [ "$MODE" = dry ]; then echo "python -m pytest tests/gpu/test_self_check_gpu.py -q"
-elif [ "$MODE" = gpu ]; then python -m pytest tests/gpu/test_self_check_gpu.py -q -s || failed=$((failed + 1)); fi
+elif [ "$MODE" = gpu ]; then
+  timeout --kill-after=30 "$RUN_TIMEOUT" python -m pytest tests/gpu/test_self_check_gpu.py -q -s || failed=$((failed + 1))
+fi
 [ "$MODE" = dry ] && exit 0
 echo "gpu_check: $failed run(s) failed; logs in $WORK/logs"
 [ "$failed" -eq 0 ]
