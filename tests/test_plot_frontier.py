@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from config import load_config, to_yaml
 from trainers import RunLog
@@ -143,3 +144,16 @@ def test_a_record_that_is_not_json_is_refused_by_file_and_line(sweep, tmp_path, 
 def test_help_exits_0_without_matplotlib(no_matplotlib):
     done = plot("--help", no_matplotlib=no_matplotlib)
     assert done.returncode == 0 and "RUN_DIR" in done.stdout and "--match" in done.stdout
+
+
+def test_the_frontier_sweep_resolves_with_several_evaluations_per_run():
+    """sweeps/dpo_beta_frontier.yaml's command at every beta passes train.py's loader (as run_grid.py loads it), and
+    each run evaluates at step 0 and at least four times more: five points of its curve. eval_scorer is left out here:
+    the trainer's key, which its own tests check."""
+    sweep = yaml.safe_load((REPO / "sweeps" / "dpo_beta_frontier.yaml").read_text())
+    fixed = [a for a in sweep["command"] if not str(a).startswith("${") and a not in ("python", "-u")]
+    assert "eval_scorer=rule" in fixed and sweep["metric"] == {"name": "samples/win_rate", "goal": "maximize"}
+    for beta in sweep["parameters"]["loss.beta"]["values"]:
+        cfg, _ = load_config([a for a in fixed if a != "eval_scorer=rule"] + [f"loss.beta={beta}"])
+        assert cfg.loss.name == "dpo" and cfg.loss.beta == beta and cfg.do_first_eval
+        assert cfg.n_examples // cfg.eval_every >= 4 and cfg.n_examples % cfg.eval_every == 0
