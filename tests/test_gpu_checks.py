@@ -14,7 +14,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-import config  # noqa: E402
+import config_loader  # noqa: E402
 import gpu_checks  # noqa: E402
 from conftest import LOCAL_DIRS  # noqa: E402
 
@@ -43,7 +43,7 @@ def test_every_planned_run_is_a_config_train_py_accepts(cpu):
     runs = {name: args for c in gpu_checks.CHECKS if c.runs for name, args in c.runs(Path("/work"), cpu).items()}
     assert set(runs) >= {"flex", "self_check_correct", "self_check_broken_long", "head_dtype_tiled_false", "mfu"}
     for name, args in runs.items():
-        cfg, _ = config.load_config(args)
+        cfg, _ = config_loader.load_config(args)
         assert any(a.startswith("tiled_lm_head=") for a in args) and cfg.debug, name
     prompts = gpu_checks.sizes(cpu)["prompts"]
     if not cpu:  # past the ~261 columns G1's head check kept at V=128256, with a control below

@@ -1,4 +1,4 @@
-"""sweeps/plot_frontier.py as a user runs it, on runs written by train.py's own writers (config.yaml by config.to_yaml,
+"""sweeps/plot_frontier.py as a user runs it, on runs written by train.py's own writers (config.yaml by config_loader.to_yaml,
 metrics.jsonl by trainers.RunLog): the figure, the table of its numbers, one setting per differing config key, and
 bad input refused with exit 2 naming the run directory or the metric, with no matplotlib needed for those."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import load_config, to_yaml
+from config_loader import load_config, to_yaml
 from trainers import RunLog
 
 REPO = Path(__file__).resolve().parent.parent
