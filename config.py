@@ -150,10 +150,9 @@ class LossConfig(BaseConfig):
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
     label_smoothing: float = param(
-        0.0, "flipped-label fraction assumed: cDPO with dpo (as the original); robust DPO's, EXO's epsilon", "[0, 0.5)"
+        0.0, "flipped-label fraction assumed: cDPO with dpo (loss=cdpo, as the original); robust DPO's, EXO's epsilon", "[0, 0.5)"
     )
     gamma: float = param(1.0, "SimPO target reward margin gamma")
-    rpo_alpha: float = param(1.0, "RPO weight of the chosen NLL term")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
     f_divergence: str = param(
         "reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -302,7 +301,10 @@ class Config(BaseConfig):
         False, "each pair one sequence, prompt + chosen + rejected: the prompt computed once, the same log-probs"
     )
     pairs_to_unpaired: bool = param(False, "kto on pairs: chosen desirable, rejected undesirable; eval keeps pairs")
-    tiled_lm_head: bool = param(True, "LM head on scored positions only, in tiles (FSDP: in the root's forward)")
+    tiled_lm_head: bool = param(
+        False,
+        "the backbone, then the LM head on scored positions only, in tiles: no (tokens, vocab) logits (tiled_head.py)",
+    )
     precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
     self_check: bool = param(
         True,

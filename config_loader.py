@@ -126,6 +126,8 @@ def _suggest(word: str, candidates) -> str:
         "warmup": "warmup_steps",
         "label_smoothing": "loss.label_smoothing",
         "loss_type": "loss.name",
+        "loss.rpo_alpha": "loss.weights",  # loss=rpo is [dpo, sft]: the NLL term's weight is the second
+        "rpo_alpha": "loss.weights",
         "max_prompt_len": "max_prompt_length",
         "seq_len": "max_length",
         "per_device_train_batch_size": "batch_size",
@@ -197,8 +199,8 @@ def _ignored_problems(cfg: Config, explicit: set[str]) -> list[str]:
         if cfg[section][switch] is None:
             reason = f"read only with {section}.{switch} set (null: {off})"
             why |= {f"{section}.{k}": reason for k in cfg[section] if k != switch}
-    if not cfg.loss.entropy_coeff:  # the logged entropy comes from the log-prob kernel's tiles (never compiled)
-        for k in ("use_torch_compile", "entropy_checkpointing"):  # chunked, it is: entropy_from_logits_with_chunking
+    if not cfg.loss.entropy_coeff:  # the logged entropy is a detached statistic of the log-prob path
+        for k in ("use_torch_compile", "entropy_checkpointing", "entropy_from_logits_with_chunking"):
             if getattr(cfg.fsdp, k):
                 why[f"fsdp.{k}"] = "applies to the entropy bonus, read only with loss.entropy_coeff > 0"
     if cfg.trainer == "BasicTrainer":
@@ -363,6 +365,11 @@ def build(cls, values: dict, prefix: str, problems: list[str]):
 
 # Options whose config rules live in their own file beside their code, imported only when on: {module: switch}
 OPTIONS = {
+    "modifiers": lambda c: any(
+        [c.loss.wpo, c.loss.ld_alpha != 1, c.loss.dpop_lambda, c.loss.dynamic_beta, c.loss.dynamic_beta_filter]
+    ),
+    "packing": lambda c: c.prefix_sharing,
+    "ulysses": lambda c: c.fsdp.ulysses_sequence_parallel_size > 1,
     "lora": lambda c: c.lora.r is not None,
     "reference_cache": lambda c: c.precompute_ref_log_probs,
 }
@@ -451,18 +458,12 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
     for n in c.loss_names:
         if isinstance(n, str) and n not in known:
             preset = (CONFIG_DIR / "loss" / f"{n}.yaml").exists()
-            hint = f"; {n} is a preset of several losses: loss={n}" if preset else _suggest(n, known)
+            hint = f"; {n} is a preset of losses and settings: loss={n}" if preset else _suggest(n, known)
             problems.append(f"loss.name={n!r}: unknown loss; expected one of {', '.join(known)}" + hint)
     if any(_flag(n, "batch_statistics") for n in c.loss_names) or c.loss.dynamic_beta > 0:
         problems += _batch_statistics_rules(c, ws, ranks)
     if c.unpaired_loss or c.pairs_to_unpaired:
         problems += _unpaired_rules(c, ws, ranks)
-    if c.loss.wpo or c.loss.ld_alpha != 1 or c.loss.dpop_lambda or c.loss.dynamic_beta or c.loss.dynamic_beta_filter:
-        problems += _modifier_rules(c)
-    if c.prefix_sharing:
-        problems += _prefix_sharing_rules(c)
-    if c.fsdp.ulysses_sequence_parallel_size > 1:
-        problems += _ulysses_rules(c, world)
     if c.ref_update.tau is not None:
         problems += _ref_update_rules(c)
     if c.online.rounds is not None:
@@ -531,74 +532,6 @@ def _unpaired_rules(c: Config, ws: int, ranks: str) -> list[str]:
             "the reference on mismatched prompt/completion pairs of each batch)"
         )
     return problems
-
-
-def _modifier_rules(c: Config) -> list[str]:
-    """The modifiers of paired losses: WPO, LD-DPO, DPOP, beta-DPO."""
-    loss = c.loss
-    compares = any(_flag(n, "needs_reference") for n in c.loss_names)  # a selected loss compares with a reference
-    keeps = round(c.batch_size * (1 - loss.dynamic_beta_filter))
-    problems = [
-        f"loss.{key}={loss[key]}: a modifier of paired losses; loss.name={loss.name!r} scores one completion per prompt"
-        for key, on in (
-            ("wpo", loss.wpo),
-            ("ld_alpha", loss.ld_alpha != 1),
-            ("dpop_lambda", loss.dpop_lambda > 0),
-            ("dynamic_beta", loss.dynamic_beta > 0),
-        )
-        if on and not c.trains_on_pairs
-    ]
-    if loss.dynamic_beta > 0 and not any("beta" in loss_registry().get(n, {}).get("reads", ()) for n in c.loss_names):
-        problems.append(
-            f"loss.dynamic_beta={loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads "
-            f"(loss.name={loss.name!r})"
-        )
-    if loss.dynamic_beta_filter > 0 and not loss.dynamic_beta:
-        problems.append(
-            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: read only with loss.dynamic_beta > 0 (beta-DPO)"
-        )
-    if loss.dynamic_beta_filter > 0 and c.batch_size > 0 and keeps == c.batch_size:
-        problems.append(
-            f"loss.dynamic_beta_filter={loss.dynamic_beta_filter}: keeps round({c.batch_size} x (1 - "
-            f"{loss.dynamic_beta_filter})) = all {c.batch_size} pairs of a step (batch_size={c.batch_size}); expected "
-            "a fraction that leaves at least one out"
-        )
-    if loss.ld_alpha != 1 and not compares:
-        problems.append(
-            f"loss.ld_alpha={loss.ld_alpha}: LD-DPO weighs the log-probs of losses that compare "
-            f"with a reference, and loss.name={loss.name!r} has none"
-        )
-    if loss.dpop_lambda > 0 and (loss.reference_free or not compares):
-        problems.append(
-            f"loss.dpop_lambda={loss.dpop_lambda}: DPOP penalizes "
-            f"the chosen log-prob falling below the reference's, and loss.name={loss.name!r} runs no reference"
-        )
-    return problems
-
-
-def _prefix_sharing_rules(c: Config) -> list[str]:
-    sp = c.fsdp.ulysses_sequence_parallel_size
-    problems = []
-    if not c.trains_on_pairs:
-        problems.append(
-            f"prefix_sharing=true: loss.name={c.loss.name!r} scores one completion per "
-            "prompt, not a pair sharing it; set prefix_sharing=false"
-        )
-    if sp > 1:
-        problems.append(f"prefix_sharing=true with fsdp.ulysses_sequence_parallel_size={sp}: not supported yet")
-    return problems
-
-
-def _ulysses_rules(c: Config, world: int) -> list[str]:
-    sp = c.fsdp.ulysses_sequence_parallel_size
-    if c.trainer != "FSDPTrainer":
-        return [
-            f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
-            f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)"
-        ]
-    if world % sp:
-        return [f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"]
-    return []
 
 
 def _ref_update_rules(c: Config) -> list[str]:

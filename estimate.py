@@ -34,9 +34,10 @@ import config_loader
 import losses
 from utils import DEVICES
 from config import dtype_of
-from logps import DEFAULT_CHUNK_SIZE, FLEX_DEVICES, head_tile_rows
+from packing import FLEX_DEVICES
+from tiled_head import HEAD_LOGITS_BYTES, MAX_TILE_ROWS, head_tile_rows
 from preference_datasets import SAMPLE_GROUP
-from self_check import HEAD_LOGITS_BYTES, PROBE_PAIRS
+from self_check import PROBE_PAIRS
 
 GiB = 2**30
 ASSUMED_MFU = 0.4  # a well-tuned FSDP run of a 1-10B model; the logged throughput/mfu tells the truth afterwards
@@ -200,7 +201,7 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
 
 def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
     """Per rank: logits (or the tiled head's tiles) of `tokens` tokens in `c` bytes, the head's backward workspace."""
-    chunk_rows = min(tokens, DEFAULT_CHUNK_SIZE)
+    chunk_rows = min(tokens, MAX_TILE_ROWS)
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
         # gradient accumulator + a (V, H) tile product / final cast unless fp32 (LoRA: the head is frozen)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -122,6 +124,20 @@ class Sharded(OneProcess):
         finally:
             if lm is not model:
                 del lm.forward
+
+    def forward(self, model: nn.Module, fn, inputs: dict, **options):
+        """fn(model, inputs, **options) as the root unit's forward: between its pre-forward (which gathers the
+        embeddings, final norm and LM head: the tiled head calls the backbone and reads the head's weight directly) and
+        its post-forward (which hooks the backward on the returned sums); `call` runs the model's class forward, not the
+        root's again. Nothing wrapped or renamed: state dicts keep their keys. The inputs go through the root's call:
+        FSDP2's root pre-forward on CUDA moves its arguments to the device."""
+        inner = unwrap(model)  # FSDP1 wraps, FSDP2 not
+        call = functools.partial(type(inner).forward, inner)
+        inner.forward = lambda inputs: fn(inner, inputs, call, **options)
+        try:
+            return model(inputs)
+        finally:
+            del inner.forward
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """With fsdp.optimizer_offload the optimizer state lives on CPU between steps (as verl), and comes for the step
@@ -314,6 +330,31 @@ class FSDP2(Sharded):
 
 
 SHARDINGS = {"fsdp": FSDP1, "fsdp2": FSDP2}  # fsdp.strategy -> implementation
+
+
+def spread(policy: nn.Module, reference: Optional[nn.Module], c, rank: int, world_size: int) -> tuple:
+    """FSDPTrainer's (sharding, policy, reference, Ulysses group or None): the engine fsdp.strategy names, on this
+    rank's device, and both models sharded by it (the reference in its own compute dtype, config.reference_mixed);
+    Ulysses installed first, as recomputed blocks attend through it."""
+    if not dist.is_initialized():
+        raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
+    # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    sp = None
+    if c.fsdp.ulysses_sequence_parallel_size > 1:
+        import ulysses  # sequence parallelism: off every other run's path
+
+        sp = ulysses.make_group(device, world_size, c.fsdp.ulysses_sequence_parallel_size)
+        for model in filter(None, (policy, reference)):
+            ulysses.install(model, sp)
+    sharding = SHARDINGS[c.fsdp.strategy](c.fsdp, device, rank, world_size, policy)
+    policy = sharding.shard(policy, c.activation_checkpointing, reshard_after_forward=c.fsdp.reshard_after_forward)
+    if reference is not None:
+        reference = sharding.shard(reference, False, mixed_precision=c.reference_mixed)
+    return sharding, policy, reference, sp
 
 
 # --- Helpers of the two ---

@@ -12,7 +12,7 @@ refuses a changed key that no selected loss reads (`loss=ipo loss.label_smoothin
 
 Departures from the papers and from the original DPO code, numbered:
   1. `sft` defaults to the per-token mean NLL of the chosen response (the original summed): its scale does not
-     depend on length and equals the NLL term of RPO/ORPO, so `names=[dpo, sft]` reproduces RPO.
+     depend on length and equals the NLL term of RPO/ORPO, so RPO is `names=[dpo, sft]` (config/loss/rpo.yaml).
   2. `bco_pair` shifts by the detached mean reward of the batch, not the paper's running mean: no state across steps.
   3. f-DPO's transforms drop f'(u)'s additive constants (they cancel in the loss): reward 0 when policy = reference.
   4. `simpo`'s `gamma` is the margin itself; the SimPO code base exposes gamma / beta.
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from logps import IGNORE_INDEX, SequenceLogps  # the hand-off: what forward_logps returns, its unscored label
+from logps import SequenceLogps  # the hand-off: what forward_logps returns, its unscored label
 
 
 def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -> Tensor:
@@ -108,24 +108,6 @@ def dpo_loss(
     # Eq. 7 of the DPO paper; with eps > 0 the labels are assumed flipped with probability eps (cDPO)
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
     return losses, chosen.detach(), rejected.detach()
-
-
-def cdpo_loss(
-    policy_chosen_logps,
-    policy_rejected_logps,
-    reference_chosen_logps,
-    reference_rejected_logps,
-    *,
-    beta: float,
-    label_smoothing: float,
-) -> LossReturn:
-    """Conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences & relationship to IPO",
-    https://ericmitchell.ai/cdpo.pdf; no arXiv id). loss = -(1 - eps) log sigma(beta h) - eps log sigma(-beta h),
-    eps = label_smoothing, Shape (batch,); the same function as `loss=dpo loss.label_smoothing=eps`.
-    Intuition: DPO against labels flipped with probability eps, so the optimum margin is finite,
-    beta h* = log((1 - eps) / eps). Typical beta 0.1-0.5, eps 0.05-0.3 (an assumed label-noise rate, < 0.5)."""
-    logps = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
-    return dpo_loss(*logps, beta=beta, label_smoothing=label_smoothing)
 
 
 def robust_loss(
@@ -213,25 +195,6 @@ def orpo_loss(
     chosen, rejected = _log_odds(policy_chosen_logps), _log_odds(policy_rejected_logps)
     odds_ratio_loss = -F.logsigmoid(chosen - rejected)  # Eq. 7 of the ORPO paper
     return chosen_nll + orpo_lambda * odds_ratio_loss, chosen.detach(), rejected.detach()  # Eq. 6
-
-
-def rpo_loss(
-    policy_chosen_logps,
-    policy_rejected_logps,
-    reference_chosen_logps,
-    reference_rejected_logps,
-    *,
-    beta: float,
-    rpo_alpha: float,
-    chosen_nll: Tensor,
-) -> LossReturn:
-    """DPO plus the chosen NLL: Iterative Reasoning Preference Optimization (Pang et al. 2024, arXiv:2404.19733),
-    also "RPO" in Liu et al. 2024 (arXiv:2405.16436). loss = dpo_loss + alpha * chosen_nll, Shape (batch,).
-    Intuition: DPO alone can lower the chosen likelihood too; the NLL term keeps it up. Typical beta 0.1, alpha 1.0.
-    The same as `names=[dpo, sft], weights=[1, alpha]`."""
-    logps = policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
-    losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, beta=beta)
-    return losses + rpo_alpha * chosen_nll, chosen_rewards, rejected_rewards
 
 
 def exo_pair_loss(
@@ -386,13 +349,11 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {
     "sft": LossSpec(sft_loss, needs_reference=False, average_log_prob=True),
     "dpo": LossSpec(dpo_loss, needs_reference=True, average_log_prob=False),
-    "cdpo": LossSpec(cdpo_loss, needs_reference=True, average_log_prob=False),
     "robust": LossSpec(robust_loss, needs_reference=True, average_log_prob=False),
     "ipo": LossSpec(ipo_loss, needs_reference=True, average_log_prob=True),
     "hinge": LossSpec(hinge_loss, needs_reference=True, average_log_prob=False),
     "simpo": LossSpec(simpo_loss, needs_reference=False, average_log_prob=True),
     "orpo": LossSpec(orpo_loss, needs_reference=False, average_log_prob=True),
-    "rpo": LossSpec(rpo_loss, needs_reference=True, average_log_prob=False),
     "exo_pair": LossSpec(exo_pair_loss, needs_reference=True, average_log_prob=False),
     "nca_pair": LossSpec(nca_pair_loss, needs_reference=True, average_log_prob=False),
     "bco_pair": LossSpec(bco_pair_loss, needs_reference=True, average_log_prob=False, batch_statistics=True),
@@ -403,109 +364,6 @@ LOSSES: dict[str, LossSpec] = {
     "aot": LossSpec(aot_loss, needs_reference=True, average_log_prob=False, batch_statistics=True),
     "kto": LossSpec(kto_loss, needs_reference=True, average_log_prob=False, unpaired=True),
 }
-
-
-# --- Modifiers of the paired losses: compute_loss applies them around whichever losses are named ---
-def length_desensitized_logps(tokens: Tensor, scored: Tensor, alpha: float) -> Tensor:
-    """LD-DPO (Liu et al. 2024, arXiv:2409.06411, Eq. 9): a response's log-prob with the tokens beyond the pair's
-    shorter response ("public length" l_p = min(l_w, l_l)) down-weighted, log p = sum_{i <= l_p} log p_i + alpha
-    sum_{i > l_p} log p_i, so that a longer response is not preferred for its length alone. alpha = 1 is plain DPO;
-    the paper finds 0.2-0.8 best. tokens, scored: (2B, T), chosen rows then the rejected rows of the same pairs,
-    each token's log-prob and whether it is scored. Returns Shape (2B,)."""
-    n = tokens.size(0) // 2
-    scored = scored.to(tokens.dtype)
-    public = torch.minimum(scored[:n].sum(1), scored[n:].sum(1)).repeat(2)
-    weight = torch.full_like(tokens, alpha).masked_fill_(scored.cumsum(1) <= public[:, None], 1.0)  # cumsum: 1-based
-    return (tokens * scored * weight).sum(1)
-
-
-def dpop_chosen_logps(policy_chosen_logps: Tensor, reference_chosen_logps: Tensor, lam: float) -> Tensor:
-    """DPO-Positive (Pal et al. 2024, arXiv:2402.13228, Eq. 3): log pi(y_w) - lam * max(0, log pi_ref(y_w) - log
-    pi(y_w)), Shape (batch,). Used as the chosen log-prob, it puts the penalty inside every loss's log-ratio: DPO's
-    logit becomes beta (a - b - lam max(0, -a)), so the chosen response's likelihood may not fall below the
-    reference's for free. The paper uses lam = 50 (5-500)."""
-    return policy_chosen_logps - lam * (reference_chosen_logps - policy_chosen_logps).clamp(min=0)
-
-
-def wpo_weights(chosen_sum, rejected_sum, chosen_sum_sq, rejected_sum_sq, chosen_len, rejected_len) -> Tensor:
-    """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 4 with its sampling alignment, as TRL's use_weighting): each
-    pair's weight min(1, exp(mean_t [log p_t - log sum_v p_v^2] over the chosen + the same over the rejected)),
-    detached: pairs the current policy would itself likely generate weigh more (off-policy data made closer to
-    on-policy). *_sum: summed log-probs; *_sum_sq: summed log sum_v p_v^2 of the same tokens (logps.log_sum_sq);
-    *_len: their counts; all Shape (batch,). Returns Shape (batch,)."""
-    chosen = (chosen_sum - chosen_sum_sq) / chosen_len.clamp(min=1)
-    rejected = (rejected_sum - rejected_sum_sq) / rejected_len.clamp(min=1)
-    return torch.exp(chosen + rejected).clamp(max=1).detach()
-
-
-def beta_dpo(
-    margins: Tensor,
-    beta: float,
-    alpha: float,
-    running: tuple[float, float] | None,
-    drop: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[float, Tensor, tuple[float, float]]:
-    """beta-DPO (Wu et al. 2024, arXiv:2407.08639, Eq. 7 and Algorithm 1): a batch-level beta from the pairs' reward
-    discrepancies M_i = log pi/pi_ref (y_w) - log pi/pi_ref (y_l), Shape (batch,), detached. The running threshold
-    M_0 and spread sigma move toward the batch's mean and standard deviation (momentum m = 0.9; `running`
-    None: they start at the first batch's). With `drop` > 0 the paper's filter keeps round((1 - drop) batch) pairs,
-    drawn without replacement (`generator`) with probability exp(-(M_i - M_0)^2 / 2 sigma^2): outliers, likely
-    mislabelled or uninformative, are left out. beta_batch = beta (1 + alpha (mean of the kept M_i - M_0)), at least
-    1e-3, detached: a batch of larger discrepancies than usual gets a larger beta, so the policy stays nearer the
-    reference where the data is easy. alpha 0 is DPO; the paper's alpha is 0.2-1, its filter drops 20%.
-    Returns (beta_batch, keep (batch,) bool, the updated (M_0, sigma)); a batch of non-finite margins (a step the
-    trainer will skip) changes nothing and gets beta."""
-    if not torch.isfinite(margins).all():
-        return beta, torch.ones_like(margins, dtype=torch.bool), running
-    mean, std = margins.mean().item(), (margins.std().item() if len(margins) > 1 else 0.0)
-    m = 0.9  # M_0 and sigma move 10% toward each batch's mean and spread
-    m0, sigma = (mean, std) if running is None else (m * running[0] + (1 - m) * mean, m * running[1] + (1 - m) * std)
-    keep = torch.ones_like(margins, dtype=torch.bool)
-    if drop > 0:
-        density = torch.exp(-0.5 * ((margins.double().cpu() - m0) / max(sigma, 1e-12)) ** 2) + 1e-300  # never all 0
-        n_kept = max(1, round(len(margins) * (1 - drop)))
-        kept = torch.multinomial(density, n_kept, replacement=False, generator=generator)
-        keep = torch.zeros_like(keep).index_fill_(0, kept.to(keep.device), True)
-    return max(1e-3, beta * (1 + alpha * (margins[keep].mean().item() - m0))), keep, (m0, sigma)
-
-
-class BetaDPO:
-    """beta-DPO's running threshold and spread (M_0, sigma) across steps: the trainer holds one, its checkpoint keeps
-    it (state_dict), and compute_loss calls it with each batch's margins (the whole step's: config.py refuses a split
-    step)."""
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-        self.running = None
-
-    def state_dict(self) -> dict:
-        return {"beta_dpo_running": self.running}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.running = state.get("beta_dpo_running")
-
-    def __call__(self, margins: Tensor, hp, step: int | None) -> tuple[float, Tensor]:
-        """beta_batch and the filter's `keep` (beta_dpo). A training step (`step`) draws the filter, seeded by (seed,
-        step) so that a resume redraws it exactly, and moves the running statistics; evaluation (None) reads them."""
-        draw = None if step is None else torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        drop = 0.0 if step is None else hp.dynamic_beta_filter
-        beta, keep, running = beta_dpo(margins, hp.beta, hp.dynamic_beta, self.running, drop, draw)
-        self.running = self.running if step is None else running
-        return beta, keep
-
-
-# --- A mixture of experts' router ---
-def load_balancing_loss(routing: Tensor) -> Tensor:
-    """Switch Transformer's auxiliary load-balancing loss (Fedus et al. 2021, arXiv:2101.03961, Eq. 4-6) of each
-    sequence over its own real tokens and routed layers: E sum_e f_e P_e, with f_e the top-k picks of expert e per
-    (token, layer) and P_e its mean router probability; top_k when routing is uniform. For one sequence alone it is
-    transformers' load_balancing_loss_func. Per sequence, the mean over a step's sequences is the same however they
-    are grouped into micro-batches, packed rows and ranks (a micro-batch's f and P are not). routing: (N, 2, E), each
-    sequence's picks and summed probabilities (logps.SequenceLogps.routing). Returns Shape (N,)."""
-    picks, probs = routing.unbind(1)
-    slots = probs.detach().sum(-1).round().clamp(min=1)  # (token, layer) pairs: each one's probabilities sum to 1
-    return probs.size(-1) * (picks * probs).sum(-1) / slots**2
 
 
 # --- The dispatcher ---
@@ -528,12 +386,6 @@ def _specs(names: str | list[str]) -> tuple[list[str], list[LossSpec]]:
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
     return not reference_free and any(spec.needs_reference for spec in _specs(names)[1])
-
-
-def logps_needed(hp) -> dict:
-    """What compute_loss reads of the log-probs beyond sums and counts, as forward_logps' options: each token's
-    log-prob (LD-DPO) and WPO's statistic."""
-    return {"per_token": getattr(hp, "ld_alpha", 1.0) != 1, "sum_sq": bool(getattr(hp, "wpo", False))}
 
 
 def average_log_prob(spec: LossSpec, hp) -> bool:
@@ -585,7 +437,7 @@ def compute_loss(
     labels: Tensor | None = None,
     desirable: Tensor | None = None,
     kl: Tensor | None = None,
-    beta_dpo: BetaDPO | None = None,
+    beta_dpo=None,
     step: int | None = None,
 ) -> LossOutput:
     """Weighted sum of the named losses (e.g. ["dpo", "sft"]; a str is one name; weights None: all 1.0), with the
@@ -595,12 +447,8 @@ def compute_loss(
     own). policy, reference: forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
     one row per example: `sums` and `counts`, (N,); the reference scores the same tokens, so the policy's counts
     normalize both. No reference (reference_free, or None where no named loss needs one): log p = 0. desirable, kl:
-    KTO's, see `_unpaired_loss`. The modifiers, from hp (each one's function says how): LD-DPO (ld_alpha != 1;
-    `tokens` scored where `labels` (N, T) are) and DPOP (dpop_lambda > 0) in the losses that compare with a reference
-    (sft and ORPO's odds keep the plain log-probs: rpo = [dpo, sft] still); WPO (wpo) weighs each pair's losses;
-    beta-DPO (dynamic_beta > 0 with `beta_dpo`; `step`: None in evaluation) gives the batch's beta, and the mean loss
-    is its kept pairs' (the others 0, the kept scaled by B / kept). The logged rewards are without DPOP's penalty, at
-    the configured beta (a second call, without gradients, when either differs); logps/* stay the sums."""
+    KTO's (_unpaired_loss). labels (N, T), beta_dpo (its running statistics) and step (None in evaluation) serve the
+    modifiers (modifiers.py), applied where `modified(hp)`."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired = any(spec.unpaired for spec in specs)
@@ -612,62 +460,55 @@ def compute_loss(
     elif reference is None and any(spec.needs_reference for spec in specs):
         raise ValueError(f"losses {names} need reference log-probs (or set loss.reference_free=true)")
     sums, counts = policy.sums, policy.counts
-    device = policy.sums.device
-    ref = torch.zeros_like(sums) if reference is None else reference.sums.to(device)
+    ref = torch.zeros_like(sums) if reference is None else reference.sums.to(sums.device)
     if unpaired:
         return _unpaired_loss(names[0], weights[0], hp, sums, counts, ref, paired, desirable, kl)
     n = len(sums) // 2 if paired else len(sums)
     chosen_nll = -sequence_logps(sums[:n], counts[:n], average_log_prob=True)
-    wpo = None
-    if getattr(hp, "wpo", False):
-        wpo = wpo_weights(sums[:n], sums[n:], policy.log_sum_sq[:n], policy.log_sum_sq[n:], counts[:n], counts[n:])
-    modified = (sums, ref)
-    ld_alpha = getattr(hp, "ld_alpha", 1.0)
-    if ld_alpha != 1.0:  # LD-DPO: the same pairs' sums, tokens past the public length down-weighted
-        # output t predicts token t+1: a row's first token is never scored
-        scored = (labels.to(device) != IGNORE_INDEX) & (torch.arange(labels.size(1), device=device) > 0)
-        modified = [length_desensitized_logps(policy.tokens, scored, ld_alpha), ref]
-        if reference is not None:  # no reference: its sums stay 0
-            modified[1] = length_desensitized_logps(reference.tokens.to(device), scored, ld_alpha)
-    beta, keep = None, None
-    if beta_dpo is not None and getattr(hp, "dynamic_beta", 0.0):  # the margins of the first loss that reads beta
-        average = average_log_prob(next(s for s in specs if "beta" in config_keys(s.fn)), hp)
-        ratios = sequence_logps(sums - ref, counts, average).detach()
-        beta, keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
-    dpop = getattr(hp, "dpop_lambda", 0.0)
+    modifiers = None
+    if modified(hp):
+        import modifiers as applied  # WPO, LD-DPO, DPOP, beta-DPO
+
+        modifiers = applied.Modifiers(hp, policy, reference, labels, beta_dpo, step, specs, n)
     total = 0
     chosen_rewards, rejected_rewards = None, None
-    given = {"chosen_nll": chosen_nll, "beta": beta}  # beta None: loss.beta
     for name, spec, weight in zip(names, specs, weights, strict=True):
         average = average_log_prob(spec, hp)
-        sides = modified if spec.needs_reference else (sums, ref)
-        policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in sides)
-        logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
-        penalized = logps
-        if dpop and spec.needs_reference:  # DPOP: the penalty inside the chosen log-ratio
-            penalized = [dpop_chosen_logps(logps[0], logps[2], dpop), *logps[1:]]
-        losses, chosen, rejected = spec.fn(*penalized, **_kwargs_for(name, spec.fn, hp, given))
-        total = total + weight * losses * (1.0 if wpo is None else wpo)
+
+        def seen(policy_sums: Tensor, reference_sums: Tensor) -> list[Tensor]:  # the four log-probs the loss reads
+            policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in (policy_sums, reference_sums))
+            return [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
+
+        kwargs = _kwargs_for(name, spec.fn, hp, {"chosen_nll": chosen_nll})
+        if modifiers is None:
+            losses, chosen, rejected = spec.fn(*seen(sums, ref), **kwargs)
+            total = total + weight * losses
+        else:
+            losses, chosen, rejected = modifiers.loss(spec, seen(sums, ref), kwargs, seen)
+            total = total + modifiers.weigh(weight * losses)
         if chosen_rewards is None and chosen is not None:
-            if penalized is not logps or beta is not None:  # logged: without DPOP's penalty, at the configured beta
-                with torch.no_grad():
-                    _, chosen, rejected = spec.fn(*logps, **_kwargs_for(name, spec.fn, hp, {"chosen_nll": chosen_nll}))
             chosen_rewards, rejected_rewards = chosen, rejected
-    if keep is not None:  # the batch's mean loss becomes the kept pairs' mean
-        total = total * keep * (len(keep) / keep.sum())
+    extra = {}
+    if modifiers is not None:
+        total = modifiers.total(total, extra)
     metrics = {"logps/chosen": sums[:n].detach(), "nll/chosen": chosen_nll.detach(), "loss": total.detach()}
     if not sft_only:
         metrics["logps/rejected"] = sums[n:].detach()
-    if wpo is not None:
-        metrics["wpo/weights"] = wpo
     if chosen_rewards is not None:
         metrics["rewards/chosen"], metrics["rewards/rejected"] = chosen_rewards, rejected_rewards
         metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float()
         metrics["rewards/margins"] = chosen_rewards - rejected_rewards
-    if keep is not None:
-        metrics["beta_dpo/beta"] = torch.full_like(keep, beta, dtype=torch.float)
-        metrics["beta_dpo/kept"] = keep.float()
-    return LossOutput(total, chosen_rewards, rejected_rewards, metrics)
+    return LossOutput(total, chosen_rewards, rejected_rewards, metrics | extra)
+
+
+def modified(hp) -> bool:
+    """Whether a modifier of the paired losses is on: WPO, LD-DPO, DPOP or beta-DPO (modifiers.py)."""
+    return bool(
+        getattr(hp, "wpo", False)
+        or getattr(hp, "ld_alpha", 1.0) != 1
+        or getattr(hp, "dpop_lambda", 0.0)
+        or getattr(hp, "dynamic_beta", 0.0)
+    )
 
 
 def _unpaired_loss(name, weight, hp, sums, counts, ref, paired, desirable, kl) -> LossOutput:

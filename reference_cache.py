@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-import losses
 import preference_datasets as data
 import self_check
 import utils
@@ -21,16 +20,13 @@ from utils import all_gather_object, rank0_print
 
 
 def rules(c, world: int) -> list[str]:
-    """The precomputed reference table holds sums: refused for whatever reads each token's reference log-prob (LD-DPO,
-    or a token-level loss: losses.logps_needed says which, so such a loss is written in losses.py alone)."""
-    if not losses.logps_needed(c.loss)["per_token"]:
+    """The precomputed reference table holds sums: refused for what reads each token's reference log-prob (LD-DPO,
+    modifiers.logps_needed; config_loader.validate calls this when the switch is on)."""
+    if c.loss.ld_alpha == 1:
         return []
-    ld = c.loss.ld_alpha != 1
-    what = f"loss.name={c.loss.name!r} reads the reference's log-prob of each token"
-    what = "LD-DPO weighs the reference's tokens too" if ld else what
     return [
-        f"{f'loss.ld_alpha={c.loss.ld_alpha} and ' * ld}precompute_ref_log_probs=true: {what}, and the "
-        "precomputed table holds sums only; set one of them off"
+        f"loss.ld_alpha={c.loss.ld_alpha} and precompute_ref_log_probs=true: LD-DPO weighs the reference's tokens "
+        "too, and the precomputed table holds sums only; set one of them off"
     ]
 
 

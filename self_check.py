@@ -22,15 +22,11 @@ import torch
 
 import losses
 from logps import SequenceLogps, concatenated_inputs, forward_logps
-from sharding import unwrap
 from config import dtype_of
 from utils import atomic_write_text, clean_name, rank0_print
 
 REPORT = "self_check.json"  # in run_dir, beside run_manifest.json
 PROBE_PAIRS = 4  # per rank: enough sequences to fill packed rows, few enough to cost a fraction of a step
-# The head check holds the probe's full logits, what the tiled head exists to avoid: its rows are cut to this many
-# bytes of fp32 logits (1 GiB: about 260 tokens of 4 pairs at Llama-3's vocabulary of 128256).
-HEAD_LOGITS_BYTES = 2**30
 # Nats per scored token, by compute dtype. Measured on six of tests/architectures.py's models and the toy model, heads
 # scaled to a trained model's logits (std 8), packed and shared-prefix vs padded rows: fp32 differs by at most 2e-5
 # (1e-3: 50x that), bf16 by up to 7e-2 (its 8-bit mantissa rounds a logit of 16 in steps of 0.06; 0.2: 3x that);
@@ -56,10 +52,10 @@ def run(t) -> None:
     inputs = {k: v.to(t.device) for k, v in concatenated_inputs(probe).items()}
     dtype = compute_dtype(c, True, c.fsdp.model_dtype)
     with torch.no_grad(), t.sharding.params_on_device(t.policy):
-        # the run's own path (a differentiable entropy bonus makes the policy's untiled)
-        ours = policy_logps(t, inputs, **t.forward_options(bool(c.loss.entropy_coeff)))
-        checks = head(t, inputs, dtype) + layout(t, inputs, ours, dtype)
-        checks += t.cache.probe(t, probe, inputs, ours, dtype) if t.cache else []  # reference_cache.py's
+        ours = policy_logps(t, inputs, layout=t.layout, head=t.policy_head)  # the run's own path
+        checks = []
+        for option in filter(None, (t.head, t.layout, t.cache)):  # each option's probe, beside its code
+            checks += option.probe(t, probe, inputs, ours, dtype)
         checks += reference(t, probe, inputs, ours)
     t.sharding.reshard(t.policy)
     finish(t, checks, time.time() - start, probe["example_index"].tolist())
@@ -79,39 +75,12 @@ def probe_pairs(t, batch: dict) -> dict:
     return probe
 
 
-def policy_logps(t, inputs: dict, entropy: dict | None = None, **options) -> SequenceLogps:
-    """The policy's log-probs, entropies and per-token log-probs of `inputs` in the run's precision; without
-    `sequence_parallel`, whole rows through plain attention on every rank."""
-    whole = t.sp is not None and options.get("sequence_parallel") is None  # a Ulysses run's plain path
-    plain = t.sp.paused() if whole else contextlib.nullcontext()
+def policy_logps(t, inputs: dict, layout=None, head=None) -> SequenceLogps:
+    """The policy's log-probs, entropies and per-token log-probs of `inputs` in the run's precision; without a
+    `layout`, whole padded rows through plain attention on every rank (Ulysses paused)."""
+    plain = t.sp.paused() if t.sp and layout is None else contextlib.nullcontext()
     with t.autocast(), plain:
-        entropy = t.entropy_options if entropy is None else entropy
-        return forward_logps(t.policy, inputs, entropy=entropy, per_token=True, **options)
-
-
-def head(t, inputs: dict, dtype: torch.dtype) -> list[dict]:
-    if not t.config.tiled_lm_head:
-        return []
-    config = unwrap(t.policy).config
-    vocab = (getattr(config, "text_config", None) or config).vocab_size
-    cut = {k: v[:, : max(1, HEAD_LOGITS_BYTES // (len(v) * vocab * 4))] for k, v in inputs.items()}
-    tiled, own = policy_logps(t, cut, tiled=True), policy_logps(t, cut, tiled=False, entropy={"chunking": True})
-    what = "the tiled LM head vs log_softmax of the model's own forward().logits"
-    return [compare(t, "head", what, tiled, own, dtype, "tiled_lm_head=false")]
-
-
-def layout(t, inputs: dict, ours: SequenceLogps, dtype: torch.dtype) -> list[dict]:
-    c = t.config
-    keys = {
-        "padding_free=false": c.padding_free,
-        "prefix_sharing=false": c.prefix_sharing,
-        "fsdp.ulysses_sequence_parallel_size=1": t.sp_size > 1,
-    }
-    fix = " and ".join(k for k, on in keys.items() if on)
-    if not fix:
-        return []
-    padded = policy_logps(t, inputs, tiled=c.tiled_lm_head and not c.loss.entropy_coeff)
-    return [compare(t, "layout", "the run's rows vs plain padded rows", ours, padded, dtype, fix)]
+        return t.sharding.forward(t.policy, forward_logps, inputs, layout=layout, head=head, per_token=True)
 
 
 def reference(t, probe: dict, inputs: dict, ours: SequenceLogps) -> list[dict]:

@@ -35,7 +35,6 @@ if __name__ == "__main__":  # before the imports below: they take seconds (torch
 
 import torch  # noqa: E402
 
-import logps  # noqa: E402
 import losses  # noqa: E402
 import preference_datasets as data  # noqa: E402
 import checkpoints  # noqa: E402
@@ -47,6 +46,12 @@ import utils  # noqa: E402
 # libraries read HF_HUB_OFFLINE once, when they are first imported.
 
 REPO = Path(__file__).resolve().parent
+# Options that check the model's config.json before any model loads, each in its own file: {module: switch}
+MODEL_CHECKS = {
+    "tiled_head": lambda c: c.tiled_lm_head,
+    "moe": lambda c: c.loss.router_aux_loss is not None,
+    "ulysses": lambda c: c.fsdp.ulysses_sequence_parallel_size > 1,
+}
 # Chat templates by name, for tokenizers without one (model.chat_template): ChatML, as Qwen and many others use it.
 CHAT_TEMPLATES = {
     "chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -193,12 +198,9 @@ def check_inputs(cfg, world_size: int) -> dict:
         raise FileExistsError(
             f"run_dir={cfg.run_dir} already holds a run; resume it with resume_from={cfg.run_dir} or pick a new run_dir"
         )
-    if cfg.tiled_lm_head:
-        check_tiled_head(cfg)
-    if cfg.fsdp.ulysses_sequence_parallel_size > 1:
-        check_sequence_parallel(cfg)
-    if cfg.loss.router_aux_loss is not None:
-        check_router_aux_loss(cfg)
+    for name, on in MODEL_CHECKS.items():  # each option's check of the model's config.json, in its own file
+        if on(cfg):
+            importlib.import_module(name).check(cfg, model_config(cfg))
     splits = check_data(cfg, world_size)
     if cfg.online.rounds:  # semi-online DPO: its scorer and prompts, before any model loads
         import online
@@ -207,99 +209,17 @@ def check_inputs(cfg, world_size: int) -> dict:
     return splits
 
 
-def check_tiled_head(cfg) -> None:
-    """tiled_lm_head=true redoes the LM head's post-processing by model type: a head it does not know is refused here,
-    from config.json alone (logps.tiled_head; the first tiled forward refuses it too)."""
+def model_config(cfg):
+    """model.name_or_path's config.json alone (no weights), for the options' checks before any model loads."""
     import transformers
 
     name = resolve_local(cfg.model.name_or_path)
     try:
-        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError):  # unreadable here: loading the model reports it
-        return
-    try:
-        logps.tiled_head(config)
-    except ValueError as e:
-        raise ConfigError([f"model.name_or_path={name!r}: {e}"]) from None
-
-
-def check_router_aux_loss(cfg) -> None:
-    """loss.router_aux_loss balances the routers of a mixture of experts: refused, from config.json alone, for a model
-    without experts, and `model` for one whose config has no router_aux_loss_coef."""
-    import transformers
-
-    name = resolve_local(cfg.model.name_or_path)
-    value = cfg.loss.router_aux_loss
-    try:
-        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError):  # unreadable here: loading the model reports it
-        return
-    if trainers.expert_share(config) == 1:
+        return transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
         raise ConfigError(
-            [
-                f"loss.router_aux_loss={value}: model type {config.model_type!r} (model.name_or_path="
-                f"{name!r}) has no experts (num_experts_per_tok), so no router to balance; set "
-                "loss.router_aux_loss=null"
-            ]
-        )
-    if value == "model" and getattr(config, "router_aux_loss_coef", None) is None:
-        raise ConfigError(
-            [
-                f"loss.router_aux_loss=model: the config of model type {config.model_type!r} has no "
-                "router_aux_loss_coef; set a number"
-            ]
-        )
-
-
-def check_sequence_parallel(cfg) -> None:
-    """Ulysses gives each rank of a group heads / sp whole attention heads: sp must divide the model's attention heads
-    (fewer key/value heads are repeated); RoPE types that scale by the longest position of a call are refused."""
-    import transformers
-
-    name = resolve_local(cfg.model.name_or_path)
-    sp = cfg.fsdp.ulysses_sequence_parallel_size
-    try:
-        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
-        heads = config.num_attention_heads
-    except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(
-            [
-                f"fsdp.ulysses_sequence_parallel_size={sp}: cannot read the attention heads of model.name_or_path="
-                f"{name!r} ({type(e).__name__}: {str(e).splitlines()[0]})"
-            ]
+            [f"model.name_or_path={name!r}: cannot read its config.json ({type(e).__name__}: {str(e).splitlines()[0]})"]
         ) from None
-    if heads % sp:
-        raise ConfigError(
-            [
-                f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
-                f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"
-            ]
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    # Gemma 3: one per layer type
-    kinds = [r.get("rope_type", r.get("type")) for r in (rope, *rope.values()) if isinstance(r, dict)]
-    if kind := next((k for k in kinds if k in ("dynamic", "longrope")), None):  # each rank sees only its slice
-        raise ConfigError(
-            [
-                f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r} (model type "
-                f"{config.model_type!r}): its RoPE type {kind!r} scales frequencies by the longest position"
-                " of a call, and each rank of a group sees only its slice of the positions: not supported yet"
-            ]
-        )
-    # logps._score refuses the same at the first forward; sdpa is the default of a model class that supports it
-    cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
-    window = logps.sliding_window(config, float("inf"))
-    no_flex = cls is not None and cls._supports_sdpa and not cls._supports_flex_attn
-    if torch.cuda.is_available() and no_flex and (cfg.padding_free or window):
-        option = "padding_free=true" if cfg.padding_free else f"a sliding window ({window})"
-        raise ConfigError(
-            [
-                f"fsdp.ulysses_sequence_parallel_size={sp} with {option}: {cls.__name__} (model type "
-                f"{config.model_type!r}) does not attend through FlexAttention, and sdpa on CUDA would "
-                "keep a dense (T, T) mask in every layer; "
-                + ("set padding_free=false" if cfg.padding_free else "not supported yet")
-            ]
-        )
 
 
 def check_data(cfg, world_size: int) -> dict:

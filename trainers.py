@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -73,14 +72,18 @@ class BasicTrainer:
         tokenizer=None,
         splits: dict | None = None,
     ):
-        c = config
-        self.config = config
+        c = self.config = config
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.router = None  # a mixture of experts' routing (moe.py)
         n_params = flops_params(policy)  # MFU's N, counted before any sharding (meta tensors know their shapes too)
-        self.sp = None  # a Ulysses group (FSDPTrainer with fsdp.ulysses_sequence_parallel_size > 1)
-        self.sharding, self.policy, reference_model = self.spread(policy, reference_model)
+        if getattr(policy.config, "num_experts_per_tok", None):
+            import moe
+
+            self.router = moe.Router(policy.config, c.loss.router_aux_loss, c.prefix_sharing)
+            n_params = moe.active_parameters(policy, n_params)
+        self.sharding, self.policy, reference_model, self.sp = self.spread(policy, reference_model)
         self.sp_size = self.sp.size if self.sp else 1  # the ranks of a sequence-parallel group read the same pairs
         self.dp_rank, self.dp_size = rank // self.sp_size, world_size // self.sp_size
         self.run_dir = Path(run_dir)
@@ -88,36 +91,18 @@ class BasicTrainer:
         self.device = self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
         utils.use_shape_free_attention(self.device)
-        self.entropy_options = dict(
-            chunking=c.fsdp.entropy_from_logits_with_chunking,
-            checkpointing=c.fsdp.entropy_checkpointing,
-            use_compile=self.device.type == "cuda" if c.fsdp.use_torch_compile is None else c.fsdp.use_torch_compile,
-        )
         self.state = TrainState()  # the counters a checkpoint keeps
         self.train_seconds = 0.0  # seconds in step_and_log since the loop began (online.py's generation share)
         self.stop = {"signal": None}
         self.log = RunLog(self.run_dir, rank, config)
-        self.beta_dpo = losses.BetaDPO(seed)  # beta-DPO's running margins (a checkpoint keeps them)
         self.bars = rank == 0 and sys.stderr.isatty()  # tqdm bars only on a terminal (in a log: \r-redraw noise)
         self.splits = splits or data.load_splits(c, tokenizer)  # train.py hands on what its checks loaded
-        train, test = self.splits["train"], self.splits["test"]
-        rank0_print(data.dataset_summary(train.stats))
-        self.n_train_pairs = len(train)
+        self.n_train_pairs = len(self.splits["train"])
         self.total_steps = data.num_steps(
             self.n_train_pairs, batch_size=c.batch_size, n_epochs=c.n_epochs, n_examples=c.n_examples
         )
-        # The first n_eval_examples test pairs, each once (repeats completing the last batch are left out); KTO needs
-        # >= 2 rows per rank for its KL estimate
-        self.n_eval_pairs = min(len(test), c.n_eval_examples)
-        per_rank = max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size))
-        self.eval_batch_size = min(c.eval_batch_size, per_rank * self.dp_size)
-        shares = dict(pad_token_id=tokenizer.pad_token_id, rank=self.dp_rank, world_size=self.dp_size)
-        self.eval_batches = data.get_eval_batches(
-            test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples, kl_rows=self.unpaired, **shares
-        )
-        self.sample_batches = data.get_sample_batches(
-            test, n_examples=c.n_eval_model_samples * c.sample_during_eval, **shares
-        )
+        self.evaluation_batches()
+        self.log_prob_paths()
         self.reference = Reference(self, reference_model)
         self.cache = None  # precompute_ref_log_probs: reference_cache.py
         if c.precompute_ref_log_probs:
@@ -125,28 +110,60 @@ class BasicTrainer:
 
             self.cache = cache
         self.checkpoints = Checkpoints(self.run_dir, c, self.sharding, rank, world_size, tokenizer)
-        # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference
+        # MFU's FLOPs: 6 N per trained token, 2 N more through an online reference, over the device's dense bf16 peak
         online = self.reference.model is not None and not c.precompute_ref_log_probs
         self.flops_per_token = (6 + 2 * online) * n_params
-        model_config = unwrap(self.policy).config
-        setting = c.loss.router_aux_loss
-        # a mixture of experts: its routers logged; loss.router_aux_loss as a number (null 0, off; model: the model
-        # config's router_aux_loss_coef, which train.py checked exists)
-        share = expert_share(model_config)
-        self.routed = share < 1
-        self.router_coef = float(model_config.router_aux_loss_coef if setting == "model" else setting or 0.0)
-        if self.routed:
-            rank0_print(
-                f"mixture of experts: MFU counts the {n_params / 1e6:.2f}M active parameters (each expert's x "
-                f"{share:g}: top-k of the experts run per token); memory holds all of them"
-            )
-        peak = 0.0  # throughput/mfu divides by the device's dense bf16 peak (datasheets); peak_tflops wins
-        if self.device.type == "cuda":
-            gpu = torch.cuda.get_device_name(self.device)
-            peak = next((bf16 for name, (bf16, _, _) in utils.DEVICES.items() if name in gpu), 0.0)
-        self.peak_flops = 1e12 * (c.peak_tflops or peak)
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = next((bf16 for name, (bf16, _, _) in utils.DEVICES.items() if gpu and name in gpu), 0.0)
+        self.peak_flops = 1e12 * (c.peak_tflops or peak)  # peak_tflops wins
+        self.describe()
+
+    def evaluation_batches(self) -> None:
+        """The first n_eval_examples test pairs, each once (repeats completing the last batch are left out), in this
+        rank's shares; KTO needs >= 2 rows per rank for its KL estimate. The prompts sampled at each evaluation."""
+        c, test = self.config, self.splits["test"]
+        self.n_eval_pairs = min(len(test), c.n_eval_examples)
+        per_rank = max(2 if self.unpaired else 1, -(-self.n_eval_pairs // self.dp_size))
+        self.eval_batch_size = min(c.eval_batch_size, per_rank * self.dp_size)
+        shares = dict(pad_token_id=self.tokenizer.pad_token_id, rank=self.dp_rank, world_size=self.dp_size)
+        self.eval_batches = data.get_eval_batches(
+            test, batch_size=self.eval_batch_size, n_examples=c.n_eval_examples, kl_rows=self.unpaired, **shares
+        )
+        self.sample_batches = data.get_sample_batches(
+            test, n_examples=c.n_eval_model_samples * c.sample_during_eval, **shares
+        )
+
+    def log_prob_paths(self) -> None:
+        """How log-probs are computed (never what they are; logps.py), each None on the plain path: the row layout,
+        the label head (the reference's, and the policy's unless an entropy bonus needs the full logits)."""
+        c = self.config
+        self.layout = self.head = None
+        if c.padding_free or c.prefix_sharing or self.sp:
+            import packing
+
+            self.layout = packing.Layout(c.max_length if c.padding_free else None, c.prefix_sharing, self.sp)
+        if c.tiled_lm_head:
+            import tiled_head
+
+            self.head = tiled_head.Head()
+        self.needed, self.beta_dpo = {}, None  # what the loss modifiers read beyond sums; beta-DPO's statistics
+        if losses.modified(c.loss):
+            import modifiers
+
+            self.needed = modifiers.logps_needed(c.loss)
+            self.beta_dpo = modifiers.BetaDPO(self.seed) if c.loss.dynamic_beta else None
+        self.policy_head = self.head
+        if c.loss.entropy_coeff:
+            import entropy_bonus
+
+            self.policy_head = entropy_bonus.Head(c.fsdp, self.device)
+
+    def describe(self) -> None:
+        """What the run derived, printed as nanoGPT prints its tokens per iteration: data, geometry, optimizer."""
+        c = self.config
+        rank0_print(data.dataset_summary(self.splits["train"].stats))
         unit = "completions" if self.unpaired else "pairs"
-        ranks = f"world size {world_size}"
+        ranks = f"world size {self.world_size}"
         doubled = ""
         if self.sp_size > 1:
             ranks = f"data-parallel {self.dp_size} ({ranks} = dp {self.dp_size} x sequence-parallel {self.sp_size})"
@@ -158,6 +175,16 @@ class BasicTrainer:
             f"{c.gradient_accumulation_steps} x micro-batch {micro}; train {unit} {self.n_train_pairs}{doubled}; "
             f"total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
         )
+        config = unwrap(self.policy).config
+        vocab = (getattr(config, "text_config", None) or config).vocab_size
+        if self.head is None and vocab >= 65536:  # the plain path keeps (tokens, vocab) logits and fp32 log-softmax
+            tokens = micro * (1 + c.trains_on_pairs) * c.max_length
+            held = tokens * vocab * (4 + dtype_of(c.fsdp.model_dtype).itemsize) / 2**30
+            rank0_print(
+                f"LM head: the plain path holds up to {held:.1f} GiB of logits and their fp32 log-softmax per "
+                f"micro-batch at max_length={c.max_length} (vocabulary {vocab}); tiled_lm_head=true holds tiles of "
+                f"{128} MiB instead (checked against this path before the first step)"
+            )
         original = ""
         if (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150):
             original = " (the original DPO code's defaults; set optimizer=, lr=, warmup_steps= to change them)"
@@ -167,19 +194,11 @@ class BasicTrainer:
 
     def spread(self, policy: nn.Module, reference_model: nn.Module | None) -> tuple:
         """How the models are spread over processes: the sharding object the loop calls, and the policy and reference
-        to train with. One process: `OneProcess`, the models as they are; FSDPTrainer shards them."""
-        return OneProcess(policy, self.config), policy, reference_model
+        to train with, and a Ulysses group or None. One process: `OneProcess`, the models as they are; FSDPTrainer
+        shards them."""
+        return OneProcess(policy, self.config), policy, reference_model, None
 
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
-    def forward_options(self, entropy_grad: bool = False) -> dict:
-        """How log-probs are computed (never what they are); a differentiable entropy needs the full logits."""
-        return {
-            "packed_capacity": self.config.max_length if self.config.padding_free else None,
-            "sequence_parallel": self.sp,
-            "tiled": self.config.tiled_lm_head and not entropy_grad,
-            "prefix_sharing": self.config.prefix_sharing,
-        }
-
     def autocast(self):
         """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
         if self.config.fsdp.mixed_precision is None or not self.sharding.autocasts:
@@ -194,19 +213,9 @@ class BasicTrainer:
         n = batch["chosen_input_ids"].size(0)
         paired = "rejected_input_ids" in batch
         c = self.config
-        entropy_grad = bool(c.loss.entropy_coeff)
-        needed = losses.logps_needed(c.loss)
+        paths = dict(layout=self.layout, head=self.policy_head, router=self.router)
         with self.autocast():
-            policy = forward_logps(
-                self.policy,
-                inputs,
-                entropy=self.entropy_options,
-                entropy_grad=entropy_grad,
-                routing=self.routed,
-                routing_grad=self.router_coef > 0,
-                **needed,
-                **self.forward_options(entropy_grad),
-            )
+            policy = self.sharding.forward(self.policy, forward_logps, inputs, **paths, **self.needed)
         kl = None
         if self.unpaired:  # KTO's reference point: the step's (step_statistics), or this evaluation batch's
             kl = batch["kl_reference_point"][:1] if "kl_reference_point" in batch else self.reference.kl_point(batch)
@@ -215,7 +224,7 @@ class BasicTrainer:
             c.loss.weights,
             c.loss,
             policy,
-            self.reference.logps(batch, inputs, split, per_token=needed["per_token"]),
+            self.reference.logps(batch, inputs, split, per_token=self.needed.get("per_token", False)),
             paired=paired,
             labels=inputs["labels"],
             desirable=batch.get("desirable"),
@@ -227,13 +236,10 @@ class BasicTrainer:
         if paired:
             metrics["entropy/rejected"] = policy.entropy[n:].detach()
         loss = out.losses.mean()
-        if entropy_grad:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
+        if c.loss.entropy_coeff:  # an entropy bonus, as verl's entropy_coeff: loss - c * H
             loss = loss - c.loss.entropy_coeff * policy.entropy.mean()
-        if policy.routing is not None:  # per example (a pair: its two sequences' mean), weighted like the loss
-            aux = losses.load_balancing_loss(policy.routing)
-            aux = (aux[:n] + aux[n:]) / 2 if paired else aux
-            metrics["router_aux_loss"] = aux.detach()
-            loss = loss + self.router_coef * aux.mean() if self.router_coef else loss
+        if self.router:  # a mixture of experts: router_aux_loss logged, and weighted into the loss as asked
+            loss = self.router.add_loss(loss, policy.routing, n, paired, metrics)
         # 'rewards/chosen' -> 'rewards_train/chosen'; 'loss' -> 'loss/train' (the original's metric names)
         return loss, {k.replace("/", f"_{split}/", 1) if "/" in k else f"{k}/{split}": v for k, v in metrics.items()}
 
@@ -324,7 +330,7 @@ class BasicTrainer:
 
     def save_checkpoint(self, lean: bool = False) -> None:
         """run_dir/step-N of this run's state (checkpoints.py); TR-DPO's moving reference is trained state too."""
-        self.state.beta_dpo_running = self.beta_dpo.running
+        self.state.beta_dpo_running = self.beta_dpo and self.beta_dpo.running
         metrics = getattr(self, "last_eval_metrics", {})
         args = self.state, self.policy, self.optimizer, self.scheduler, self.trained_reference(), metrics
         self.checkpoints.save(*args, lean=lean)
@@ -332,7 +338,8 @@ class BasicTrainer:
     def resume(self) -> None:
         """This run's state from its LATEST checkpoint; the records written after it go (the run writes them again)."""
         self.checkpoints.resume(self.state, self.policy, self.optimizer, self.scheduler, self.trained_reference())
-        self.beta_dpo.running = self.state.beta_dpo_running
+        if self.beta_dpo:
+            self.beta_dpo.running = self.state.beta_dpo_running
         self.log.truncate(self.state.example_counter)
 
     def trained_reference(self) -> nn.Module | None:
@@ -573,12 +580,10 @@ class Reference:
         t = self.trainer
         if self.model is None or t.config.loss.reference_free:
             return None
+        inputs = {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()}
         with t.autocast() if self.mixed else contextlib.nullcontext(), self.context():
-            out = forward_logps(
-                self.model,
-                {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()},
-                per_token=per_token,
-                **t.forward_options(),
+            out = t.sharding.forward(
+                self.model, forward_logps, inputs, layout=t.layout, head=t.head, per_token=per_token
             )
         t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
         return out
@@ -605,7 +610,7 @@ class Reference:
         for i, part in enumerate(parts):
             chunk = {k.removeprefix("chosen_"): v.to(t.device) for k, v in cut_padding(part).items()}
             with t.autocast():
-                sums, counts, _, *_ = forward_logps(t.policy, chunk, **t.forward_options())
+                sums, counts, *_ = t.sharding.forward(t.policy, forward_logps, chunk, layout=t.layout, head=t.head)
             ref = self.forward(chunk)
             if i < real:
                 ref_sums = 0 if ref is None else ref.sums.to(sums.device)
@@ -648,19 +653,9 @@ class Reference:
 
 # --- Small pure helpers ---
 def flops_params(model: nn.Module) -> int:
-    """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul); of a
-    mixture of experts the active ones: each `experts` module's times top_k / num_experts (expert_share), as a token
-    runs through top_k experts (its memory holds them all)."""
-    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    experts = [p for name, m in model.named_modules() if name.rpartition(".")[2] == "experts" for p in m.parameters()]
-    return n - round((1 - expert_share(model.config)) * sum(p.numel() for p in experts))
-
-
-def expert_share(config) -> float:
-    """The fraction of a mixture of experts' expert parameters a token runs through (top_k / experts); 1 if dense."""
-    k = getattr(config, "num_experts_per_tok", None)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return k / experts if k and experts else 1.0
+    """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul); a
+    mixture of experts counts its active ones (moe.active_parameters)."""
+    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
 
 
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:
@@ -719,25 +714,7 @@ class FSDPTrainer(BasicTrainer):
     BACKWARD_PRE prefetch, MixedPrecision, NO_REENTRANT checkpointing): `self.sharding` (fsdp.py) does the rest."""
 
     def spread(self, policy: nn.Module, reference_model: nn.Module | None) -> tuple:
-        """The engine fsdp.strategy names, on this rank's device, and both models sharded by it (the reference in its
-        own compute dtype, config.reference_mixed); Ulysses installed first, as recomputed blocks attend through it."""
-        if not torch.distributed.is_initialized():
-            raise RuntimeError("FSDPTrainer needs a process group (train.py starts one)")
-        # torch's deprecation chatter from inside FSDP state-dict code, once per tensor per rank
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*|.*Multiple backends are registered.*")
-        c, on_gpu = self.config, torch.cuda.is_available()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
-        if c.fsdp.ulysses_sequence_parallel_size > 1:
-            import ulysses  # sequence parallelism: off every other run's path
-
-            self.sp = ulysses.make_group(device, self.world_size, c.fsdp.ulysses_sequence_parallel_size)
-            for model in filter(None, (policy, reference_model)):
-                ulysses.install(model, self.sp)
+        """The engine fsdp.strategy names and both models sharded by it (fsdp.spread)."""
         import fsdp  # the FSDP engines: a one-process run never imports them
 
-        sharding = fsdp.SHARDINGS[c.fsdp.strategy](c.fsdp, device, self.rank, self.world_size, policy)
-        policy = sharding.shard(policy, c.activation_checkpointing, reshard_after_forward=c.fsdp.reshard_after_forward)
-        if reference_model is not None:
-            reference_model = sharding.shard(reference_model, False, mixed_precision=c.reference_mixed)
-        return sharding, policy, reference_model
+        return fsdp.spread(policy, reference_model, self.config, self.rank, self.world_size)

@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.integrations import flex_attention
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from config import ConfigError
 
 # Called with whole sequences and a 4-D mask; flash kernels take cu_seqlens instead (train.py refuses them).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -72,6 +75,69 @@ class SequenceParallel:
         cut = slice(self.rank * t, (self.rank + 1) * t)
         local = dict(kwargs, input_ids=kwargs["input_ids"][:, cut], position_ids=kwargs["position_ids"][:, cut])
         return (local, *(x[:, cut] for x in per_position))
+
+
+def rules(c, world: int) -> list[str]:
+    """The config's problems with Ulysses (config_loader.validate calls this when its size is over 1)."""
+    sp = c.fsdp.ulysses_sequence_parallel_size
+    if c.trainer != "FSDPTrainer":
+        return [
+            f"fsdp.ulysses_sequence_parallel_size={sp}: sequence parallelism splits sequences over "
+            f"ranks; it needs trainer=FSDPTrainer (trainer={c.trainer} runs one process)"
+        ]
+    if world % sp:
+        return [f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the world size {world}"]
+    return []
+
+
+def check(cfg, config) -> None:
+    """From config.json alone (`config`; train.check_inputs, before any model loads): each rank of a group attends with
+    heads / sp whole attention heads, so sp must divide the model's attention heads (fewer key/value heads are
+    repeated); RoPE types that scale by the longest position of a call are refused; on CUDA, packed rows or a sliding
+    window need FlexAttention (sdpa would keep a dense (T, T) mask in every layer)."""
+    import packing  # its sliding-window rule: Ulysses' rows are its layout
+
+    name = cfg.model.name_or_path
+    sp = cfg.fsdp.ulysses_sequence_parallel_size
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp}: the config of model.name_or_path={name!r} has no attention heads"
+            ]
+        )
+    if heads % sp:
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp}: expected a divisor of the {heads} attention heads of"
+                f" model.name_or_path={name!r} (each rank of a sequence-parallel group attends with heads / {sp})"
+            ]
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # Gemma 3: one per layer type
+    kinds = [r.get("rope_type", r.get("type")) for r in (rope, *rope.values()) if isinstance(r, dict)]
+    if kind := next((k for k in kinds if k in ("dynamic", "longrope")), None):  # each rank sees only its slice
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp} with model.name_or_path={name!r} (model type "
+                f"{config.model_type!r}): its RoPE type {kind!r} scales frequencies by the longest position"
+                " of a call, and each rank of a group sees only its slice of the positions: not supported yet"
+            ]
+        )
+    # sdpa is the default of a model class that supports it
+    cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    window = packing.sliding_window(config, float("inf"))
+    no_flex = cls is not None and cls._supports_sdpa and not cls._supports_flex_attn
+    if torch.cuda.is_available() and no_flex and (cfg.padding_free or window):
+        option = "padding_free=true" if cfg.padding_free else f"a sliding window ({window})"
+        raise ConfigError(
+            [
+                f"fsdp.ulysses_sequence_parallel_size={sp} with {option}: {cls.__name__} (model type "
+                f"{config.model_type!r}) does not attend through FlexAttention, and sdpa on CUDA would "
+                "keep a dense (T, T) mask in every layer; "
+                + ("set padding_free=false" if cfg.padding_free else "not supported yet")
+            ]
+        )
 
 
 def make_group(device: torch.device, world_size: int, size: int) -> SequenceParallel:

@@ -404,7 +404,7 @@ def test_every_loss_preset_is_valid_and_only_changed_unread_keys_are_refused():
     load_config(["loss=dpo", "loss.name=[dpo,simpo]", "loss.gamma=0.5"])  # read by one of the selected losses
     load_config(["loss=dpo", "loss.f_divergence=alpha_divergence", "loss.f_alpha=0.3"])
     with pytest.raises(ConfigError) as info:
-        load_config(["loss=ipo", "loss.label_smoothing=0.1", "loss.rpo_alpha=2", "loss.orpo_lambda=0.1"])
+        load_config(["loss=ipo", "loss.label_smoothing=0.1", "loss.gamma=2", "loss.orpo_lambda=0.1"])
     assert len(info.value.problems) == 2, info.value.problems  # orpo_lambda=0.1 is its default
     result = run_train("loss=dpo", "loss.gamma=0.5", "--cfg")
     assert result.returncode == 2 and "read by simpo" in result.stderr, result.stderr

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 import losses
+import modifiers
 from config import LossConfig
 from logps import IGNORE_INDEX, SequenceLogps
 from losses import LOSSES, needs_reference, sequence_logps
@@ -155,11 +156,11 @@ def test_alpha_divergence_at_one_is_forward_kl():
 
 
 def test_cdpo_hand_worked_and_zero_smoothing_is_dpo():
-    """eps = 0.1, beta h = [0, 1, 2]: loss = 0.9 (-log sigma(z)) + 0.1 (-log sigma(-z))
-    = [ln 2, 0.4133, 0.3269]; with eps = 0 it is exactly DPO."""
-    out, *_ = run("cdpo", beta=0.1, label_smoothing=0.1)
+    """cDPO is dpo with label_smoothing (config/loss/cdpo.yaml): eps = 0.1, beta h = [0, 1, 2]: loss = 0.9 (-log
+    sigma(z)) + 0.1 (-log sigma(-z)) = [ln 2, 0.4133, 0.3269]; with eps = 0 it is exactly DPO."""
+    out, *_ = run("dpo", beta=0.1, label_smoothing=0.1)
     close(out, [0.9 * neg_log_sigmoid(z) + 0.1 * neg_log_sigmoid(-z) for z in (0.0, 1.0, 2.0)])
-    cdpo_zero = run("cdpo", beta=0.1, label_smoothing=0.0)
+    cdpo_zero = run("dpo", beta=0.1, label_smoothing=0.0)
     dpo = run("dpo", beta=0.1)
     for got, want in zip(cdpo_zero, dpo):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
@@ -175,7 +176,9 @@ def test_dpo_label_smoothing_is_cdpo_as_in_the_original_code():
     out = compute_loss(cfg.loss_names, cfg.loss.weights, cfg.loss, **pair_inputs())
     expected = [0.7 * neg_log_sigmoid(z) + 0.3 * neg_log_sigmoid(-z) for z in (0.0, 1.0, 2.0)]
     close(out.losses, expected)
-    close(run("cdpo", beta=0.1, label_smoothing=0.3)[0], expected)
+    cfg, _ = config_loader.load_config(["loss=cdpo", "loss.label_smoothing=0.3"])  # the preset: dpo, eps
+    assert cfg.loss_names == ["dpo"]
+    close(compute_loss(cfg.loss_names, cfg.loss.weights, cfg.loss, **pair_inputs()).losses, expected)
 
 
 @pytest.mark.parametrize(
@@ -291,11 +294,16 @@ def test_orpo_hand_worked():
     close(rejected, [log_odds(-1.0)])
 
 
-def test_rpo_hand_worked():
-    """rpo = dpo + alpha * nll: DPO losses [ln 2, 0.3133, 0.1269] + 2 * nll [1, 2, 3]."""
-    out, chosen, _ = run("rpo", beta=0.1, rpo_alpha=2.0, chosen_nll=t([1.0, 2.0, 3.0]))
-    close(out, [neg_log_sigmoid(z) + 2.0 * nll for z, nll in zip((0.0, 1.0, 2.0), (1.0, 2.0, 3.0))])
-    close(chosen, [0.0, 0.5, 1.0])
+def test_rpo_preset_hand_worked():
+    """loss=rpo (config/loss/rpo.yaml) is [dpo, sft] weighted [1, alpha]: alpha = 2: DPO losses [ln 2, 0.3133,
+    0.1269] + 2 * the per-token mean nll [5, 3, 2] of pair_inputs' chosen responses; rewards dpo's."""
+    import config_loader
+
+    cfg, _ = config_loader.load_config(["loss=rpo", "loss.weights=[1.0,2.0]"])
+    assert cfg.loss_names == ["dpo", "sft"]
+    out = compute_loss(cfg.loss_names, cfg.loss.weights, cfg.loss, **pair_inputs())
+    close(out.losses, [neg_log_sigmoid(z) + 2.0 * nll for z, nll in zip((0.0, 1.0, 2.0), (5.0, 3.0, 2.0))])
+    close(out.chosen_rewards, [0.0, 0.5, 1.0])
 
 
 def test_exo_pair_hand_worked():
@@ -642,8 +650,6 @@ def test_dispatcher_weighted_sum_equals_hand_sum():
     out = compute_loss(["sft", "dpo"], [0.5, 1.0], {"beta": 0.1}, **pair_inputs())
     close(out.losses, [neg_log_sigmoid(z) + 0.5 * nll for z, nll in zip((0.0, 1.0, 2.0), (5.0, 3.0, 2.0))])
     close(out.chosen_rewards, [0.0, 0.5, 1.0])
-    rpo = compute_loss(["rpo"], None, {"beta": 0.1, "rpo_alpha": 0.5}, **pair_inputs())
-    torch.testing.assert_close(rpo.losses, out.losses)
 
 
 def test_dispatcher_reference_free_equals_zero_reference():
@@ -794,7 +800,7 @@ def test_ld_dpo_hand_worked():
     """alpha 0.5: chosen 0 = -1 - 2 + 0.5 (-3) = -4.5, rejected 0 = -2; chosen 1 = -2, rejected 1 = -1 + 0.5 (-6) = -4.
     Reference tokens all 0, beta 0.1: logits 0.1 [-4.5 + 2, -2 + 4] = [-0.25, 0.2]."""
     tokens, scored = ld_batch()
-    close(losses.length_desensitized_logps(tokens, scored, 0.5), [-4.5, -2, -2, -4])
+    close(modifiers.length_desensitized_logps(tokens, scored, 0.5), [-4.5, -2, -2, -4])
     sums = tokens.sum(1)
     out = pairs_loss(
         dict(beta=0.1, ld_alpha=0.5),
@@ -814,9 +820,9 @@ def test_wpo_hand_worked():
     """chosen sums [-2, -4] over [2, 4] tokens with summed log sum p^2 [-1, -2]: means (-2 + 1) / 2 = -0.5 and
     (-4 + 2) / 4 = -0.5; rejected [-3, -1] over [3, 1] with [-3, -0.5]: means 0 and -0.5. Weights exp(-0.5) and
     exp(-1), each multiplying its pair's DPO loss; one pair above 1 is clamped to 1."""
-    w = losses.wpo_weights(t([-2, -4]), t([-3, -1]), t([-1, -2]), t([-3, -0.5]), t([2, 4]), t([3, 1]))
+    w = modifiers.wpo_weights(t([-2, -4]), t([-3, -1]), t([-1, -2]), t([-3, -0.5]), t([2, 4]), t([3, 1]))
     close(w, [math.exp(-0.5), math.exp(-1)])
-    close(losses.wpo_weights(t([-1]), t([-1]), t([-2]), t([-2]), t([1]), t([1])), [1.0])  # exp(2), clamped
+    close(modifiers.wpo_weights(t([-1]), t([-1]), t([-2]), t([-2]), t([1]), t([1])), [1.0])  # exp(2), clamped
     ones = torch.ones(2, dtype=torch.float64)
     out = compute_loss(
         ["dpo"],
@@ -919,11 +925,11 @@ def test_beta_dpo_hand_worked():
     exp(-(M - 1.1)^2 / 2 sigma^2) = [0.9954, 0.1893]: pair 0 with probability 0.840; beta_batch from the kept margin
     alone, and compute_loss's mean is the kept pair's loss."""
     margins = t([1.0, 3.0])
-    beta, keep, running = losses.beta_dpo(margins, 0.1, 0.5, None)
+    beta, keep, running = modifiers.beta_dpo(margins, 0.1, 0.5, None)
     assert beta == pytest.approx(0.1) and keep.all() and running == pytest.approx((2.0, math.sqrt(2)))
-    beta, keep, running = losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0))
+    beta, keep, running = modifiers.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0))
     assert beta == pytest.approx(0.145) and running == pytest.approx((1.1, 0.9 + 0.1 * math.sqrt(2)))
-    beta_dpo = losses.BetaDPO()
+    beta_dpo = modifiers.BetaDPO()
     beta_dpo.load_state_dict({"beta_dpo_running": (1.0, 1.0)})
     out = pairs_loss(dict(beta=0.1, dynamic_beta=0.5), [1, 3], [0, 0], [0, 0], [0, 0], beta_dpo=beta_dpo, step=0)
     close(out.losses, [neg_log_sigmoid(0.145), neg_log_sigmoid(0.435)])
@@ -931,7 +937,7 @@ def test_beta_dpo_hand_worked():
     assert beta_dpo.state_dict()["beta_dpo_running"] == pytest.approx(running)  # a training step moved them
     sigma = 0.9 + 0.1 * math.sqrt(2)
     density = [math.exp(-0.5 * ((m - 1.1) / sigma) ** 2) for m in (1.0, 3.0)]
-    draws = [losses.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)]
+    draws = [modifiers.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)]
     first = sum(bool(k[0]) for _, k, _ in draws) / len(draws)
     assert all(int(k.sum()) == 1 for _, k, _ in draws)
     assert first == pytest.approx(density[0] / sum(density), abs=0.03)  # 0.840
@@ -948,22 +954,21 @@ def test_beta_dpo_state_moves_in_training_only_and_its_filter_repeats_for_a_step
     filters nothing; a training step moves them, and its filter's draw depends only on (seed, step), so a resumed
     run (load_state_dict of the saved state_dict) redraws it exactly. Margins [1, 3, 5, 7], filter 0.5."""
     hp = SimpleNamespace(beta=0.1, dynamic_beta=0.5, dynamic_beta_filter=0.5)
-    margins, beta_dpo = t([1.0, 3.0, 5.0, 7.0]), losses.BetaDPO(seed=3)
+    margins, beta_dpo = t([1.0, 3.0, 5.0, 7.0]), modifiers.BetaDPO(seed=3)
     beta_dpo.load_state_dict({"beta_dpo_running": (2.0, 1.0)})
     _, keep = beta_dpo(margins, hp, None)
     assert keep.all() and beta_dpo.running == (2.0, 1.0)
     _, keep = beta_dpo(margins, hp, 7)
     assert int(keep.sum()) == 2 and beta_dpo.running != (2.0, 1.0)
-    resumed = losses.BetaDPO(seed=3)
+    resumed = modifiers.BetaDPO(seed=3)
     resumed.load_state_dict({"beta_dpo_running": (2.0, 1.0)})
     assert torch.equal(resumed(margins, hp, 7)[1], keep) and resumed.state_dict() == beta_dpo.state_dict()
-    assert losses.BetaDPO().state_dict() == {"beta_dpo_running": None}  # the checkpoint's key, None before a step
+    assert modifiers.BetaDPO().state_dict() == {"beta_dpo_running": None}  # the checkpoint's key, None before a step
 
 
 def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_meaning():
     """DPOP's penalty and LD-DPO's weighting change the log-ratios of losses that compare with a reference, not the
-    SFT term: [dpo, sft] weighted [0, 1] is the plain per-token NLL, and rpo (whose NLL term is the plain one) still
-    equals [dpo, sft]. The logged rewards are beta a and beta b: DPOP's penalty and beta-DPO's beta_batch stay out."""
+    SFT term: [dpo, sft] weighted [0, 1] is the plain per-token NLL. The logged rewards are beta a and beta b: DPOP's penalty and beta-DPO's beta_batch stay out."""
     tokens, scored = ld_batch()
     sums, lengths = tokens.sum(1), scored.sum(1).double()
     mods = dict(ld_alpha=0.5, dpop_lambda=2.0)
@@ -971,9 +976,6 @@ def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_mea
     extra = dict(policy_tokens=tokens, reference_tokens=tokens + 0.1 * scored, scored=scored)
     sft_only = compute_loss(["dpo", "sft"], [0.0, 1.0], dict(LossConfig(), **mods), *args, **extra)
     close(sft_only.losses, (-sums[:2] / lengths[:2]).tolist())
-    rpo = compute_loss(["rpo"], None, dict(LossConfig(), rpo_alpha=1.0, **mods), *args, **extra)
-    dpo_sft = compute_loss(["dpo", "sft"], [1.0, 1.0], dict(LossConfig(), **mods), *args, **extra)
-    close(rpo.losses, dpo_sft.losses.tolist(), atol=1e-12)
     beta_batch = lambda margins, hp, step: (0.3, torch.ones(2, dtype=torch.bool))  # noqa: E731 - beta-DPO's beta 0.3
     hparams = dict(beta=0.1, dpop_lambda=2.0, dynamic_beta=0.5)
     out = pairs_loss(hparams, [-10, -20], [-15, -18], [-12, -15], [-14, -19], beta_dpo=beta_batch)
@@ -984,8 +986,8 @@ def test_modifiers_reach_only_losses_with_a_reference_and_rewards_keep_their_mea
 def test_beta_dpo_skips_non_finite_margins():
     """A batch with a NaN margin (its step will be skipped) leaves the running statistics as they were and gets the
     configured beta; the next finite batch continues from them."""
-    beta, keep, running = losses.beta_dpo(
+    beta, keep, running = modifiers.beta_dpo(
         t([1.0, float("nan")]), 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(0)
     )
     assert beta == 0.1 and keep.all() and running == (1.0, 1.0)
-    assert losses.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, None)[2] is None
+    assert modifiers.beta_dpo(t([1.0, float("nan")]), 0.1, 0.5, None)[2] is None
