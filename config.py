@@ -150,7 +150,9 @@ class LossConfig(BaseConfig):
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
     label_smoothing: float = param(
-        0.0, "flipped-label fraction assumed: cDPO with dpo (loss=cdpo, as the original); robust DPO's, EXO's epsilon", "[0, 0.5)"
+        0.0,
+        "flipped-label fraction assumed: cDPO with dpo (loss=cdpo, as the original); robust DPO's, EXO's epsilon",
+        "[0, 0.5)",
     )
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")

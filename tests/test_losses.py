@@ -937,7 +937,9 @@ def test_beta_dpo_hand_worked():
     assert beta_dpo.state_dict()["beta_dpo_running"] == pytest.approx(running)  # a training step moved them
     sigma = 0.9 + 0.1 * math.sqrt(2)
     density = [math.exp(-0.5 * ((m - 1.1) / sigma) ** 2) for m in (1.0, 3.0)]
-    draws = [modifiers.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)]
+    draws = [
+        modifiers.beta_dpo(margins, 0.1, 0.5, (1.0, 1.0), 0.5, torch.Generator().manual_seed(s)) for s in range(2000)
+    ]
     first = sum(bool(k[0]) for _, k, _ in draws) / len(draws)
     assert all(int(k.sum()) == 1 for _, k, _ in draws)
     assert first == pytest.approx(density[0] / sum(density), abs=0.03)  # 0.840
