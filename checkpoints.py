@@ -23,7 +23,7 @@ import torch
 import yaml
 
 import utils
-from config_loader import flatten
+from config import flatten
 from sharding import unwrap
 from utils import rank0_print
 

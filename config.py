@@ -6,6 +6,7 @@ import collections.abc
 import copy
 import dataclasses
 import re
+import typing
 from typing import Any, Optional, Union
 
 
@@ -348,11 +349,16 @@ class Config(BaseConfig):
         return [self.loss.name] if isinstance(self.loss.name, str) else list(self.loss.name)
 
     @property
-    def unpaired_loss(self) -> bool:
-        """True when a selected loss scores labelled completions (kto) instead of pairs."""
+    def loss_specs(self) -> list:
+        """The registry entries (losses.LossSpec) of the selected losses that exist."""
         import losses  # torch: loaded on first need, so that `--help` answers at once
 
-        return any(n in losses.LOSSES and losses.LOSSES[n].unpaired for n in self.loss_names)
+        return [losses.LOSSES[n] for n in self.loss_names if n in losses.LOSSES]
+
+    @property
+    def unpaired_loss(self) -> bool:
+        """True when a selected loss scores labelled completions (kto) instead of pairs."""
+        return any(spec.unpaired for spec in self.loss_specs)
 
     @property
     def trains_on_pairs(self) -> bool:
@@ -369,3 +375,32 @@ class ConfigError(ValueError):
         super().__init__(
             f"{n} configuration problem{'s' if n > 1 else ''}:\n" + "\n".join(f"  - {p}" for p in self.problems)
         )
+
+
+# --- Views of the fields: dotted keys with their types, defaults and docs ---
+def _leaves(cls=Config, prefix: str = ""):
+    """(dotted key, dataclasses.Field, type hint) of every leaf field: ('loss.beta', <Field>, float), ..."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if isinstance(hints[f.name], type) and issubclass(hints[f.name], BaseConfig):
+            yield from _leaves(hints[f.name], prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f, hints[f.name]
+
+
+def schema() -> dict[str, tuple]:
+    """{dotted key: (type hint, default, doc)} for every leaf field, e.g. 'loss.beta'."""
+    return {
+        key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"])
+        for key, f, t in _leaves()
+    }
+
+
+def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
+    """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
+    keys = schema() if keys is None else keys
+    out = {}
+    for k, v in tree.items():
+        nested = isinstance(v, dict) and prefix + k not in keys
+        out.update(flatten(v, prefix + k + ".", keys) if nested else {prefix + k: v})
+    return out

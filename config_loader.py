@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from config import DTYPE, DTYPES, BaseConfig, Config, ConfigError, LossConfig
+from config import DTYPE, DTYPES, BaseConfig, Config, ConfigError, LossConfig, _leaves, flatten, schema
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 GROUPS = ("model", "loss")  # `model=X` picks config/model/X.yaml, `loss=X` picks config/loss/X.yaml
@@ -26,24 +26,6 @@ REQUIRED = "???"  # a YAML value that the user must override (as in Hydra/OmegaC
 
 
 # --- The schema: dotted keys with their types, defaults, docs and allowed values, read off the dataclasses ---
-def _leaves(cls=Config, prefix: str = ""):
-    """(dotted key, dataclasses.Field, type hint) of every leaf field: ('loss.beta', <Field>, float), ..."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if isinstance(hints[f.name], type) and issubclass(hints[f.name], BaseConfig):
-            yield from _leaves(hints[f.name], prefix + f.name + ".")
-        else:
-            yield prefix + f.name, f, hints[f.name]
-
-
-def schema() -> dict[str, tuple]:
-    """{dotted key: (type hint, default, doc)} for every leaf field, e.g. 'loss.beta'."""
-    return {
-        key: (t, f.default_factory() if callable(f.default_factory) else f.default, f.metadata["doc"])
-        for key, f, t in _leaves()
-    }
-
-
 def _members(t) -> tuple:
     """The types a hint allows: Optional[int] -> (int, NoneType), str -> (str,)."""
     return typing.get_args(t) if typing.get_origin(t) in (Union, types.UnionType) else (t,)
@@ -252,16 +234,6 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, str], list[tuple[str, Any, st
     return choices, overrides, flags, problems
 
 
-def flatten(tree: dict, prefix: str = "", keys: Optional[dict] = None) -> dict:
-    """Nested dict -> {dotted: value}; dict-valued leaf fields (wrap_policy, mixed_precision) stay whole."""
-    keys = schema() if keys is None else keys
-    out = {}
-    for k, v in tree.items():
-        nested = isinstance(v, dict) and prefix + k not in keys
-        out.update(flatten(v, prefix + k + ".", keys) if nested else {prefix + k: v})
-    return out
-
-
 def typed(keys: dict, key: str, value, raw: str):
     """A command-line value: a text key keeps the text typed (exp_name=123 is the name "123"), null is None."""
     text = key in keys and set(_members(keys[key][0])) - {type(None)} == {str}  # str or Optional[str]
@@ -372,6 +344,7 @@ OPTIONS = {
     "ulysses": lambda c: c.fsdp.ulysses_sequence_parallel_size > 1,
     "lora": lambda c: c.lora.r is not None,
     "reference_cache": lambda c: c.precompute_ref_log_probs,
+    "online": lambda c: c.online.rounds is not None,
 }
 
 
@@ -466,8 +439,6 @@ def validate(c: Config, world_size: Optional[int] = None) -> list[str]:
         problems += _unpaired_rules(c, ws, ranks)
     if c.ref_update.tau is not None:
         problems += _ref_update_rules(c)
-    if c.online.rounds is not None:
-        problems += _online_rules(c)
     for name, on in OPTIONS.items():  # each option's own rules, in its file, read only when it is on
         problems += importlib.import_module(name).rules(c, world) if on(c) else []
     return problems
@@ -548,34 +519,6 @@ def _ref_update_rules(c: Config) -> list[str]:
         problems.append(
             f"ref_update.tau={tau} and precompute_ref_log_probs=true: precomputed reference log-probs are of the "
             "initial reference, but TR-DPO changes the reference during training; set one of them off"
-        )
-    return problems
-
-
-def _online_rules(c: Config) -> list[str]:
-    """Semi-online DPO (online.rounds)."""
-    o = c.online
-    problems = []
-    if not c.trains_on_pairs:
-        problems.append(
-            f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
-            f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)"
-        )
-    if c.precompute_ref_log_probs:
-        problems.append(
-            f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
-            "pairs do not exist before training; set precompute_ref_log_probs=false"
-        )
-    if o.prompts_per_round < c.batch_size:
-        problems.append(
-            f"online.prompts_per_round={o.prompts_per_round}: fewer than "
-            f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step"
-        )
-    if o.max_new_tokens + c.max_prompt_length > c.max_length:
-        problems.append(
-            f"online.max_new_tokens={o.max_new_tokens} + "
-            f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in "
-            "training (and lose their EOS); lower one or raise max_length"
         )
     return problems
 

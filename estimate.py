@@ -23,6 +23,7 @@ copy of their dense mask in every layer. Keys it does not model (NOT_MODELLED) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import namedtuple
 from pathlib import Path
@@ -30,7 +31,6 @@ from pathlib import Path
 import torch
 
 import config
-import config_loader
 import losses
 from utils import DEVICES
 from config import dtype_of
@@ -201,18 +201,27 @@ def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense
 
 def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
     """Per rank: logits (or the tiled head's tiles) of `tokens` tokens in `c` bytes, the head's backward workspace."""
-    chunk_rows = min(tokens, MAX_TILE_ROWS)
     if cfg.tiled_lm_head and not cfg.loss.entropy_coeff:  # under FSDP too (forward_logps is the root's forward)
         # a few (chunk, V) fp32 tiles at a time, never (tokens, V); backward: the head weight's (V, H) fp32
         # gradient accumulator + a (V, H) tile product / final cast unless fp32 (LoRA: the head is frozen)
-        logits = 4 * min(chunk_rows, head_tile_rows(g.vocab)) * g.vocab * 4
+        logits = 4 * min(tokens, MAX_TILE_ROWS, head_tile_rows(g.vocab)) * g.vocab * 4
         head_backward = 0 if cfg.lora.r is not None else g.vocab * g.hidden * (4 + (c if c != 4 else 0))
         return {"logits": logits, "LM-head backward": head_backward}
-    # the logits kept for backward, beside them the fp32 softmax work of the entropy: the logged one's (forward) in
-    # chunks, the bonus's (its gradient, in backward) in chunks as fsdp.entropy_from_logits_with_chunking sets
-    entropy_rows = chunk_rows if cfg.fsdp.entropy_from_logits_with_chunking or not cfg.loss.entropy_coeff else tokens
-    logits = tokens * g.vocab * c + max(3 * entropy_rows * g.vocab * 4, tokens * g.vocab * c)
-    return {"logits": logits, "LM-head backward": 0}
+    # the plain path (logps.label_logps): the fp32 log-softmax kept for backward, and at its start the fp32 gradients
+    # of the log-softmax and of its input beside it (then the logits' own, in the compute dtype); an entropy bonus
+    # keeps its softmax work too, row chunks of it with fsdp.entropy_from_logits_with_chunking
+    bonus = 0
+    if cfg.loss.entropy_coeff:
+        bonus = 3 * (min(tokens, MAX_TILE_ROWS) if cfg.fsdp.entropy_from_logits_with_chunking else tokens) * g.vocab * 4
+    return {"logits": 3 * tokens * g.vocab * 4 + bonus, "LM-head backward": 0}
+
+
+def _forward_logits(cfg, g: Geometry, tokens: int, c: int) -> int:
+    """Per rank, a forward without gradients (evaluation, the reference pass): the plain path holds the model's
+    (tokens, V) logits, the scored rows of them, and their fp32 log-softmax and entropy work; the tiled head its tiles."""
+    if cfg.tiled_lm_head:
+        return 4 * min(tokens, MAX_TILE_ROWS, head_tile_rows(g.vocab)) * g.vocab * 4
+    return tokens * g.vocab * (2 * c + 3 * 4)
 
 
 def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
@@ -288,7 +297,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     # evaluation: eval_batch_size pairs per data-parallel group and their logits; sampling: SAMPLE_GROUP's KV cache
     eval_pairs = max(1, cfg.eval_batch_size // (world_size // sp))
     eval_tokens = -(-eval_pairs * pairs * cfg.max_length // sp)
-    forward = lambda b: no_grad(eval_tokens, b) + _logits(cfg, g, eval_tokens, b)["logits"]
+    forward = lambda b: no_grad(eval_tokens, b) + _forward_logits(cfg, g, eval_tokens, b)
     kv_cache = 2 * g.layers * g.kv_width * c * SAMPLE_GROUP * (cfg.max_prompt_length + cfg.max_new_tokens)
     out["phases"] = {
         "backward": static + backward,
@@ -360,8 +369,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
-    values = config_loader.flatten(cfg.to_dict())
-    schema = config_loader.schema()
+    values = config.flatten(cfg.to_dict())
+    schema = config.schema()
     # a block class named in fsdp.wrap_policy is what the estimate counts; min_num_params units are not
     values["fsdp.wrap_policy"] = {k: v for k, v in values["fsdp.wrap_policy"].items() if k == "min_num_params"}
     for key, note in NOT_MODELLED.items():
@@ -376,13 +385,50 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
             f"mixture of experts: FLOPs count N = {e['FLOPs parameters'] / 1e6:.2f}M, the parameters a token "
             f"runs through (its top-k experts; as throughput/mfu), memory all {e['parameters'] / 1e6:.2f}M"
         )
+    usable = None
     if gpu is not None:
         bf16, fp32, mem = DEVICES[gpu]
+        usable = USABLE * mem * GiB
         dtype, peak = ("bf16", bf16) if e["compute bytes"] == 2 else ("fp32", fp32)
         seconds = e["executed FLOPs per step"] / world / (peak * 1e12 * ASSUMED_MFU)
-        fits = "fits" if e["peak"] <= USABLE * mem * GiB else "DOES NOT FIT"
         lines.append(
             f"on {gpu} ({peak:.0f} TFLOP/s {dtype} peak, {mem} GiB): time per step {seconds:.3f} s at MFU "
-            f"{ASSUMED_MFU}; peak {e['peak'] / GiB:.2f} GiB of {USABLE * mem:.0f} GiB usable: {fits}"
+            f"{ASSUMED_MFU}; peak {e['peak'] / GiB:.2f} GiB of {USABLE * mem:.0f} GiB usable: "
+            + ("fits" if e["peak"] <= usable else "DOES NOT FIT")
         )
+    if usable is not None and e["peak"] > usable:
+        lines += _switches(cfg, model, world, device, e, usable)
+    elif not cfg.tiled_lm_head:  # the plain path's (tokens, vocab) tensors: named where the tiled head halves the peak
+        tiled = estimate(dataclasses.replace(cfg, tiled_lm_head=True), model, world, device)["peak"]
+        if 2 * tiled < e["peak"]:
+            lines.append(
+                f"the logits hold most of the peak ({e['peak phase']}, {e['peak'] / GiB:.2f} GiB): tiled_lm_head=true "
+                f"gives a peak of {tiled / GiB:.2f} GiB"
+            )
     return "\n".join(lines)
+
+
+def _switches(cfg, model: dict, world: int, device: str, e: dict, usable: float) -> list[str]:
+    """The switches that lower a peak over `usable`, each with the peak it gives and whether it fits: the tiled LM
+    head, activation checkpointing, half the micro-batch, and all of them."""
+    micro = {"gradient_accumulation_steps": 2 * cfg.gradient_accumulation_steps}
+    if cfg.max_tokens_per_microbatch:
+        micro = {"max_tokens_per_microbatch": max(1, cfg.max_tokens_per_microbatch // 2)}
+    fits = cfg.batch_size % (2 * cfg.gradient_accumulation_steps * world) == 0 or cfg.max_tokens_per_microbatch
+    options = {
+        "tiled_lm_head=true": {"tiled_lm_head": True} if not cfg.tiled_lm_head else None,
+        "activation_checkpointing=true": {"activation_checkpointing": True}
+        if not cfg.activation_checkpointing
+        else None,
+        f"{', '.join(f'{k}={v}' for k, v in micro.items())} (half the micro-batch)": micro if fits else None,
+    }
+    options = {name: changes for name, changes in options.items() if changes}
+    if len(options) > 1:
+        options["all of these"] = {k: v for changes in options.values() for k, v in changes.items()}
+    lines = [
+        f"what lowers the peak of {e['peak'] / GiB:.2f} GiB ({e['peak phase']}; the logits: {e['logits'] / GiB:.2f} GiB):"
+    ]
+    for name, changes in options.items():
+        peak = estimate(dataclasses.replace(cfg, **changes), model, world, device)["peak"]
+        lines.append(f"  {name:<56} peak {peak / GiB:.2f} GiB: " + ("fits" if peak <= usable else "does not fit"))
+    return lines

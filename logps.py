@@ -134,6 +134,12 @@ def label_logps(model, call, rows: Rows, sum_sq: bool = False) -> tuple[Tensor, 
 
 
 # ---------- Sequence log-probs ----------
+def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -> Tensor:
+    """A sequence's log-prob, Shape (batch,): the sum over its tokens (the original DPO), or the per-token mean
+    (lengths clamped to >= 1, so an empty response gives 0, not NaN)."""
+    return logps_sum / lengths.clamp(min=1).to(logps_sum.dtype) if average_log_prob else logps_sum
+
+
 def forward_logps(
     model, inputs: dict[str, Tensor], call=None, *, layout=None, head=None, router=None, per_token=False, sum_sq=False
 ) -> SequenceLogps:

@@ -38,13 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from logps import SequenceLogps  # the hand-off: what forward_logps returns, its unscored label
-
-
-def sequence_logps(logps_sum: Tensor, lengths: Tensor, average_log_prob: bool) -> Tensor:
-    """A sequence's log-prob, Shape (batch,): the sum over its tokens (the original DPO), or the per-token mean
-    (lengths clamped to >= 1, so an empty response gives 0, not NaN)."""
-    return logps_sum / lengths.clamp(min=1).to(logps_sum.dtype) if average_log_prob else logps_sum
+from logps import SequenceLogps, sequence_logps  # the hand-off: what forward_logps returns, its unscored label
 
 
 # --- The losses ---
@@ -344,6 +338,16 @@ class LossSpec:
     batch_statistics: bool = False  # a sort or mean over the batch: depends on how a step is split
     unpaired: bool = False  # scores labelled completions (kto_loss's signature)
 
+    @property
+    def reads(self) -> list[str]:
+        """The `loss.<key>`s the function reads (config_keys)."""
+        return config_keys(self.fn)
+
+    def average(self, hp) -> bool:
+        """Whether the loss sees per-token mean log-probs: loss.average_log_prob, or its own default when null."""
+        chosen = getattr(hp, "average_log_prob", None)
+        return self.average_log_prob if chosen is None else bool(chosen)
+
 
 # The one registry: compute_loss, config.py and the tests read it.
 LOSSES: dict[str, LossSpec] = {
@@ -386,12 +390,6 @@ def _specs(names: str | list[str]) -> tuple[list[str], list[LossSpec]]:
 def needs_reference(names: str | list[str], reference_free: bool) -> bool:
     """Whether the trainer must run a reference model for these losses."""
     return not reference_free and any(spec.needs_reference for spec in _specs(names)[1])
-
-
-def average_log_prob(spec: LossSpec, hp) -> bool:
-    """Whether a loss sees per-token mean log-probs: loss.average_log_prob, or the loss's own default when null."""
-    average = getattr(hp, "average_log_prob", None)
-    return spec.average_log_prob if average is None else bool(average)
 
 
 SUPPLIED = ("chosen_nll",)  # keyword-only parameters that compute_loss supplies from the batch, not the config
@@ -443,12 +441,10 @@ def compute_loss(
     """Weighted sum of the named losses (e.g. ["dpo", "sft"]; a str is one name; weights None: all 1.0), with the
     batch metrics (per example, detached).
 
-    hp: the config's loss section (any object; a key left out takes its default; average_log_prob None: each loss's
-    own). policy, reference: forward_logps' results over the batch's rows, chosen then rejected when `paired`, else
-    one row per example: `sums` and `counts`, (N,); the reference scores the same tokens, so the policy's counts
-    normalize both. No reference (reference_free, or None where no named loss needs one): log p = 0. desirable, kl:
-    KTO's (_unpaired_loss). labels (N, T), beta_dpo (its running statistics) and step (None in evaluation) serve the
-    modifiers (modifiers.py), applied where `modified(hp)`."""
+    hp: the config's loss section (any object; a key left out takes its default). policy, reference: forward_logps'
+    results over the batch's rows, chosen then rejected when `paired`, else one row per example; the policy's counts
+    normalize both. No reference (reference_free, or None where no loss needs one): log p = 0. desirable, kl: KTO's
+    (_unpaired_loss). labels (N, T), beta_dpo and step (None in evaluation): the modifiers' (modifiers.py)."""
     names, specs = _specs(names)
     weights = [1.0] * len(names) if weights is None else list(weights)
     unpaired = any(spec.unpaired for spec in specs)
@@ -473,18 +469,14 @@ def compute_loss(
     total = 0
     chosen_rewards, rejected_rewards = None, None
     for name, spec, weight in zip(names, specs, weights, strict=True):
-        average = average_log_prob(spec, hp)
-
-        def seen(policy_sums: Tensor, reference_sums: Tensor) -> list[Tensor]:  # the four log-probs the loss reads
-            policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in (policy_sums, reference_sums))
-            return [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
-
+        policy_logps, reference_logps = (sequence_logps(x, counts, spec.average(hp)) for x in (sums, ref))
+        logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
         kwargs = _kwargs_for(name, spec.fn, hp, {"chosen_nll": chosen_nll})
         if modifiers is None:
-            losses, chosen, rejected = spec.fn(*seen(sums, ref), **kwargs)
+            losses, chosen, rejected = spec.fn(*logps, **kwargs)
             total = total + weight * losses
         else:
-            losses, chosen, rejected = modifiers.loss(spec, seen(sums, ref), kwargs, seen)
+            losses, chosen, rejected = modifiers.loss(spec, logps, kwargs)
             total = total + modifiers.weigh(weight * losses)
         if chosen_rewards is None and chosen is not None:
             chosen_rewards, rejected_rewards = chosen, rejected
@@ -528,7 +520,7 @@ def _unpaired_loss(name, weight, hp, sums, counts, ref, paired, desirable, kl) -
         raise ValueError(f"loss {name!r} scores labelled completions: `desirable` (n,) is missing")
     if kl is None:
         raise ValueError(f"loss {name!r} needs the KL reference point `kl` (the trainer estimates it)")
-    average = average_log_prob(spec, hp)
+    average = spec.average(hp)
     desirable = desirable.to(sums.device).bool()
     kl = kl.to(sums.device)
     policy_logps, reference_logps = (sequence_logps(x, counts, average) for x in (sums, ref))

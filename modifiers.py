@@ -12,16 +12,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from logps import IGNORE_INDEX
-from losses import LOSSES, average_log_prob, config_keys, sequence_logps
+from logps import IGNORE_INDEX, sequence_logps
 
 
 def rules(c, world: int) -> list[str]:
     """The config's problems with the modifiers (config_loader.validate calls this when one is set)."""
     loss = c.loss
-    compares = any(
-        n in LOSSES and LOSSES[n].needs_reference for n in c.loss_names
-    )  # a selected loss compares with a reference
+    compares = any(spec.needs_reference for spec in c.loss_specs)  # a selected loss compares with a reference
     keeps = round(c.batch_size * (1 - loss.dynamic_beta_filter))
     problems = [
         f"loss.{key}={loss[key]}: a modifier of paired losses; loss.name={loss.name!r} scores one completion per prompt"
@@ -33,9 +30,7 @@ def rules(c, world: int) -> list[str]:
         )
         if on and not c.trains_on_pairs
     ]
-    if loss.dynamic_beta > 0 and not any(
-        "beta" in (config_keys(LOSSES[n].fn) if n in LOSSES else ()) for n in c.loss_names
-    ):
+    if loss.dynamic_beta > 0 and not any("beta" in spec.reads for spec in c.loss_specs):
         problems.append(
             f"loss.dynamic_beta={loss.dynamic_beta}: beta-DPO scales loss.beta, which no selected loss reads "
             f"(loss.name={loss.name!r})"
@@ -76,6 +71,7 @@ class Modifiers:
     def __init__(self, hp, policy, reference, labels, beta_dpo, step, specs, n: int):
         sums, counts = policy.sums, policy.counts
         self.hp = hp
+        self.counts = counts
         self.ref = torch.zeros_like(sums) if reference is None else reference.sums.to(sums.device)
         self.dpop = getattr(hp, "dpop_lambda", 0.0)
         self.wpo = None
@@ -95,16 +91,19 @@ class Modifiers:
             self.ld_sums = (length_desensitized_logps(policy.tokens, scored, ld_alpha), ref)
         self.beta = self.keep = None
         if beta_dpo is not None and getattr(hp, "dynamic_beta", 0.0):  # the margins of the first loss that reads beta
-            average = average_log_prob(next(s for s in specs if "beta" in config_keys(s.fn)), hp)
+            average = next(s for s in specs if "beta" in s.reads).average(hp)
             ratios = sequence_logps(sums - self.ref, counts, average).detach()
             self.beta, self.keep = beta_dpo(ratios[:n] - ratios[n:], hp, step)
 
-    def loss(self, spec, logps: list, kwargs: dict, seen) -> tuple:
+    def loss(self, spec, logps: list, kwargs: dict) -> tuple:
         """spec's (losses, chosen rewards, rejected rewards) under the modifiers, from the plain paired log-probs
-        `logps`; `seen(policy_sums, reference_sums)` gives them from other sums. The rewards: without DPOP's penalty,
-        at the configured beta (a second call, without gradients, where either differs)."""
+        `logps` (LD-DPO: from its own sums). The rewards: without DPOP's penalty, at the configured beta (a second
+        call, without gradients, where either differs)."""
         if spec.needs_reference and self.ld_sums is not None:
-            logps = seen(*self.ld_sums)
+            n = len(logps[0])
+            average = spec.average(self.hp)
+            policy_logps, reference_logps = (sequence_logps(x, self.counts, average) for x in self.ld_sums)
+            logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]
         penalized = logps
         if self.dpop and spec.needs_reference:  # DPOP: the penalty inside the chosen log-ratio
             penalized = [dpop_chosen_logps(logps[0], logps[2], self.dpop), *logps[1:]]

@@ -38,6 +38,34 @@ STATS = (  # logged per round, at the pairs seen before it
 ).split()
 
 
+def rules(c, world: int) -> list[str]:
+    """The config's problems with semi-online DPO (config_loader.validate calls this when online.rounds is set)."""
+    o = c.online
+    problems = []
+    if not c.trains_on_pairs:
+        problems.append(
+            f"online.rounds={o.rounds}: the rounds make pairs, and loss.name="
+            f"{c.loss.name!r} does not train on pairs; use a paired loss (loss=dpo)"
+        )
+    if c.precompute_ref_log_probs:
+        problems.append(
+            f"online.rounds={o.rounds} and precompute_ref_log_probs=true: the rounds' "
+            "pairs do not exist before training; set precompute_ref_log_probs=false"
+        )
+    if o.prompts_per_round < c.batch_size:
+        problems.append(
+            f"online.prompts_per_round={o.prompts_per_round}: fewer than "
+            f"batch_size={c.batch_size}, so a round (at most one pair per prompt) cannot fill one step"
+        )
+    if o.max_new_tokens + c.max_prompt_length > c.max_length:
+        problems.append(
+            f"online.max_new_tokens={o.max_new_tokens} + "
+            f"max_prompt_length={c.max_prompt_length} > max_length={c.max_length}: sampled pairs would be cut in "
+            "training (and lose their EOS); lower one or raise max_length"
+        )
+    return problems
+
+
 def batches(t):
     """The rounds' batches, for BasicTrainer.train's loop (which evaluates and checkpoints every eval_every pairs and
     at the end): the prompts read, the scorer built and the schedule's length set before the optimizer is."""

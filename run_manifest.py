@@ -141,9 +141,9 @@ def replay_config(original_dir, overrides: list[str]):
     path = Path(original_dir) / "config.yaml"
     if not path.is_file():
         raise config.ConfigError([f"--replay {original_dir}: no config.yaml there (expected a train.py run directory)"])
-    keys = config_loader.schema()
+    keys = config.schema()
     # config.yaml is already resolved (renamed keys, derived eval_every): rebuilt as it is, over the defaults
-    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config_loader.flatten(yaml.safe_load(path.read_text()))}
+    flat = {**{k: d for k, (_, d, _) in keys.items()}, **config.flatten(yaml.safe_load(path.read_text()))}
     _, given, flags, problems = config_loader.parse_argv(overrides)
     problems += [
         f"--replay repeats the recorded config; {raw!r} cannot be given (only {', '.join(REPLAY_KEYS)})"

@@ -14,6 +14,7 @@ loss; then clip, one decision on non-finite values for all ranks, step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import losses
 import preference_datasets as data
 import self_check
 from config import dtype_of
-from logps import SequenceLogps, concatenated_inputs, forward_logps
+from logps import SequenceLogps, concatenated_inputs, forward_logps, sequence_logps
 from checkpoints import Checkpoints, Interrupted, TrainState, stop_on_signals
 from sharding import OneProcess, unwrap
 import utils
@@ -91,6 +92,10 @@ class BasicTrainer:
         self.device = self.sharding.device
         self.unpaired = c.unpaired_loss  # KTO: completions, not pairs
         utils.use_shape_free_attention(self.device)
+        mixed = c.fsdp.mixed_precision_dtypes()  # in one process by torch.autocast (FSDP casts the parameters itself)
+        self.autocast = contextlib.nullcontext
+        if mixed and self.sharding.autocasts:
+            self.autocast = functools.partial(torch.autocast, self.device.type, dtype=dtype_of(mixed["param_dtype"]))
         self.state = TrainState()  # the counters a checkpoint keeps
         self.train_seconds = 0.0  # seconds in step_and_log since the loop began (online.py's generation share)
         self.stop = {"signal": None}
@@ -177,13 +182,12 @@ class BasicTrainer:
         )
         config = unwrap(self.policy).config
         vocab = (getattr(config, "text_config", None) or config).vocab_size
-        if self.head is None and vocab >= 65536:  # the plain path keeps (tokens, vocab) logits and fp32 log-softmax
-            tokens = micro * (1 + c.trains_on_pairs) * c.max_length
-            held = tokens * vocab * (4 + dtype_of(c.fsdp.model_dtype).itemsize) / 2**30
+        if self.head is None and vocab >= 65536:  # the plain path's fp32 (tokens, vocab) tensors: estimate._logits
+            held = 3 * micro * (1 + c.trains_on_pairs) * c.max_length * vocab * 4 / 2**30
             rank0_print(
-                f"LM head: the plain path holds up to {held:.1f} GiB of logits and their fp32 log-softmax per "
-                f"micro-batch at max_length={c.max_length} (vocabulary {vocab}); tiled_lm_head=true holds tiles of "
-                f"{128} MiB instead (checked against this path before the first step)"
+                f"LM head: up to {held:.1f} GiB per micro-batch at max_length={c.max_length} (vocabulary {vocab}) for "
+                "the fp32 log-softmax and its gradients; tiled_lm_head=true holds tiles of at most 128 MiB instead "
+                "(self-checked against this path before the first step)"
             )
         original = ""
         if (c.optimizer, c.lr, c.warmup_steps) == ("RMSprop", 5e-7, 150):
@@ -199,14 +203,6 @@ class BasicTrainer:
         return OneProcess(policy, self.config), policy, reference_model, None
 
     # --- the loss of a micro-batch ---------------------------------------------------------------------------
-    def autocast(self):
-        """fsdp.mixed_precision in one process: torch.autocast to its param_dtype (FSDP casts the parameters itself)."""
-        if self.config.fsdp.mixed_precision is None or not self.sharding.autocasts:
-            return contextlib.nullcontext()
-        return torch.autocast(
-            self.device.type, dtype=dtype_of(self.config.fsdp.mixed_precision_dtypes()["param_dtype"])
-        )
-
     def batch_metrics(self, batch: dict, split: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss of `batch` and its per-example metrics, named as the original (`rewards_train/chosen`)."""
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
@@ -603,7 +599,7 @@ class Reference:
         """KTO's z0 before clamping, Shape (1,): the mean policy-minus-reference log-ratio of the step's mismatched
         (prompt, completion) rows (kl_* keys) on ALL ranks, in its micro-batches; detached, so one value per step."""
         t, c = self.trainer, self.trainer.config
-        average = losses.average_log_prob(losses.LOSSES[c.loss_names[0]], c.loss)
+        average = losses.LOSSES[c.loss_names[0]].average(c.loss)
         rows = {f"chosen_{k}": batch[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")}
         parts, real = micro_batches(rows, c, t.sharding)
         total = torch.zeros(2, dtype=torch.float64, device=t.device)  # (sum of log-ratios, rows)
@@ -614,7 +610,7 @@ class Reference:
             ref = self.forward(chunk)
             if i < real:
                 ref_sums = 0 if ref is None else ref.sums.to(sums.device)
-                logratios = losses.sequence_logps(sums - ref_sums, counts, average)
+                logratios = sequence_logps(sums - ref_sums, counts, average)
                 n = torch.tensor(float(len(logratios)), device=sums.device)
                 total += torch.stack([logratios.double().sum(), n]).to(total.device)
         total = t.sharding.gather(total[None]).sum(0)

@@ -28,7 +28,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from config_loader import flatten  # noqa: E402
+from config import flatten  # noqa: E402
 
 # where a run writes and its seed: runs that differ only in these are one setting (wandb.* too)
 NOT_A_SETTING = ("run_dir", "exp_name", "resume_from", "local_dirs", "fsdp_port", "seed")

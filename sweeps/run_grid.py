@@ -26,7 +26,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from config import ConfigError  # noqa: E402
-from config_loader import flatten, load_config, to_yaml  # noqa: E402
+from config import flatten  # noqa: E402
+from config_loader import load_config, to_yaml  # noqa: E402
 
 FINISHED = "FINISHED"  # written when train.py exits 0, i.e. ran to its end (an interrupted run exits 130 or 143)
 

@@ -11,7 +11,8 @@ import yaml
 import config
 import config_loader
 from config import Config, ConfigError, EngineConfig, FSDPEngineConfig
-from config_loader import BLOCKS, help_text, load_config, schema
+from config import schema
+from config_loader import BLOCKS, help_text, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGINAL_COMMAND = (

@@ -1,5 +1,6 @@
 """`train.py --estimate`: from config.json alone (no weights), parameter counts exact for known families."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -13,8 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import config
 import config_loader
 import estimate
-import logps
-import self_check
+import tiled_head
 import utils
 from test_train import REPO
 
@@ -65,9 +65,11 @@ def test_tiled_head_logits_follow_the_tile_size():
     model = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
     big = dict(model, vocab_size=128256)
     est = estimate.estimate(
-        config_loader.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0], big, 1
+        config_loader.load_config(["loss=dpo", "tiled_lm_head=true", "max_length=2048", "max_prompt_length=1024"])[0],
+        big,
+        1,
     )
-    assert est["logits"] == 4 * logps.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
+    assert est["logits"] == 4 * tiled_head.head_tile_rows(128256) * 128256 * 4  # 261-row tiles, not 1024
 
 
 def test_estimate_reads_only_config_json(tmp_path):
@@ -180,17 +182,11 @@ def test_lm_head_backward_workspace():
     temporary in the compute dtype when that is not fp32; the plain path holds the logits' gradient."""
     head = 128256 * TOY["hidden_size"]
     for mp, extra in (([], 0), (["fsdp.mixed_precision=bf16"], head * 2)):
-        e = est(*mp, model=BIG_VOCAB)
+        e = est("tiled_lm_head=true", *mp, model=BIG_VOCAB)
         assert e["phases"]["backward"] - static(e) - e["activations"] - e["logits"] == head * 4 + extra
-    # the plain path keeps the logits, and beside them the logits' gradient (more than the chunked entropy's work)
-    plain = est(
-        "tiled_lm_head=false",
-        "fsdp.entropy_from_logits_with_chunking=true",
-        "max_length=2048",
-        "max_prompt_length=1024",
-        model=BIG_VOCAB,
-    )
-    assert plain["logits"] == 2 * plain["micro-batch tokens"] * 128256 * 4
+    # the plain path keeps the fp32 log-softmax, and beside it at backward's start the fp32 gradients of it and its input
+    plain = est("max_length=2048", "max_prompt_length=1024", model=BIG_VOCAB)
+    assert plain["logits"] == 3 * plain["micro-batch tokens"] * 128256 * 4
     assert plain["phases"]["backward"] - static(plain) - plain["activations"] == plain["logits"]
 
 
@@ -402,8 +398,8 @@ def test_report_names_the_peak_phase():
     assert big_eval["peak phase"] == "evaluation"
     # self_check compares the tiled head with the full fp32 logits of a few pairs, cut to HEAD_LOGITS_BYTES
     long = ["max_length=2048", "max_prompt_length=1024"]
-    checked = [est(*long, *tiled, model=BIG_VOCAB)["phases"]["self check"] for tiled in ([], ["tiled_lm_head=false"])]
-    assert checked[0] - checked[1] == self_check.HEAD_LOGITS_BYTES
+    checked = [est(*long, *tiled, model=BIG_VOCAB)["phases"]["self check"] for tiled in (["tiled_lm_head=true"], [])]
+    assert checked[0] - checked[1] == tiled_head.HEAD_LOGITS_BYTES
     assert "self check" not in est("self_check=false")["phases"]
     cfg = config_loader.load_config(
         ["loss=dpo", "optimizer=SGD", "precompute_ref_log_probs=true", "max_length=32", "max_prompt_length=16"]
@@ -423,3 +419,46 @@ def test_keys_the_estimate_does_not_model_are_printed():
     assert "assumes" not in estimate.report(
         config_loader.load_config(["loss=dpo"])[0], str(REPO / "toy" / "tiny-llama"), 1
     )
+
+
+def test_a_report_that_does_not_fit_names_the_switches_that_would_with_their_figures(tmp_path):
+    """--estimate of a Qwen3-8B shape on 8 H100s without activation checkpointing does not fit: the report names
+    activation_checkpointing, the tiled head (its logits are the plain path's fp32 log-softmax) and half the
+    micro-batch, each with the peak it gives and its verdict, computed by the estimate itself."""
+    qwen3_8b = dict(
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_8b))
+    args = ["trainer=FSDPTrainer", "n_workers=8", "loss=dpo", "batch_size=64", "fsdp.mixed_precision=bf16"]
+    cfg = config_loader.load_config(args)[0]
+    out = estimate.report(cfg, str(tmp_path), 8, "H100")
+    assert "DOES NOT FIT" in out, out
+    e = estimate.estimate(cfg, qwen3_8b, 8)
+    for switch in ("activation_checkpointing", "tiled_lm_head"):
+        peak = estimate.estimate(dataclasses.replace(cfg, **{switch: True}), qwen3_8b, 8)["peak"]
+        assert peak < e["peak"]
+        assert re.search(rf"{switch}=true +peak {peak / 2**30:.2f} GiB: (fits|does not fit)", out), out
+    assert re.search(r"gradient_accumulation_steps=2 \(half the micro-batch\) +peak [\d.]+ GiB", out), out
+    assert "all of these" in out
+    fits = estimate.report(
+        dataclasses.replace(cfg, activation_checkpointing=True, tiled_lm_head=True), str(tmp_path), 8, "H100"
+    )
+    assert "fits" in fits and "what lowers the peak" not in fits, fits  # nothing to name when it fits
+
+
+def test_an_untiled_head_whose_logits_lead_the_peak_is_named_without_a_gpu(tmp_path):
+    """At a 128k vocabulary and long rows the plain path's fp32 log-softmax holds most of the peak: the report says
+    what tiled_lm_head=true gives, without gpu= too; with the tiled head on it says nothing of it."""
+    cfg = config_loader.load_config(["loss=dpo", "max_length=2048", "max_prompt_length=1024"])[0]
+    (tmp_path / "config.json").write_text(json.dumps(BIG_VOCAB))
+    out = estimate.report(cfg, str(tmp_path), 1)
+    tiled = estimate.estimate(dataclasses.replace(cfg, tiled_lm_head=True), BIG_VOCAB, 1)["peak"]
+    assert f"tiled_lm_head=true gives a peak of {tiled / 2**30:.2f} GiB" in out, out
+    assert "tiled_lm_head" not in estimate.report(dataclasses.replace(cfg, tiled_lm_head=True), str(tmp_path), 1)

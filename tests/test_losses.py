@@ -26,7 +26,8 @@ import losses
 import modifiers
 from config import LossConfig
 from logps import IGNORE_INDEX, SequenceLogps
-from losses import LOSSES, needs_reference, sequence_logps
+from logps import sequence_logps
+from losses import LOSSES, needs_reference
 
 ATOL = 1e-6
 REF_CHOSEN = [-10.0, -20.0, -30.0]
