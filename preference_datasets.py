@@ -11,12 +11,15 @@ Departures from the original DPO code:
   8. Each epoch drops its incomplete last global batch; n_examples runs ceil(n_examples / batch_size) steps.
 """
 
+import errno
 import hashlib
 import itertools
 import json
 import os
 import re
+import secrets
 import shutil
+import socket
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -325,35 +328,49 @@ def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]
     were written (edited, truncated, replaced) are rebuilt; an older version's cache file is never read."""
     entry = cache_dir / "tokenized" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)[-60:]}-{key[:16]}"
     entry.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
-        return [
-            [(st := (folder / f).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns]
-            for f in ("examples.arrow", "lengths.npy")
-        ]
-
-    # several ranks may start at once: the first builds the entry while the others wait, then all map it
+    # several ranks may start at once: the first builds the entry while the others wait, then all map it. Where flock
+    # does not span the nodes (NFS with local_lock or nolock, Lustre's localflock, many FUSE mounts) a builder per
+    # node: each in a folder of its own (PIDs repeat across containers), and the first to rename wins
     with FileLock(str(entry) + ".lock"):
-        try:
-            stats = json.loads((entry / "stats.json").read_text())
-            if stats.pop("key") == key and stats.pop("files") == record(entry):
-                table = pa.ipc.open_file(pa.memory_map(str(entry / "examples.arrow"))).read_all()
-                stats = SourceStats(**dict(stats, cache=f"hit {entry}"))
-                return Split(table, [stats], {}, np.load(entry / "lengths.npy"))
-        except (ValueError, TypeError, KeyError, OSError):  # not built yet, or unreadable
-            pass
+        if hit := _read_entry(entry, key):
+            return hit
         changed = entry.exists()  # but not as its record says: edited, truncated or replaced since it was written
         shutil.rmtree(entry, ignore_errors=True)
-        (tmp := entry.with_name(f"{entry.name}.tmp{os.getpid()}")).mkdir()
+        tmp = entry.with_name(f"{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp.mkdir()
         try:
             split = build(tmp / "examples.arrow")
             split.stats[0].cache = f"{'rewritten (it had changed)' if changed else 'written'} {entry}"
-            stats = dict(asdict(split.stats[0]), key=key, files=record(tmp))
+            stats = dict(asdict(split.stats[0]), key=key, files=_record(tmp))
             (tmp / "stats.json").write_text(json.dumps(stats))
-            os.replace(tmp, entry)  # atomic: a reader sees the whole entry or none (renaming keeps the file's times)
+            try:  # atomic: a reader sees the whole entry or none (renaming keeps the files' times)
+                os.replace(tmp, entry)
+            except OSError as e:  # another node renamed its entry first: the same data, read from there
+                winner = _read_entry(entry, key) if e.errno in (errno.ENOTEMPTY, errno.EEXIST) else None
+                if winner is None:
+                    raise
+                split = winner
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return split
+
+
+def _record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
+    found = [(folder / name).stat() for name in ("examples.arrow", "lengths.npy")]
+    return [[st.st_size, st.st_mtime_ns, st.st_ctime_ns] for st in found]
+
+
+def _read_entry(entry: Path, key: str) -> Split | None:
+    """The cache entry's split, memory-mapped, if it was written for `key` and its files are as written; else None."""
+    try:
+        stats = json.loads((entry / "stats.json").read_text())
+        if stats.pop("key") == key and stats.pop("files") == _record(entry):
+            table = pa.ipc.open_file(pa.memory_map(str(entry / "examples.arrow"))).read_all()
+            stats = SourceStats(**dict(stats, cache=f"hit {entry}"))
+            return Split(table, [stats], {}, np.load(entry / "lengths.npy"))
+    except (ValueError, TypeError, KeyError, OSError):  # not built yet, or unreadable
+        pass
+    return None
 
 
 def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:

@@ -921,6 +921,74 @@ def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path,
     assert [sorted(a + b) for (a, _), (b, _) in zip(outputs[0][1], outputs[1][1])] == [sorted(w) for w in whole]
 
 
+BUILDER = """
+import contextlib, hashlib, json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import preference_datasets as pd
+from transformers import AutoTokenizer
+pd.FileLock = lambda path: contextlib.nullcontext()  # a flock that does not span the nodes: neither sees the other's
+if {same_pid}:
+    os.getpid = lambda: 4242  # containers on two nodes often have equal PIDs
+tokenize = pd.tokenize_normalized
+
+def both_building(*args, **kwargs):  # neither finishes before both have started building: the race, every time
+    Path({mine!r}).touch()
+    deadline = time.time() + 20
+    while not Path({theirs!r}).exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep({delay})
+    return tokenize(*args, **kwargs)
+
+pd.tokenize_normalized = both_building
+examples = pd.load_tokenized(["toy"], AutoTokenizer.from_pretrained({tok!r}), "train", cache_dir={cache!r})
+table = examples.table.to_pydict()
+print(json.dumps([examples.stats[0].cache.split()[0], hashlib.sha256(repr(table).encode()).hexdigest()]))
+"""
+
+
+@pytest.mark.parametrize("same_pid", [False, True], ids=["two_nodes", "two_nodes_same_pid"])
+def test_two_nodes_building_one_cache_entry_at_once_both_finish_with_the_same_table(tmp_path, same_pid):
+    """Where flock is node-local (NFS with local_lock or nolock, Lustre's localflock, many FUSE mounts) two nodes both
+    miss the entry and build it at once: the one that renames second reads the winner's entry (before: os.replace
+    failed with 'Directory not empty' and that rank died). With equal PIDs (containers) each builds in its own folder
+    (before: both used entry.tmp<pid>, and the second failed to make it). Both finish with identical tables, which a
+    later load then finds; no build folder is left behind."""
+    cache, tok = str(tmp_path / "cache"), str(REPO / "toy" / "tiny-llama")
+    flags = [str(tmp_path / f"building-{n}") for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                BUILDER.format(
+                    repo=str(REPO),
+                    tok=tok,
+                    cache=cache,
+                    same_pid=same_pid,
+                    mine=flags[n],
+                    theirs=flags[1 - n],
+                    delay=0.5 * n,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    finished = [p.communicate() for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in finished]
+    (first, digest), (second, other) = (json.loads(out.splitlines()[-1]) for out, _ in finished)
+    assert (first, second) == ("written", "hit") and digest == other
+    from transformers import AutoTokenizer
+
+    again = pd.load_tokenized(["toy"], AutoTokenizer.from_pretrained(tok), "train", cache_dir=cache)
+    assert again.stats[0].cache.startswith("hit")
+    assert hashlib.sha256(repr(again.table.to_pydict()).encode()).hexdigest() == digest
+    assert [p.name for p in (tmp_path / "cache" / "tokenized").iterdir() if ".tmp" in p.name] == []
+
+
 def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_tokenizer_once(tmp_path, monkeypatch):
     """train.py's checks load both splits and hand them to the trainer and the manifest (before: the data was loaded
     7 times per run, a file parsed 11 times, the tokenizer hashed 9 times). Cold, each file is hashed (streamed) and
