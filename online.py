@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import preference_datasets as data
+import sources
 import ulysses
 from config import ConfigError
 from sharding import unwrap
@@ -214,7 +215,7 @@ def shared_prefix_generate(sharding, model, ids: torch.Tensor, mask: torch.Tenso
 # --- Prompts ---------------------------------------------------------------------------------------------------
 def read_prompts(c) -> list:
     """The distinct `prompt` fields (strings or {role, content} lists) of online.prompts, else of datasets' files."""
-    files = [c.online.prompts] if c.online.prompts else [data.resolve_source(d, "train")[1] for d in c.datasets]
+    files = [c.online.prompts] if c.online.prompts else [sources.resolve_source(d, "train")[1] for d in c.datasets]
     prompts = []
     for path in map(Path, files):
         if path.suffix != ".jsonl" or not path.is_file():  # a hub dataset, a .json list
@@ -226,7 +227,9 @@ def read_prompts(c) -> list:
                 prompt = None
             chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
             if line.strip() and not (prompt and (isinstance(prompt, str) or chat)):
-                raise data.DataError(f'{path}, line {n}: expected {{"prompt": a string or messages}}, got {line[:60]}')
+                raise sources.DataError(
+                    f'{path}, line {n}: expected {{"prompt": a string or messages}}, got {line[:60]}'
+                )
             prompts += [prompt] if line.strip() else []
     return list({json.dumps(p): p for p in prompts}.values())
 
@@ -234,11 +237,11 @@ def read_prompts(c) -> list:
 def prompt_ids(tokenizer, prompt, c) -> list[int]:
     """As training makes a prompt: [BOS] + text (chat: its template's markup special), cut to max_prompt_length."""
     chat = isinstance(prompt, list)
-    text = data.render_chat(tokenizer, prompt, {"role": "assistant", "content": ""})[0] if chat else prompt
+    text = sources.render_chat(tokenizer, prompt, {"role": "assistant", "content": ""})[0] if chat else prompt
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=not chat)["input_ids"]
     bos = tokenizer.bos_token_id
     ids = [bos] + ids if data.tokenizer_adds_bos(tokenizer) and ids[:1] != [bos] else ids
-    mode = c.truncation_mode or ("keep_end" if chat or text.endswith(data.HH_MARKER) else "keep_start")
+    mode = c.truncation_mode or ("keep_end" if chat or text.endswith(sources.HH_MARKER) else "keep_start")
     # against a response of max_length tokens, truncate cuts the prompt exactly when it exceeds max_prompt_length
     limits = dict(max_length=c.max_length, max_prompt_length=c.max_prompt_length, mode=mode, bos_id=bos)
     return data.truncate(ids, [range(c.max_length)], **limits)[0]
@@ -256,7 +259,7 @@ def make_scorer(c, device=None):
     """online.scorer as a function; without a device only checked (a reward model's config read, no weights)."""
     kind, _, arg = c.online.scorer.partition("=")
     if kind == "rule":
-        if (rule := data.sample_rule(c.datasets)) is None:
+        if (rule := sources.sample_rule(c.datasets)) is None:
             raise ConfigError([f"online.scorer=rule: datasets={list(c.datasets)} have no checkable rule (toy has one)"])
         return lambda prompts, completions: [float(rule(x)) for x in completions]
     if kind == "reward_model":

@@ -1,9 +1,4 @@
-"""Preference data: raw sources -> normalized examples -> tokenized pairs (Arrow, cached on disk) -> batches.
-
-Sources (SOURCES): hh, shp, se, ultrafeedback, kto_mix (Hugging Face Hub), toy, or a .jsonl/.json path ('{split}' in
-it replaced) whose first row picks its shape (SHAPES): {prompt, chosen, rejected[, sft_target]} as strings (appended
-verbatim: a response has its own leading space) or {role, content} lists (chat template); unpaired {prompt, completion,
-label}; raw HH, SHP, UltraFeedback. Bad rows raise DataError naming file, line, field and expectation, none skipped.
+"""Preference data: normalized examples (sources.py) -> tokenized pairs (Arrow, cached on disk) -> batches.
 
 Departures from the original DPO code:
   1. Tokenized once, into Arrow files the ranks memory-map (one copy per node); the original tokenized on every rank.
@@ -13,24 +8,20 @@ Departures from the original DPO code:
   5. Special-token text in plain text is ordinary text (the original crashed); chat-template markup is special.
   6. Empty responses and, unless drop_identical_pairs=false, chosen == rejected (text, or tokens once cut) are dropped.
   7. Responses get the room left after the prompt (max_length - len(prompt)), not max_length - max_prompt_length.
-  8. SHP and SE keep at most MAX_PAIRS_PER_PROMPT pairs per prompt; SE drops ties and holds out 1% as 'test'.
-  9. hh: the prompt ends at the last "\\n\\nAssistant:" both transcripts share; rows whose histories differ are dropped.
- 10. Prompts that end by cueing the reply (hh, chat, local "...\\n\\nAssistant:" rows) are cut keep_end by default.
- 11. Each epoch drops its incomplete last global batch; n_examples runs ceil(n_examples / batch_size) steps.
+  8. Each epoch drops its incomplete last global batch; n_examples runs ceil(n_examples / batch_size) steps.
 """
 
-import difflib
+import errno
 import hashlib
-import html
 import itertools
 import json
 import os
 import re
+import secrets
 import shutil
-import warnings
+import socket
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
@@ -40,424 +31,13 @@ import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-from utils import file_sha256, first_usable_dir, hub_offline
+from sources import HH_MARKER, MAX_PAIRS_PER_PROMPT, SHAPES, DataError, PromptResponses, detect_shape, read_rows
+from sources import resolve_source
+from utils import file_sha256, first_usable_dir
 
 CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
-MAX_PAIRS_PER_PROMPT = 5  # SHP and SE: comparisons grow as O(n^2) in a post's answers (the SHP authors' advice)
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-ROLE_HINTS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
-HH_MARKER = "\n\nAssistant:"
 ENCODE_CHUNK = 2048  # prompts per tokenizer call: a call per text is slow, one call for all holds every list at once
 SAMPLE_GROUP = 8  # prompts per generate call during evaluation (see get_sample_batches)
-Converted = tuple[dict[str, "PromptResponses"], Counter]  # a converter's ({prompt: ...}, rows dropped by reason)
-
-
-class DataError(ValueError):
-    """Bad data, or a source that cannot be read. The message names the file, line, field and what was expected."""
-
-
-# --- The normalized form, and the converters from raw rows (pure functions: tests feed them rows by hand) ----
-@dataclass
-class PromptResponses:
-    """One prompt, its distinct responses and their preferences: pairs (i, j), responses[i] over responses[j]."""
-
-    prompt: str
-    responses: list[str] = field(default_factory=list)
-    pairs: list[tuple[int, int]] = field(default_factory=list)
-    sft_targets: list[str] = field(default_factory=list)
-    rated: list[tuple[int, bool]] = field(default_factory=list)  # (i, label) per unpaired row
-    chat: bool = False  # rendered by a chat template: its special-token text is markup
-    rows: list[int] = field(default_factory=list)  # each pair's row in the source (1-based), to name it in messages
-
-    def index(self, response: str) -> int:
-        if response not in self.responses:
-            self.responses.append(response)
-        return self.responses.index(response)
-
-    def add_pair(self, chosen: str, rejected: str, row: int = 0) -> None:
-        self.pairs.append((self.index(chosen), self.index(rejected)))
-        self.rows.append(row)
-
-
-def convert_hh(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
-    """Anthropic/hh-rlhf rows {chosen, rejected}, whole transcripts (departure 9). SFT target: the last chosen."""
-    data = {}
-    dropped = Counter()
-    for n, row in enumerate(rows, 1):
-        cut = row["chosen"].rfind(HH_MARKER, 0, len(os.path.commonprefix([row["chosen"], row["rejected"]])))
-        prompt = row["chosen"][: cut + len(HH_MARKER)]
-        responses = row["chosen"][len(prompt) :], row["rejected"][len(prompt) :]
-        if cut == -1 or any("\n\nHuman:" in r for r in responses):  # the histories differ
-            dropped["hh_prompt_mismatch"] += 1
-        else:
-            (entry := data.setdefault(prompt, PromptResponses(prompt))).add_pair(*responses, n)
-            entry.sft_targets = [responses[0]]
-    return data, dropped
-
-
-def convert_shp(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
-    """stanfordnlp/SHP rows; a score ratio below 2 (a weak preference) is dropped, as the original. SFT: the best."""
-    data = {}
-    dropped = Counter()
-    best = {}
-    for n, row in enumerate(rows, 1):
-        a, b = row["score_A"], row["score_B"]
-        prompt = "\n\nHuman: " + row["history"] + HH_MARKER
-        if max(a, b) < 2 * min(a, b) or max(a, b) <= 0:  # ratio >= 2 without dividing by a score of 0
-            dropped["shp_score_ratio_below_2"] += 1
-        elif len((entry := data.setdefault(prompt, PromptResponses(prompt))).pairs) >= MAX_PAIRS_PER_PROMPT:
-            dropped["over_pair_cap"] += 1
-        else:
-            ref_a, ref_b = " " + row["human_ref_A"], " " + row["human_ref_B"]
-            entry.add_pair(*((ref_a, ref_b) if row["labels"] == 1 else (ref_b, ref_a)), n)
-            if max(a, b) > best.get(prompt, -float("inf")):  # a != b: the ratio filter passed
-                best[prompt] = max(a, b)
-                entry.sft_targets = [ref_a if a > b else ref_b]
-    return data, dropped
-
-
-def strip_html(text: str) -> str:
-    """HTML -> plain text: block elements become paragraph breaks, other tags go, entities are decoded."""
-    text = re.sub(r"<br\s*/?>", "\n", text, flags=re.I)
-    text = re.sub(r"</?(?:p|div|pre|blockquote|ul|ol|li|table|tr|hr|h[1-6])\b[^>]*>", "\n\n", text, flags=re.I)
-    text = html.unescape(re.sub(r"<[^>]*>", "", text))  # tags first: an escaped '&lt;' is text, not a tag
-    return re.sub(r"\n\s*\n\s*\n+", "\n\n", text).strip()
-
-
-def convert_se(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
-    """stack-exchange-preferences rows: every pair of answers with different scores, better first. SFT: the best."""
-    data = {}
-    dropped = Counter()
-    for n, row in enumerate(rows, 1):
-        entry = data.setdefault(p := "\n\nHuman: " + strip_html(row["question"]) + HH_MARKER, PromptResponses(p))
-        answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
-        for (text_i, score_i), (text_j, score_j) in itertools.combinations(answers, 2):
-            if score_i == score_j:
-                dropped["se_tie"] += 1  # no preference
-            elif len(entry.pairs) >= MAX_PAIRS_PER_PROMPT:
-                dropped["over_pair_cap"] += 1
-            else:
-                entry.add_pair(*((text_i, text_j) if score_i > score_j else (text_j, text_i)), n)
-        entry.sft_targets = [max(answers, key=lambda answer: answer[1])[0]] if answers else entry.sft_targets
-    return data, dropped
-
-
-def render_chat(tokenizer: Any, history: list[dict], reply: dict) -> tuple[str, str]:
-    """(history, reply) -> (prompt ending in the generation prompt, response) by the chat template, less its EOS."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"chat-form rows need a chat template; tokenizer {getattr(tokenizer, 'name_or_path', None)!r} "
-            "has none (set model.chat_template=chatml or a Jinja template file, or write plain strings)"
-        )
-    prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(history + [reply], tokenize=False)
-    if not full.startswith(prompt):
-        raise DataError(
-            "the chat template does not render the prompt as a prefix of prompt+reply, so the reply cannot "
-            f"be separated (prompt ends {prompt[-80:]!r}, conversation {full[len(prompt) - 80 :][:120]!r})"
-        )
-    response = full[len(prompt) :]
-    eos = tokenizer.eos_token
-    return prompt, response.rstrip()[: -len(eos)] if eos and response.rstrip().endswith(eos) else response
-
-
-def reply_messages(prompt: list[dict], messages: list[dict]) -> list[dict]:  # the reply, if the prompt comes first
-    return messages[len(prompt) :] if messages[: len(prompt)] == prompt else messages
-
-
-def convert_rows(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
-    """Local {prompt, chosen, rejected[, sft_target]} or {prompt, completion, label} rows; message lists rendered."""
-    data = {}
-    for n, row in enumerate(rows, 1):
-        if row is None:  # a row convert_ultrafeedback dropped, counted in its numbers
-            continue
-        target = "sft_target" if "sft_target" in row else "chosen"
-        names = ("completion",) if "completion" in row else ("chosen", "rejected", target)
-        if chat := not isinstance(row["prompt"], str):
-            rendered = [render_chat(tokenizer, row["prompt"], reply_messages(row["prompt"], row[k])[0]) for k in names]
-        else:
-            rendered = [(row["prompt"], row[k]) for k in names]
-        prompt = rendered[0][0]
-        replies = [response for _, response in rendered]
-        entry = data.setdefault(prompt, PromptResponses(prompt, chat=chat))
-        if "completion" in row:  # a completion rated twice counts twice
-            entry.rated.append((entry.index(replies[0]), bool(row["label"])))
-        else:
-            entry.add_pair(*replies[:2], n)
-            entry.sft_targets.append(replies[2])
-    return data, Counter()
-
-
-def convert_ultrafeedback(rows: Iterable[dict], tokenizer: Any = None) -> Converted:
-    """HuggingFaceH4/ultrafeedback_binarized rows {chosen, rejected}: whole conversations ending in the reply."""
-    pairs = []
-    dropped = Counter()
-    for row in rows:
-        if row["rejected"][:-1] != row["chosen"][:-1] or row["chosen"][-1]["role"] != "assistant":
-            dropped["ultrafeedback_prompt_mismatch"] += 1
-            pairs.append(None)  # still a row: later rows keep their numbers
-        else:
-            pairs.append({"prompt": row["chosen"][:-1], "chosen": row["chosen"][-1:], "rejected": row["rejected"][-1:]})
-    return convert_rows(pairs, tokenizer)[0], dropped
-
-
-def fetch_hub(hub_id: str, split: str, cache_dir: str | None, splits: dict | None = None, held_out: float = 0):
-    """datasets.load_dataset(hub_id, split), `splits` naming the hub's, with advice when it fails; held_out: 'test'."""
-    import datasets  # only hub sources need it, and it is slow to import
-
-    hub_split = "train" if held_out else (splits or {}).get(split, split)
-    try:
-        dataset = datasets.load_dataset(hub_id, split=hub_split, cache_dir=cache_dir)
-    except Exception as e:  # the library raises ConnectionError, FileNotFoundError, ValueError, ... by case
-        why = "could not be loaded from the Hub into"
-        if hub_offline():
-            why = "is not available offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set), not in"
-        raise DataError(
-            f"dataset {hub_id!r} (split {hub_split!r}) {why} {cache_dir or 'the default cache'}. Pass datasets=[path/"
-            f"to/file.jsonl] (its rows, as examples/pairs.jsonl), or pre-populate the cache: run datasets.load_dataset("
-            f"{hub_id!r}, split={hub_split!r}, cache_dir={cache_dir!r}) where there is network, and copy the cache."
-            f"\n({type(e).__name__}: {e})"
-        ) from e
-    if held_out:  # only a train split (SE): as the original, shuffled with seed 42, its first `held_out` is 'test'
-        dataset = dataset.shuffle(seed=42)
-        n_test = int(len(dataset) * held_out)
-        dataset = dataset.select(range(n_test) if split == "test" else range(n_test, len(dataset)))
-    return dataset
-
-
-# --- Sources: one entry in SOURCES each; a local file's row shape one in SHAPES, every row checked -----------
-@dataclass(frozen=True)
-class Source:
-    """Where rows come from, what they must hold and how they convert: a named source, or a local file's shape."""
-
-    convert: Callable[[Iterable[dict], Any], Converted]
-    truncation_mode: str | None = None  # keep_end when prompts cue the reply (departure 10); None: as the first one
-    fetch: Callable[[str, str | None], Any] | None = None  # (split, cache_dir) -> the rows of a hub source
-    path: str | None = None  # a local source's file, relative to this module, '{split}' replaced
-    sample_rule: Callable[[str], bool] | None = None  # response -> whether it shows the taught behaviour
-    unpaired: bool = False  # its rows are labelled completions (KTO data), not pairs
-    matches: Callable[[dict], bool] = lambda row: True  # a shape: whether a file's first row has it
-    fields: dict[str, tuple] | None = None  # a shape: field -> accepted types, for every row
-
-
-SOURCES: dict[str, Source] = {
-    "hh": Source(convert_hh, "keep_end", fetch=partial(fetch_hub, "Anthropic/hh-rlhf")),
-    "shp": Source(convert_shp, "keep_start", fetch=partial(fetch_hub, "stanfordnlp/SHP")),  # as the original
-    "se": Source(
-        convert_se, "keep_start", fetch=partial(fetch_hub, "HuggingFaceH4/stack-exchange-preferences", held_out=0.01)
-    ),
-    "ultrafeedback": Source(
-        convert_ultrafeedback,
-        "keep_end",
-        fetch=partial(
-            fetch_hub, "HuggingFaceH4/ultrafeedback_binarized", splits={"train": "train_prefs", "test": "test_prefs"}
-        ),
-    ),
-    "toy": Source(
-        convert_rows,
-        "keep_start",
-        path="toy/data/{split}.jsonl",  # the rule: toy/make_toy.py's follows_rule
-        sample_rule=lambda text: bool(az := re.sub(r"[^A-Za-z]", "", text)) and az == az.lower(),
-    ),
-    "kto_mix": Source(convert_rows, "keep_end", fetch=partial(fetch_hub, "trl-lib/kto-mix-14k"), unpaired=True),
-}
-TEXT = (str, list)  # a string, or a list of {role, content} messages
-NUMBER = (int, float)
-TYPE_NAMES = {str: "a string", list: "a list of {role, content} messages", bool: "a boolean", int: "a number"}
-MESSAGE_FIELDS = dict(role=(str,), content=(str,))
-SHP_FIELDS = dict(history=(str,), human_ref_A=(str,), human_ref_B=(str,), labels=(int,), score_A=NUMBER, score_B=NUMBER)
-SHAPES = {  # named in messages; a file's first row takes the first that matches ("pair", last, matches every row)
-    "unpaired": Source(
-        convert_rows,
-        unpaired=True,
-        matches=lambda r: "completion" in r and "label" in r,
-        fields=dict(prompt=TEXT, completion=TEXT, label=(bool,)),
-    ),
-    "SHP": Source(convert_shp, "keep_start", matches=lambda r: all(k in r for k in SHP_FIELDS), fields=SHP_FIELDS),
-    "Anthropic HH": Source(
-        convert_hh,
-        "keep_end",
-        fields=dict(chosen=(str,), rejected=(str,)),
-        matches=lambda r: "prompt" not in r and isinstance(r.get("chosen"), str) and HH_MARKER in r["chosen"],
-    ),
-    "UltraFeedback": Source(
-        convert_ultrafeedback,
-        "keep_end",
-        fields=dict(chosen=(list,), rejected=(list,)),
-        matches=lambda r: (
-            not isinstance(r.get("prompt"), list) and isinstance(r.get("chosen"), list) and len(r["chosen"]) >= 2
-        ),
-    ),
-    "pair": Source(convert_rows, fields=dict(prompt=TEXT, chosen=TEXT, rejected=TEXT)),
-}
-
-
-def resolve_source(name: str, split: str) -> tuple[Source | None, Path | None]:
-    """A dataset name -> (its Source, None for a local file: its first row picks one; its file, None on the hub),
-    DataError for an unknown name or a local file that is not there."""
-    if source := SOURCES.get(name):
-        return source, Path(__file__).resolve().parent / source.path.format(split=split) if source.path else None
-    if "/" in name or os.sep in name or Path(name).suffix or Path(name).exists():
-        if (path := Path(name.replace("{split}", split))).suffix in (".jsonl", ".json") and path.is_file():
-            return None, path
-        what = "expected a .jsonl or .json file of {prompt, chosen, rejected} rows"
-        why = f"no such file ({what})" if path.suffix in (".jsonl", ".json") else f"{what}, got a '{path.suffix}' file"
-        raise DataError(f"{path}: {why}")
-    guess = difflib.get_close_matches(name, list(SOURCES), 1, cutoff=0.5)
-    raise DataError(
-        f"unknown dataset '{name}': expected one of {', '.join(SOURCES)} or a path to a .jsonl/.json "
-        "file" + (f"; did you mean '{guess[0]}'?" if guess else "")
-    )
-
-
-def sample_rule(names: list[str]) -> Callable[[str], bool] | None:
-    """The rule generated samples should follow, when every source in `names` shares one (the toy task); else None."""
-    rules = {SOURCES[n].sample_rule if n in SOURCES else None for n in names}
-    return rules.pop() if len(rules) == 1 else None
-
-
-def _describe(value: Any, short: bool = False) -> str:  # 'null', 'number 42', 'string "Hi"'; short: the type only
-    kind = {bool: "boolean", str: "string", list: "list", dict: "object", type(None): "null"}.get(type(value), "number")
-    text = repr(value) if isinstance(value, float) else json.dumps(value, ensure_ascii=False)
-    return kind if short or value is None else f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _check_fields(obj: Any, where: str, fields: dict[str, tuple], kind: str) -> None:  # fields: name -> types
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with fields {', '.join(fields)}, got {_describe(obj)}")
-    for name, types in fields.items():
-        if name not in obj:
-            typos = difflib.get_close_matches(name, [k for k in obj if k not in fields], 1)
-            raise DataError(
-                f"{where}: missing field '{name}' (expected the {kind} fields {', '.join(fields)}; found "
-                f"{', '.join(map(repr, obj)) or 'none'})"
-                + "".join(f"; '{k}' looks like a misspelling of '{name}'" for k in typos)
-            )
-        if not isinstance(obj[name], types) or isinstance(obj[name], bool) and bool not in types:
-            expected = " or ".join(dict.fromkeys(TYPE_NAMES[int if t is float else t] for t in types))
-            raise DataError(f"{where}: field '{name}': expected {expected}, got {_describe(obj[name])}")
-
-
-def detect_shape(row: Any) -> str:
-    return next(name for name, shape in SHAPES.items() if shape.matches(row)) if isinstance(row, dict) else "pair"
-
-
-def check_row(row: Any, where: str, shape: str = "pair") -> None:
-    """DataError unless `row` has `shape`, its fields and types, and its message lists end in one assistant reply."""
-    if shape != "pair" and detect_shape(row) != shape:
-        got = "fields " + ", ".join(map(repr, row)) if isinstance(row, dict) else _describe(row)
-        raise DataError(
-            f"{where}: the file's first row has the {shape} {{{', '.join(SHAPES[shape].fields)}}} "
-            f"shape; this row does not (got {got})"
-        )
-    fields = SHAPES[shape].fields
-    if shape == "pair" and isinstance(row, dict) and "sft_target" in row:
-        fields = dict(fields, sft_target=TEXT)  # optional
-    _check_fields(row, where, fields, shape)
-    if shape == "SHP" and row["labels"] not in (0, 1):
-        raise DataError(f"{where}: field 'labels': expected 0 or 1 (1 = human_ref_A preferred), got {row['labels']}")
-    texts = [name for name in fields if fields[name] is TEXT]
-    if len({type(row[name]) for name in texts}) > 1:
-        shown = ", ".join(f"{name}={_describe(row[name], short=True)}" for name in texts)
-        raise DataError(
-            f"{where}: fields {'/'.join(texts)} mix strings and message lists ({shown}); expected all strings or all "
-            "lists of {role, content} messages"
-        )
-    lists = [name for name in fields if isinstance(row[name], list)]  # every text field, or UltraFeedback's two
-    if lists:
-        _check_messages(row, where, lists)
-
-
-def _check_messages(row: dict, where: str, lists: list[str]) -> None:
-    """A row's message lists: known roles, a non-empty prompt, and each other list ending in one assistant reply."""
-    for name, (k, message) in ((name, m) for name in lists for m in enumerate(row[name])):
-        _check_fields(message, at := f"{where}: field '{name}' message {k}", MESSAGE_FIELDS, "message")
-        if (role := message["role"]) not in CHAT_ROLES:
-            guess = ROLE_HINTS.get(role.lower()) or next(iter(difflib.get_close_matches(role, CHAT_ROLES, 1)), None)
-            raise DataError(
-                f"{at}: unknown role '{role}' (expected one of {', '.join(CHAT_ROLES)})"
-                + (f"; did you mean '{guess}'?" if guess else "")
-            )
-    if (prompt := row["prompt"] if lists[:1] == ["prompt"] else None) == []:
-        raise DataError(f"{where}: field 'prompt': empty list; expected at least one {{role, content}} message")
-    for name in lists[1:] if prompt else lists:
-        reply = reply_messages(prompt, row[name]) if prompt else row[name]
-        if prompt and len(reply) != 1:
-            raise DataError(
-                f"{where}: field '{name}': expected one assistant message (after the prompt's, if "
-                f"repeated), got {len(reply)} messages"
-            )
-        if not reply or reply[-1]["role"] != "assistant":
-            raise DataError(
-                f"{where}: field '{name}': the last message must be the assistant's reply (role "
-                "'assistant'), got " + (f"role '{reply[-1]['role']}'" if reply else "no messages")
-            )
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Every row of a local .jsonl (a JSON object per line) or .json (a JSON list) file, checked for its shape."""
-
-    def parse(text: str, line: int, expected: str) -> Any:  # json.loads refusing duplicate fields; errors name the line
-        def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-            for key in (key for key, n in Counter(k for k, _ in pairs).items() if n > 1):
-                raise DataError(f"{path}, line {line + 1}: duplicate field '{key}' in one object")
-            return dict(pairs)
-
-        try:
-            return json.loads(text, object_pairs_hook=no_duplicates)
-        except json.JSONDecodeError as e:
-            at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at" has its own
-            raise DataError(
-                f"{path}, line {line + e.lineno}: not valid JSON ({e.msg}{at} column {e.colno}); expected {expected}"
-            ) from e
-
-    path = Path(path)
-    what = "{prompt, chosen, rejected}"
-    try:
-        text = (data := path.read_bytes()).decode("utf-8-sig")  # -sig: tolerate the byte-order mark editors write
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path}, line {data[: e.start].count(10) + 1}: not valid UTF-8 (byte {data[e.start]:#04x} at "
-            f"offset {e.start}); expected a UTF-8 text file"
-        ) from e
-    if path.suffix == ".jsonl":
-        located = [
-            (parse(chunk, n - 1, "one JSON object per line"), f"{path}, line {n}")
-            for n, chunk in enumerate(text.split("\n"), 1)
-            if chunk.strip()
-        ]
-    elif not isinstance(rows := parse(text, 0, f"a JSON list of {what} objects") if text.strip() else [], list):
-        raise DataError(f"{path}: expected a JSON list of {what} objects, got {_describe(rows, short=True)}")
-    else:
-        located = [(row, f"{path}, item {n}") for n, row in enumerate(rows, 1)]
-    if not located:
-        raise DataError(f"{path}: no rows (the file is empty, or an empty list); expected {what} rows")
-    shape = detect_shape(located[0][0])  # the first row decides; every row must then have that shape
-    first = {}  # {is a chat row: 'line N' of the first such row}
-    for row, where in located:
-        check_row(row, where, shape)
-        first.setdefault(isinstance(row.get("prompt"), list), where.rpartition(", ")[2])
-    # strings are used verbatim, messages through the chat template; a warning: every row is valid, a mix may be meant
-    if len(first) == 2 and SHAPES[shape].fields.get("prompt") is TEXT:
-        warnings.warn(
-            f"{path}: mixes plain-string rows (first: {first[False]}) and chat-message rows (first: "
-            f"{first[True]}), so training sees two prompt formats; convert one kind, or if both are "
-            "meant put each in a file of its own (datasets=[a,b])"
-        )
-    return [row for row, _ in located]
-
-
-def validate_sources(names: list[str], splits: tuple[str, ...] = ("train", "test")) -> None:
-    """At config time: every name known and every local file there, every problem at once (rows are checked as they
-    load: a file is read once)."""
-    problems = {}  # a dict: a file serving both splits is reported once
-    for name, split in itertools.product(names, splits):
-        try:
-            resolve_source(name, split)
-        except DataError as e:
-            problems[str(e)] = None
-    if problems:
-        raise DataError("\n".join(problems))
 
 
 # --- Tokenization: the normalized form -> token ids in Arrow columns, cached on disk under a key of its inputs --
@@ -468,7 +48,7 @@ class LoadOptions:
     max_length: int = 512  # prompt + response tokens of one sequence
     max_prompt_length: int = 256  # a prompt is cut to this only when prompt + longest response exceed max_length
     sft_mode: bool = False  # one example per SFT target instead of per pair
-    truncation_mode: str | None = None  # keep_start | keep_end; None: each source's default (departure 10)
+    truncation_mode: str | None = None  # keep_start | keep_end; None: each source's default (sources.py, departure 3)
     unpaired: bool = False  # one example per labelled completion (KTO)
     pairs_to_unpaired: bool = False  # with unpaired: a pair gives a desirable (chosen) and an undesirable completion
     drop_identical_pairs: bool = True  # chosen == rejected, as text or once truncated: no signal, so not trained on
@@ -580,6 +160,23 @@ def _jobs(entries: list[PromptResponses], opts: LoadOptions, no_signal: dict) ->
                 yield entry, entry.responses[i], entry.responses[j], None, row
 
 
+def _encode(jobs: list[tuple], tokenizer: Any) -> dict[tuple[str, bool], list[int]]:
+    """{(text, chat): token ids} of every distinct prompt and response of `jobs`, one tokenizer call per kind of text
+    (a call per text is slow). Special-token text is parsed as such only in chat-template output (departure 5)."""
+    ids = {}
+    ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
+    for chat in (False, True):
+        texts = []
+        for entry, chosen, rejected, _, _ in jobs:
+            if entry.chat == chat:
+                texts += [entry.prompt, chosen, rejected]
+        texts = [text for text in dict.fromkeys(texts) if text]  # distinct, in order; no rejected (None) or empty
+        if texts:
+            encoded = tokenizer(texts, split_special_tokens=not chat, **ids_only)["input_ids"]
+            ids.update(((text, chat), row) for text, row in zip(texts, encoded))
+    return ids
+
+
 def tokenize_normalized(
     data: dict[str, PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats, file: Path | None = None
 ) -> Split:
@@ -592,27 +189,25 @@ def tokenize_normalized(
     no_signal = {}
     lengths = []
     prompts = set()
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    bos = tokenizer.bos_token_id
+    eos = tokenizer.eos_token_id
     add_bos = tokenizer_adds_bos(tokenizer)
     entries = list(data.values())
     limits = dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
-    writer = pa.ipc.new_file(sink := str(file) if file else pa.BufferOutputStream(), SCHEMA)  # no file: in memory
-    ids_only = dict(add_special_tokens=False, verbose=False, return_attention_mask=False, return_token_type_ids=False)
+    sink = str(file) if file else pa.BufferOutputStream()  # no file: in memory
+    writer = pa.ipc.new_file(sink, SCHEMA)
     for start in range(0, len(entries), ENCODE_CHUNK):
         jobs = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal))
-        ids = {}
-        for chat in (False, True):  # special-token text is parsed as such only in chat-template output (departure 5)
-            if texts := [*dict.fromkeys(t for e, *two, _, _ in jobs if e.chat == chat for t in (e.prompt, *two) if t)]:
-                encoded = tokenizer(texts, split_special_tokens=not chat, **ids_only)
-                ids.update(((t, chat), row) for t, row in zip(texts, encoded["input_ids"]))
+        ids = _encode(jobs, tokenizer)
         columns = {name: [] for name in SCHEMA.names}
         for entry, chosen, rejected, label, row in jobs:
             prompt_ids = ids.get((entry.prompt, entry.chat), [])
-            prompt_ids = [bos] + prompt_ids if add_bos and prompt_ids[:1] != [bos] else prompt_ids  # once (departure 4)
-            bodies = [ids.get((t, entry.chat), []) for t in (chosen, rejected) if t is not None]
-            cut, responses = truncate(
-                prompt_ids, [b + [eos] for b in bodies], mode=opts.truncation_mode, bos_id=bos, **limits
-            )
+            if add_bos and prompt_ids[:1] != [bos]:
+                prompt_ids = [bos] + prompt_ids  # once (departure 4)
+            texts = [chosen] if rejected is None else [chosen, rejected]
+            bodies = [ids.get((text, entry.chat), []) for text in texts]
+            with_eos = [body + [eos] for body in bodies]
+            cut, responses = truncate(prompt_ids, with_eos, mode=opts.truncation_mode, bos_id=bos, **limits)
             if not all(bodies) or not all(responses):  # nothing to learn (config.py leaves room for >= 1 token)
                 drops["empty_response"] += 1
                 continue
@@ -620,21 +215,27 @@ def tokenize_normalized(
                 no_signal.setdefault("identical_after_truncation", []).append(row)
                 if opts.drop_identical_pairs:
                     continue
+            shortened = len(cut) < len(prompt_ids)
             cue = opts.truncation_mode == "keep_start" and (entry.chat or entry.prompt.endswith(HH_MARKER))
-            counts["prompts_truncated"] += (shortened := len(cut) < len(prompt_ids))  # a Counter's += is cheap
+            counts["prompts_truncated"] += shortened
             counts["reply_cues_cut"] += shortened and cue
             counts["responses_truncated"] += sum(len(r) <= len(b) for r, b in zip(responses, bodies))  # lost EOS
-            counts["desirable" if label else "undesirable"] += label is not None  # unpaired: per label
+            if label is not None:  # unpaired: completions per label
+                counts["desirable" if label else "undesirable"] += 1
             prompts.add(entry.prompt)
-            for name, value in zip(SCHEMA.names, (entry.prompt, chosen, rejected, cut, *(*responses, None)[:2], label)):
+            rejected_ids = responses[1] if rejected is not None else None
+            example = TokenizedExample(entry.prompt, chosen, rejected, cut, responses[0], rejected_ids, label)
+            for name, value in zip(SCHEMA.names, example):  # SCHEMA's columns are TokenizedExample's fields
                 columns[name].append(value)
         writer.write_batch(pa.record_batch(columns, schema=SCHEMA))
         lengths.append([[len(v or ()) for v in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")])
     writer.close()
     # memory-mapped: a page is read when used, and the processes that map the file share it
     table = pa.ipc.open_file(pa.memory_map(sink) if file else sink.getvalue()).read_all()
-    drops.update({reason: len(rows) for reason, rows in no_signal.items()} if opts.drop_identical_pairs else {})
-    prompt, chosen, rejected = lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
+    if opts.drop_identical_pairs:
+        drops.update({reason: len(rows) for reason, rows in no_signal.items()})
+    lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
+    prompt, chosen, rejected = lengths
     paired = bool(rejected.any())  # a kept rejected response has >= 1 token
     tokens = {}
     for kind, x in (("prompt", prompt), ("response", np.r_[chosen, rejected] if paired else chosen)):
@@ -694,7 +295,7 @@ def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: s
                 "set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
             )
         if not (mode := opts.truncation_mode or src.truncation_mode):  # a local file's: does its first prompt cue
-            prompt = records[0]["prompt"]  # the reply? (departure 10)
+            prompt = records[0]["prompt"]  # the reply? (sources.py, departure 3)
             mode = "keep_end" if isinstance(prompt, list) or prompt.endswith(HH_MARKER) else "keep_start"
         data, dropped = src.convert(records, tokenizer)
         where = SourceStats(name, split, origin=origin + f" ({shape})" * bool(shape), dropped=dropped)
@@ -727,35 +328,49 @@ def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]
     were written (edited, truncated, replaced) are rebuilt; an older version's cache file is never read."""
     entry = cache_dir / "tokenized" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', what)[-60:]}-{key[:16]}"
     entry.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
-        return [
-            [(st := (folder / f).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns]
-            for f in ("examples.arrow", "lengths.npy")
-        ]
-
-    # several ranks may start at once: the first builds the entry while the others wait, then all map it
+    # several ranks may start at once: the first builds the entry while the others wait, then all map it. Where flock
+    # does not span the nodes (NFS with local_lock or nolock, Lustre's localflock, many FUSE mounts) a builder per
+    # node: each in a folder of its own (PIDs repeat across containers), and the first to rename wins
     with FileLock(str(entry) + ".lock"):
-        try:
-            stats = json.loads((entry / "stats.json").read_text())
-            if stats.pop("key") == key and stats.pop("files") == record(entry):
-                table = pa.ipc.open_file(pa.memory_map(str(entry / "examples.arrow"))).read_all()
-                stats = SourceStats(**dict(stats, cache=f"hit {entry}"))
-                return Split(table, [stats], {}, np.load(entry / "lengths.npy"))
-        except (ValueError, TypeError, KeyError, OSError):  # not built yet, or unreadable
-            pass
+        if hit := _read_entry(entry, key):
+            return hit
         changed = entry.exists()  # but not as its record says: edited, truncated or replaced since it was written
         shutil.rmtree(entry, ignore_errors=True)
-        (tmp := entry.with_name(f"{entry.name}.tmp{os.getpid()}")).mkdir()
+        tmp = entry.with_name(f"{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp.mkdir()
         try:
             split = build(tmp / "examples.arrow")
             split.stats[0].cache = f"{'rewritten (it had changed)' if changed else 'written'} {entry}"
-            stats = dict(asdict(split.stats[0]), key=key, files=record(tmp))
+            stats = dict(asdict(split.stats[0]), key=key, files=_record(tmp))
             (tmp / "stats.json").write_text(json.dumps(stats))
-            os.replace(tmp, entry)  # atomic: a reader sees the whole entry or none (renaming keeps the file's times)
+            try:  # atomic: a reader sees the whole entry or none (renaming keeps the files' times)
+                os.replace(tmp, entry)
+            except OSError as e:  # another node renamed its entry first: the same data, read from there
+                winner = _read_entry(entry, key) if e.errno in (errno.ENOTEMPTY, errno.EEXIST) else None
+                if winner is None:
+                    raise
+                split = winner
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return split
+
+
+def _record(folder: Path) -> list[list[int]]:  # ctime: set by the kernel on any change, a user cannot set it back
+    found = [(folder / name).stat() for name in ("examples.arrow", "lengths.npy")]
+    return [[st.st_size, st.st_mtime_ns, st.st_ctime_ns] for st in found]
+
+
+def _read_entry(entry: Path, key: str) -> Split | None:
+    """The cache entry's split, memory-mapped, if it was written for `key` and its files are as written; else None."""
+    try:
+        stats = json.loads((entry / "stats.json").read_text())
+        if stats.pop("key") == key and stats.pop("files") == _record(entry):
+            table = pa.ipc.open_file(pa.memory_map(str(entry / "examples.arrow"))).read_all()
+            stats = SourceStats(**dict(stats, cache=f"hit {entry}"))
+            return Split(table, [stats], {}, np.load(entry / "lengths.npy"))
+    except (ValueError, TypeError, KeyError, OSError):  # not built yet, or unreadable
+        pass
+    return None
 
 
 def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:

@@ -40,6 +40,7 @@ import preference_datasets as data  # noqa: E402
 import checkpoints  # noqa: E402
 import run_manifest  # noqa: E402
 import self_check  # noqa: E402
+import sources  # noqa: E402
 import trainers  # noqa: E402
 import utils  # noqa: E402
 # transformers and peft are imported where they are used, after work_offline_if_the_hub_is_unreachable: the hub
@@ -51,11 +52,6 @@ MODEL_CHECKS = {
     "tiled_head": lambda c: c.tiled_lm_head,
     "moe": lambda c: c.loss.router_aux_loss is not None,
     "ulysses": lambda c: c.fsdp.ulysses_sequence_parallel_size > 1,
-}
-# Chat templates by name, for tokenizers without one (model.chat_template): ChatML, as Qwen and many others use it.
-CHAT_TEMPLATES = {
-    "chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 }
 
 
@@ -81,20 +77,8 @@ def load_tokenizer(cfg):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked everywhere; any id will do
     if cfg.model.chat_template is not None:
-        tokenizer.chat_template = chat_template(cfg.model.chat_template)
+        tokenizer.chat_template = sources.chat_template(cfg.model.chat_template)
     return tokenizer
-
-
-def chat_template(template: str) -> str:
-    """model.chat_template's Jinja text: one of CHAT_TEMPLATES by name, or a file's contents."""
-    if template not in CHAT_TEMPLATES and not Path(template).is_file():
-        raise ConfigError(
-            [
-                f"model.chat_template={template!r}: expected {', '.join(CHAT_TEMPLATES)} or a path to a Jinja "
-                "template file"
-            ]
-        )
-    return CHAT_TEMPLATES.get(template) or Path(template).read_text()
 
 
 def load_models(cfg, device_map=None, on_meta: bool = False):
@@ -169,7 +153,7 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
     HF_DATASETS_OFFLINE (for its ranks too): a file missing from the cache then fails at once, not after retries."""
     names = {cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path}
     hub = [n for n in names if not Path(resolve_local(n)).exists()]
-    hub += [d for d in cfg.datasets if d in data.SOURCES and data.SOURCES[d].path is None]
+    hub += [d for d in cfg.datasets if d in sources.SOURCES and sources.SOURCES[d].path is None]
     if not hub or utils.hub_offline():
         return
     try:
@@ -188,7 +172,7 @@ def check_inputs(cfg, world_size: int) -> dict:
     tokenized splits."""
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
-    data.validate_sources(cfg.datasets)
+    sources.validate_sources(cfg.datasets)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])
     if cfg.resume_from:  # under torchrun every rank runs this: sizes here, rank 0 alone hashes (distributed_worker)
@@ -226,7 +210,7 @@ def check_data(cfg, world_size: int) -> dict:
     """Tokenize both splits as the trainer will (returned: handed on); refuse fewer training pairs than one step, or
     fewer eval pairs than ranks, naming each source and its drops; warn of a long warmup and of one file for both."""
     for name in cfg.datasets:
-        if name not in data.SOURCES and "{split}" not in name:
+        if name not in sources.SOURCES and "{split}" not in name:
             print(
                 f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
                 " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)"
@@ -248,14 +232,14 @@ def check_data(cfg, world_size: int) -> dict:
     return splits
 
 
-def too_few_pairs(cfg, split: str, examples, knob: str) -> data.DataError:
+def too_few_pairs(cfg, split: str, examples, knob: str) -> sources.DataError:
     """The refusal of a split left with fewer pairs than `knob` asks for, naming each source and what it dropped."""
     per_source = "; ".join(
         f"{s.source}: {s.unit}_kept={s.kept} of prompts={s.prompts}, dropped: "
         + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none")
         for s in examples.stats
     )
-    return data.DataError(
+    return sources.DataError(
         f"datasets={list(cfg.datasets)} split {split!r}: {len(examples)} pairs left after filtering,"
         f" fewer than {knob} ({per_source}); add data, or for dropped over-long pairs raise"
         f" max_length={cfg.max_length}"
@@ -500,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             print(run_manifest.report(replay_of, cfg.run_dir), flush=True)
     except (
         ConfigError,
-        data.DataError,
+        sources.DataError,
         FileExistsError,
         FileNotFoundError,
         run_manifest.ManifestError,

@@ -31,6 +31,7 @@ import tqdm
 import losses
 import preference_datasets as data
 import self_check
+import sources
 from config import dtype_of
 from logps import SequenceLogps, concatenated_inputs, forward_logps, sequence_logps
 from checkpoints import Checkpoints, Interrupted, TrainState, stop_on_signals
@@ -466,7 +467,7 @@ class BasicTrainer:
             reference = self.reference.sample(batch, sampling_seed(self.seed, 0, max(group, 0))) or [None] * len(policy)
             rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)] if group >= 0 else []
         rows = [row[1:] for row in sorted(self.sharding.gather_objects(rows, self.sp_size), key=lambda row: row[0])]
-        rule = data.sample_rule(self.config.datasets)
+        rule = sources.sample_rule(self.config.datasets)
         metrics = {}
         for who, column in (("policy", 1), ("reference", 2)):
             samples = [row[column] for row in rows if row[column] is not None]

@@ -1,4 +1,5 @@
-"""Tests for preference_datasets.py: converters, tokenization invariants, batching, caching, bad input.
+"""Tests for sources.py and preference_datasets.py: converters, row checks, tokenization invariants, batching, caching,
+bad input.
 
 Real components throughout: byte-level BPE tokenizers trained here with the `tokenizers` library and wrapped in
 transformers.PreTrainedTokenizerFast (one GPT-2-like, one Llama-like that adds BOS), real files, a real
@@ -30,7 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import logps  # noqa: E402
+import packing  # noqa: E402
 import preference_datasets as pd  # noqa: E402
+import sources  # noqa: E402
 
 REPO = Path(pd.__file__).resolve().parent
 BAD_DATA = Path(__file__).resolve().parent / "data" / "bad_data"
@@ -124,7 +127,7 @@ def test_hh_multiturn_history_stays_in_prompt():
         hh_row(history, " It names the speaker.", " No idea."),
         hh_row(history, " A label.", " It names the speaker."),
     ]
-    data, dropped = pd.convert_hh(rows)
+    data, dropped = sources.convert_hh(rows)
     assert list(data) == [history] and not dropped
     entry = data[history]
     assert entry.responses == [" It names the speaker.", " No idea.", " A label."]
@@ -135,14 +138,14 @@ def test_hh_multiturn_history_stays_in_prompt():
 def test_hh_response_containing_the_marker_is_split_where_both_agree():
     history = "\n\nHuman: Write a dialogue.\n\nAssistant:"
     chosen = " Sure.\n\nAssistant: (continues)"  # the marker inside a response must not move the split
-    data, dropped = pd.convert_hh([hh_row(history, chosen, " No.")])
+    data, dropped = sources.convert_hh([hh_row(history, chosen, " No.")])
     assert list(data) == [history] and data[history].responses == [chosen, " No."] and not dropped
 
 
 def test_hh_rows_with_different_histories_are_dropped_and_counted():
     a = "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y"
     b = "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w"
-    data, dropped = pd.convert_hh([{"chosen": a, "rejected": b}, {"chosen": "no marker", "rejected": "none"}])
+    data, dropped = sources.convert_hh([{"chosen": a, "rejected": b}, {"chosen": "no marker", "rejected": "none"}])
     assert data == {} and dropped == {"hh_prompt_mismatch": 2}
 
 
@@ -164,12 +167,12 @@ def test_shp_ratio_filter_label_direction_sft_target_and_pair_cap():
         shp_row("post", "A3", "B3", 1, 3, 2),  # ratio 1.5 < 2: dropped
         shp_row("post", "A4", "B4", 1, 0, 0),
     ]  # 0 vs 0: no preference, dropped
-    rows += [shp_row("busy", f"a{i}", f"b{i}", 1, 4, 1) for i in range(pd.MAX_PAIRS_PER_PROMPT + 2)]
-    data, dropped = pd.convert_shp(rows)
+    rows += [shp_row("busy", f"a{i}", f"b{i}", 1, 4, 1) for i in range(sources.MAX_PAIRS_PER_PROMPT + 2)]
+    data, dropped = sources.convert_shp(rows)
     post = data["\n\nHuman: post\n\nAssistant:"]
     assert [(post.responses[i], post.responses[j]) for i, j in post.pairs] == [(" A1", " B1"), (" B2", " A2")]
     assert post.sft_targets == [" B2"]
-    assert len(data["\n\nHuman: busy\n\nAssistant:"].pairs) == pd.MAX_PAIRS_PER_PROMPT
+    assert len(data["\n\nHuman: busy\n\nAssistant:"].pairs) == sources.MAX_PAIRS_PER_PROMPT
     assert dropped == {"shp_score_ratio_below_2": 2, "over_pair_cap": 2}
 
 
@@ -182,16 +185,16 @@ def test_se_html_stripped_no_ties_best_answer_and_cap():
             {"text": "<p>Loop backwards.</p>", "pm_score": 1},
         ],
     }
-    data, dropped = pd.convert_se([row])
+    data, dropped = sources.convert_se([row])
     ((prompt, entry),) = data.items()
     assert prompt == "\n\nHuman: How do I reverse a list?\n\nxs = [1, 2]\n\nAssistant:"
     assert entry.responses == [" Use xs[::-1] & done.", " You can't.", " Loop backwards."]
     assert entry.pairs == [(0, 1), (0, 2)] and dropped == {"se_tie": 1}
     assert entry.sft_targets == [" Use xs[::-1] & done."]
     many = {"question": "q", "answers": [{"text": f"a{i}", "pm_score": i} for i in range(5)]}  # 10 pairs
-    data, dropped = pd.convert_se([many])
-    assert len(data["\n\nHuman: q\n\nAssistant:"].pairs) == pd.MAX_PAIRS_PER_PROMPT
-    assert dropped == {"over_pair_cap": 10 - pd.MAX_PAIRS_PER_PROMPT}
+    data, dropped = sources.convert_se([many])
+    assert len(data["\n\nHuman: q\n\nAssistant:"].pairs) == sources.MAX_PAIRS_PER_PROMPT
+    assert dropped == {"over_pair_cap": 10 - sources.MAX_PAIRS_PER_PROMPT}
 
 
 def test_ultrafeedback_rendered_with_chat_template(chat_tok):
@@ -207,7 +210,7 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
         "chosen": [user, {"role": "assistant", "content": "7"}],
         "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}],
     }
-    data, dropped = pd.convert_ultrafeedback([row, odd], chat_tok)
+    data, dropped = sources.convert_ultrafeedback([row, odd], chat_tok)
     ((prompt, entry),) = data.items()
     assert prompt == "<s><|user|>\nName a prime.</s>\n<|assistant|>\n"
     assert entry.responses == ["7", "8"] and entry.pairs == [(0, 1)] and entry.chat  # template's EOS stripped
@@ -240,10 +243,12 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
         },
     ]  # histories differ
     path = write_jsonl(tmp_path / "hh_export.jsonl", rows)
-    pd.validate_sources([path])
+    sources.validate_sources([path])
     local, local_stats = load_one(path, gpt2_tok, max_length=40, max_prompt_length=20)
     dataset = datasets.Dataset.from_list(rows)
-    monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
+    monkeypatch.setitem(
+        sources.SOURCES, "hh", dataclasses.replace(sources.SOURCES["hh"], fetch=lambda split, cd: dataset)
+    )
     hub, hub_stats = load_one("hh", gpt2_tok, max_length=40, max_prompt_length=20)
     assert local_stats.dropped == hub_stats.dropped == {"hh_prompt_mismatch": 1}
     assert local_stats.truncation_mode == "keep_end" and local_stats.kept == 2
@@ -319,7 +324,7 @@ def test_conversation_prompts_in_local_files_keep_their_end_by_default(tmp_path,
 
 def test_strip_html_keeps_text_and_code():
     assert (
-        pd.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>")
+        sources.strip_html("<p>a &lt; b</p><ul><li>one</li><li>two</li></ul><pre>x\n  y</pre>")
         == "a < b\n\none\n\ntwo\n\nx\n  y"
     )
 
@@ -382,7 +387,7 @@ def test_chat_rows_need_a_chat_template(tmp_path, llama_tok):
         "chosen": [{"role": "assistant", "content": "a"}],
         "rejected": [{"role": "assistant", "content": "b"}],
     }
-    with pytest.raises(pd.DataError, match="chat template"):
+    with pytest.raises(sources.DataError, match="chat template"):
         pd.load_tokenized([write_jsonl(tmp_path / "c.jsonl", [row])], llama_tok, "train")
 
 
@@ -406,7 +411,7 @@ def test_example_files_are_one_kind_each_and_the_chat_one_renders(chat_tok):
     """examples/pairs.jsonl (strings) and examples/chat_pairs.jsonl (messages) load without the mixing warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pd.validate_sources([str(REPO / "examples" / "pairs.jsonl"), str(REPO / "examples" / "chat_pairs.jsonl")])
+        sources.validate_sources([str(REPO / "examples" / "pairs.jsonl"), str(REPO / "examples" / "chat_pairs.jsonl")])
         examples, stats = load_one(str(REPO / "examples" / "chat_pairs.jsonl"), chat_tok)
     assert stats.kept == 4 and all(e.prompt.endswith("<|assistant|>\n") for e in examples)
     assert examples[1].prompt.startswith("<s><|system|>") and examples[2].prompt.count("<|user|>") == 2
@@ -679,7 +684,7 @@ def test_balanced_shares_with_prefix_sharing_count_each_prompt_once(tmp_path, gp
             # the tokens of the rows logps lays each pair out in: two sequences, or one shared-prefix unit per row
             inputs = logps.concatenated_inputs(batch)
             owner = (
-                logps.packed_inputs(inputs, None, shared_prefix=True)[2] if shared else logps.padded_inputs(inputs)[2]
+                packing.packed_inputs(inputs, None, shared_prefix=True)[2] if shared else logps.padded_inputs(inputs)[2]
             )
             sizes = torch.zeros(len(inputs["input_ids"]), dtype=torch.long).index_add_(
                 0, owner[owner >= 0], torch.ones_like(owner[owner >= 0])
@@ -770,15 +775,15 @@ def test_json_list_file_loads(tmp_path, gpt2_tok):
 
 
 def test_sample_rule_only_where_every_source_has_it():
-    rule = pd.sample_rule(["toy"])
+    rule = sources.sample_rule(["toy"])
     assert rule(" cats purr and nap.") and not rule(" CATS PURR.") and not rule(" ...")
-    assert pd.sample_rule(["toy", "hh"]) is None and pd.sample_rule(["examples/pairs.jsonl"]) is None
+    assert sources.sample_rule(["toy", "hh"]) is None and sources.sample_rule(["examples/pairs.jsonl"]) is None
 
 
 def test_bad_iterator_arguments(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "n.jsonl", numbered_rows(4))
     base = dict(split="train", batch_size=4, n_epochs=1)
-    with pytest.raises(pd.DataError, match="fewer than one global batch"):
+    with pytest.raises(sources.DataError, match="fewer than one global batch"):
         batch_iterator(path, gpt2_tok, **{**base, "batch_size": 8})
 
 
@@ -917,6 +922,74 @@ def test_two_ranks_read_one_cache_and_build_the_batches_of_one_process(tmp_path,
     assert [sorted(a + b) for (a, _), (b, _) in zip(outputs[0][1], outputs[1][1])] == [sorted(w) for w in whole]
 
 
+BUILDER = """
+import contextlib, hashlib, json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import preference_datasets as pd
+from transformers import AutoTokenizer
+pd.FileLock = lambda path: contextlib.nullcontext()  # a flock that does not span the nodes: neither sees the other's
+if {same_pid}:
+    os.getpid = lambda: 4242  # containers on two nodes often have equal PIDs
+tokenize = pd.tokenize_normalized
+
+def both_building(*args, **kwargs):  # neither finishes before both have started building: the race, every time
+    Path({mine!r}).touch()
+    deadline = time.time() + 20
+    while not Path({theirs!r}).exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep({delay})
+    return tokenize(*args, **kwargs)
+
+pd.tokenize_normalized = both_building
+examples = pd.load_tokenized(["toy"], AutoTokenizer.from_pretrained({tok!r}), "train", cache_dir={cache!r})
+table = examples.table.to_pydict()
+print(json.dumps([examples.stats[0].cache.split()[0], hashlib.sha256(repr(table).encode()).hexdigest()]))
+"""
+
+
+@pytest.mark.parametrize("same_pid", [False, True], ids=["two_nodes", "two_nodes_same_pid"])
+def test_two_nodes_building_one_cache_entry_at_once_both_finish_with_the_same_table(tmp_path, same_pid):
+    """Where flock is node-local (NFS with local_lock or nolock, Lustre's localflock, many FUSE mounts) two nodes both
+    miss the entry and build it at once: the one that renames second reads the winner's entry (before: os.replace
+    failed with 'Directory not empty' and that rank died). With equal PIDs (containers) each builds in its own folder
+    (before: both used entry.tmp<pid>, and the second failed to make it). Both finish with identical tables, which a
+    later load then finds; no build folder is left behind."""
+    cache, tok = str(tmp_path / "cache"), str(REPO / "toy" / "tiny-llama")
+    flags = [str(tmp_path / f"building-{n}") for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                BUILDER.format(
+                    repo=str(REPO),
+                    tok=tok,
+                    cache=cache,
+                    same_pid=same_pid,
+                    mine=flags[n],
+                    theirs=flags[1 - n],
+                    delay=0.5 * n,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    finished = [p.communicate() for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in finished]
+    (first, digest), (second, other) = (json.loads(out.splitlines()[-1]) for out, _ in finished)
+    assert (first, second) == ("written", "hit") and digest == other
+    from transformers import AutoTokenizer
+
+    again = pd.load_tokenized(["toy"], AutoTokenizer.from_pretrained(tok), "train", cache_dir=cache)
+    assert again.stats[0].cache.startswith("hit")
+    assert hashlib.sha256(repr(again.table.to_pydict()).encode()).hexdigest() == digest
+    assert [p.name for p in (tmp_path / "cache" / "tokenized").iterdir() if ".tmp" in p.name] == []
+
+
 def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_tokenizer_once(tmp_path, monkeypatch):
     """train.py's checks load both splits and hand them to the trainer and the manifest (before: the data was loaded
     7 times per run, a file parsed 11 times, the tokenizer hashed 9 times). Cold, each file is hashed (streamed) and
@@ -960,7 +1033,9 @@ def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2
     history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
     rows = [hh_row(history, " fine.", " bad."), hh_row("\n\nHuman: hi\n\nAssistant:", " hello.", " no.")]
     dataset = datasets.Dataset.from_list(rows)
-    monkeypatch.setitem(pd.SOURCES, "hh", dataclasses.replace(pd.SOURCES["hh"], fetch=lambda split, cd: dataset))
+    monkeypatch.setitem(
+        sources.SOURCES, "hh", dataclasses.replace(sources.SOURCES["hh"], fetch=lambda split, cd: dataset)
+    )
     load = lambda: pd.load_tokenized(
         ["hh"], gpt2_tok, "train", max_length=40, max_prompt_length=20, cache_dir=str(tmp_path)
     )
@@ -973,7 +1048,7 @@ def test_hub_source_path_uses_fingerprint_and_hh_default_keep_end(tmp_path, gpt2
 
 
 def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
-    with pytest.raises(pd.DataError) as info:
+    with pytest.raises(sources.DataError) as info:
         pd.load_tokenized(["hh"], gpt2_tok, "train", cache_dir=str(tmp_path))
     message = str(info.value)
     assert "Anthropic/hh-rlhf" in message and "not available offline" in message
@@ -982,21 +1057,21 @@ def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
 
 
 def test_toy_maps_to_files_next_to_the_module():
-    source, path = pd.resolve_source("toy", "train")
-    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is pd.convert_rows
-    assert pd.resolve_source("toy", "test")[1] == REPO / "toy" / "data" / "test.jsonl"
+    source, path = sources.resolve_source("toy", "train")
+    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is sources.convert_rows
+    assert sources.resolve_source("toy", "test")[1] == REPO / "toy" / "data" / "test.jsonl"
     if path.is_file() and (REPO / "toy" / "data" / "test.jsonl").is_file():
-        pd.validate_sources(["toy"])
+        sources.validate_sources(["toy"])
 
 
 def test_split_placeholder_in_a_path(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", numbered_rows(1))
-    assert pd.resolve_source(str(tmp_path / "{split}.jsonl"), "test")[1] == tmp_path / "test.jsonl"
+    assert sources.resolve_source(str(tmp_path / "{split}.jsonl"), "test")[1] == tmp_path / "test.jsonl"
 
 
 def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok):
     path = str(REPO / "examples" / "pairs.jsonl")
-    pd.validate_sources([path])
+    sources.validate_sources([path])
     examples = pd.load_tokenized([path], gpt2_tok, "train")
     (stats,) = examples.stats
     out = pd.dataset_summary([stats])  # what the trainer prints on rank 0
@@ -1081,7 +1156,7 @@ def test_every_bad_file_has_an_expected_message():
 @pytest.mark.parametrize("name", sorted(BAD_CASES))
 def test_bad_input_raises_data_error_naming_file_line_and_field(name, gpt2_tok):
     path = str(BAD_DATA / name)
-    with pytest.raises(pd.DataError) as info:  # rows are checked as they load (train.py: before any model loads)
+    with pytest.raises(sources.DataError) as info:  # rows are checked as they load (train.py: before any model loads)
         pd.load_tokenized([path], gpt2_tok, "train")
     assert isinstance(info.value, ValueError) and path in str(info.value)
     for fragment in BAD_CASES[name]:
@@ -1089,16 +1164,16 @@ def test_bad_input_raises_data_error_naming_file_line_and_field(name, gpt2_tok):
 
 
 def test_missing_path_and_unknown_names(tmp_path):
-    with pytest.raises(pd.DataError, match=r"no such file"):
-        pd.validate_sources([str(tmp_path / "nope.jsonl")])
-    with pytest.raises(pd.DataError, match=r"expected a .jsonl or .json file of .*, got a '.csv' file"):
-        pd.validate_sources([str(BAD_DATA / "wrong_extension.csv")])  # config time: names and paths
-    with pytest.raises(pd.DataError, match=r"unknown dataset 'hhh'.*did you mean 'hh'\?"):
-        pd.validate_sources(["hhh"])
-    with pytest.raises(pd.DataError, match=r"did you mean 'ultrafeedback'\?"):
-        pd.validate_sources(["ultra_feedback"])
-    with pytest.raises(pd.DataError) as info:  # every problem reported at once
-        pd.validate_sources(["hhh", str(tmp_path / "nope.jsonl"), "shp"])
+    with pytest.raises(sources.DataError, match=r"no such file"):
+        sources.validate_sources([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(sources.DataError, match=r"expected a .jsonl or .json file of .*, got a '.csv' file"):
+        sources.validate_sources([str(BAD_DATA / "wrong_extension.csv")])  # config time: names and paths
+    with pytest.raises(sources.DataError, match=r"unknown dataset 'hhh'.*did you mean 'hh'\?"):
+        sources.validate_sources(["hhh"])
+    with pytest.raises(sources.DataError, match=r"did you mean 'ultrafeedback'\?"):
+        sources.validate_sources(["ultra_feedback"])
+    with pytest.raises(sources.DataError) as info:  # every problem reported at once
+        sources.validate_sources(["hhh", str(tmp_path / "nope.jsonl"), "shp"])
     assert "unknown dataset 'hhh'" in str(info.value) and "nope.jsonl: no such file" in str(info.value)
 
 
@@ -1123,7 +1198,7 @@ def test_unpaired_local_file_gives_labelled_completions_and_counts(tmp_path, gpt
     assert examples[0].chosen_ids.tolist() == gpt2_tok(" answer 0.")["input_ids"] + [gpt2_tok.eos_token_id]
     assert (stats.unit, stats.desirable, stats.undesirable) == ("completions", 4, 2)
     assert "desirable=4 undesirable=2" in pd.dataset_summary([stats])
-    with pytest.raises(pd.DataError, match="only an unpaired loss reads them"):
+    with pytest.raises(sources.DataError, match="only an unpaired loss reads them"):
         load_one(path, gpt2_tok)  # a pair loss refuses labelled completions (train.py: before any model loads)
 
 
@@ -1141,13 +1216,13 @@ def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, ch
     ]
     assert stats.truncation_mode == "keep_end"  # a conversation prompt keeps its cue to reply
     bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[0], label="yes")])
-    with pytest.raises(pd.DataError, match=r"bad.jsonl, line 2: field 'label': expected a boolean, got string"):
-        pd.read_rows(Path(bad))
+    with pytest.raises(sources.DataError, match=r"bad.jsonl, line 2: field 'label': expected a boolean, got string"):
+        sources.read_rows(Path(bad))
 
 
 def test_pairs_to_unpaired_gives_a_desirable_and_an_undesirable_completion_per_pair(tmp_path, gpt2_tok):
     path = write_jsonl(tmp_path / "pairs.jsonl", numbered_rows(3))
-    with pytest.raises(pd.DataError, match="set pairs_to_unpaired=true"):
+    with pytest.raises(sources.DataError, match="set pairs_to_unpaired=true"):
         load_one(path, gpt2_tok, unpaired=True)
     examples, stats = load_one(path, gpt2_tok, unpaired=True, pairs_to_unpaired=True)
     assert [(e.chosen, e.desirable) for e in examples] == [
@@ -1169,17 +1244,17 @@ def test_kto_mix_hub_source_loads_a_local_copy_of_its_shape_through_load_dataset
     write_jsonl(copy / "train.jsonl", rows)
     write_jsonl(copy / "test.jsonl", rows[:2])
     monkeypatch.setitem(
-        pd.SOURCES,
+        sources.SOURCES,
         "kto_mix",
         dataclasses.replace(
-            pd.SOURCES["kto_mix"], fetch=lambda split, cache_dir: pd.fetch_hub(str(copy), split, cache_dir)
+            sources.SOURCES["kto_mix"], fetch=lambda split, cache_dir: sources.fetch_hub(str(copy), split, cache_dir)
         ),
     )
     examples = pd.load_tokenized(["kto_mix"], chat_tok, "train", unpaired=True)
     (stats,) = examples.stats
     assert [(e.chosen, e.desirable) for e in examples] == [("hi", True), ("HI", False), ("hello", True)]
     assert stats.origin.startswith("hub:") and (stats.desirable, stats.undesirable) == (2, 1)
-    with pytest.raises(pd.DataError, match="holds pairs"):
+    with pytest.raises(sources.DataError, match="holds pairs"):
         pd.load_tokenized(["toy"], chat_tok, "train", unpaired=True)
 
 
@@ -1192,8 +1267,8 @@ def test_se_holds_out_the_first_percent_of_its_shuffled_train_split_as_test(tmp_
     copy = tmp_path / "se"
     copy.mkdir()
     write_jsonl(copy / "train.jsonl", rows)
-    assert pd.SOURCES["se"].fetch.keywords == {"held_out": 0.01}
-    test, train = (pd.fetch_hub(str(copy), split, None, held_out=0.01)["question"] for split in ("test", "train"))
+    assert sources.SOURCES["se"].fetch.keywords == {"held_out": 0.01}
+    test, train = (sources.fetch_hub(str(copy), split, None, held_out=0.01)["question"] for split in ("test", "train"))
     shuffled = datasets.Dataset.from_list(rows).shuffle(seed=42)["question"]
     assert (test, train) == (shuffled[:3], shuffled[3:])
 
@@ -1201,7 +1276,7 @@ def test_se_holds_out_the_first_percent_of_its_shuffled_train_split_as_test(tmp_
 def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok):
     """collate(kl_rows=True): row k = prompt of completion k + completion k-1 (chosen then rejected for pairs), so
     no KL row pairs a completion with its own prompt when the batch has >= 2 prompts."""
-    data, _ = pd.convert_rows(numbered_rows(3))
+    data, _ = sources.convert_rows(numbered_rows(3))
     opts = pd.LoadOptions(max_length=64, max_prompt_length=32, truncation_mode="keep_start")
     examples = list(pd.tokenize_normalized(data, gpt2_tok, opts, pd.SourceStats("t", "train")))
     batch = pd.collate(examples, gpt2_tok.pad_token_id, kl_rows=True)
@@ -1219,6 +1294,6 @@ def test_kl_rows_put_each_completion_after_the_previous_examples_prompt(gpt2_tok
 def test_an_unterminated_string_says_where_it_starts_once(tmp_path):
     path = tmp_path / "cut.jsonl"
     path.write_text('{"prompt": "Q", "chosen": "a\n')
-    with pytest.raises(pd.DataError) as error:
-        pd.read_rows(path)
+    with pytest.raises(sources.DataError) as error:
+        sources.read_rows(path)
     assert "(Unterminated string starting at column 27)" in str(error.value), str(error.value)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import sources
 import train as train_py
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
@@ -244,7 +245,7 @@ def test_chat_data_with_a_tokenizer_without_a_template_takes_model_chat_template
     refused = train(tmp_path / "a", *args, check=False)
     assert refused.returncode == 2 and "set model.chat_template=chatml" in refused.stderr, refused.stderr
     template = tmp_path / "template.jinja"
-    template.write_text(train_py.CHAT_TEMPLATES["chatml"])
+    template.write_text(sources.CHAT_TEMPLATES["chatml"])
     import config_loader
     import preference_datasets as data
 
