@@ -560,6 +560,8 @@ def help_text() -> str:
                 f"  {key}: {_type_name(t)} = {default!r}  # {doc}" + (f" [{RULES[key][1]}]" if key in RULES else "")
                 for key, (t, default, doc) in schema().items()
             ),
+            "the original DPO code's keys and verl's fsdp.seed, each setting another key:",
+            *(f"  {old} -> {new}" for old, new in RENAMED.items()),
             "",
             "flags: --cfg                  run every check that needs no weights, print the resolved config as "
             "YAML, exit",

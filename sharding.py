@@ -140,7 +140,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def block_classes(model: nn.Module, wrap_policy: dict) -> set[type]:
     """The transformer block classes to wrap: fsdp.wrap_policy's names, else the model's _no_split_modules."""
-    names = wrap_policy.get("transformer_layer_cls_to_wrap") or find_block_class_names(model)
+    names = wrap_policy.get("transformer_layer_cls_to_wrap")
+    if not names:  # the model's own: transformers models name their blocks in _no_split_modules
+        names = find_block_class_names(model)
+        rank0_print(f"blocks of {type(model).__name__}: {', '.join(names) or 'none named'} (its _no_split_modules)")
     if not names:
         candidates = sorted({type(m).__name__ for m in model.modules() if len(list(m.children())) > 1})
         raise ValueError(

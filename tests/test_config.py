@@ -233,9 +233,23 @@ def test_a_required_value_is_one_problem_naming_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(["model=blank_model"])
     assert info.value.problems == [
-        f"{k}: a value is required (set it on the command line: {k}=...)"
-        for k in ("model.name_or_path", "model.block_name")
+        "model.name_or_path: a value is required (set it on the command line: model.name_or_path=...)"
     ]
+
+
+def test_blank_model_needs_no_block_name_and_help_lists_the_original_keys(capsys):
+    """model=blank_model model.name_or_path=X works as typed: its blocks are the model's own (_no_split_modules),
+    found and printed when FSDP or activation checkpointing needs them; --help names model.block_name (#53)."""
+    from transformers import AutoModelForCausalLM
+
+    import sharding
+
+    cfg, _ = load_config(["model=blank_model", f"model.name_or_path={REPO / 'toy' / 'tiny-llama'}"])
+    assert not cfg.fsdp.wrap_policy.get("transformer_layer_cls_to_wrap")
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
+    assert {c.__name__ for c in sharding.block_classes(model, cfg.fsdp.wrap_policy)} == {"LlamaDecoderLayer"}
+    assert "blocks of LlamaForCausalLM: LlamaDecoderLayer (its _no_split_modules)" in capsys.readouterr().out
+    assert "model.block_name -> fsdp.wrap_policy.transformer_layer_cls_to_wrap" in help_text()
 
 
 def test_there_are_at_least_twenty_bad_configs():
