@@ -84,7 +84,7 @@ def counts(run_dir: Path, metric: str, step: int, rate: float | None) -> tuple[i
     records = map(json.loads, file.read_text().splitlines())
     n = sum(r["step"] == step and r.get(who[1]) is not None for r in records)
     if n == 0 or abs(rate * n - round(rate * n)) > 1e-6:  # the rate was computed as k / n over these records
-        raise SystemExit(f"{file}: {n} samples of {who[1]} at step {step}, not the count {metric}={rate} is over")
+        raise SystemExit(f"{file}: {metric}={rate} at step {step} is no count over its {n} samples of {who[1]}")
     return round(rate * n), n
 
 
@@ -106,7 +106,9 @@ def print_table(metric: str, goal: str, rows: list[tuple[str, float | None, tupl
         shown = "not logged" if value is None else f"{value:.4g}"
         k_of_n = f"{c[0]} of {c[1]}" if c else "-"
         se = f"{math.sqrt(value * (1 - value) / c[1]):.3f}" if c else "-"
-        versus = "best" if i == 0 else "tie" if c and best and tied(best, c) else "worse" if c and best else ""
+        versus = "best" if i == 0 else ""  # stays "" without counts to compare
+        if i > 0 and c and best:
+            versus = "tie" if tied(best, c) else "worse"
         print(f"  {point:40s} {shown:>8s} {k_of_n:>12s} {se:>15s}  {versus}")
     if best:
         ties = sum(c is not None and tied(best, c) for _, _, c in rows[1:])
