@@ -62,8 +62,8 @@ class Router:
     sequence; `add_loss` logs router_aux_loss and adds loss.router_aux_loss (a number; null: 0, logged only; model:
     the model config's router_aux_loss_coef, which train.check_inputs checked exists) times it to the loss."""
 
-    def __init__(self, model: nn.Module, setting, shared_prefix: bool):
-        self.config = model.config
+    def __init__(self, config, setting, shared_prefix: bool):
+        self.config = config
         self.coef = float(self.config.router_aux_loss_coef if setting == "model" else setting or 0.0)
         self.shared_prefix = shared_prefix
 
