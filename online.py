@@ -9,12 +9,8 @@ span the rounds; each group of prompts samples from its own seeded stream, which
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import inspect
 import json
 import math
-import numbers
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import preference_datasets as data
+import scorers
 import sources
 import ulysses
 from config import ConfigError
@@ -32,7 +29,6 @@ from utils import atomic_write_text, broadcast_object, file_sha256, rank0_print,
 
 # round r, group g samples from sampling_seed(seed, STREAM + r, g): past any pairs count, so never evaluation's stream
 STREAM = 1 << 40
-assistant = lambda text: {"role": "assistant", "content": text}  # a chat reply
 STATS = (  # logged per round, at the pairs seen before it
     "online/round online/mean_score online/pairs_kept_per_prompt online/mean_score_gap online/length_ratio "
     "online/unfinished_share throughput/generated_tokens_per_second"
@@ -72,7 +68,7 @@ def batches(t):
     at the end): the prompts read, the scorer built and the schedule's length set before the optimizer is."""
     c, o = t.config, t.config.online
     prompts = read_prompts(c)
-    score = make_scorer(c, t.device)
+    score = scorers.make("online.scorer", o.scorer, c, t.device)
     t.total_steps = o.rounds * (o.prompts_per_round // c.batch_size)  # the schedule's length: every round full
     rank0_print(f"online: {o.rounds} rounds of {o.prompts_per_round} of {len(prompts)} prompts, {t.total_steps} steps")
     return rounds(t, prompts, score)
@@ -156,7 +152,7 @@ def make_round(t, r: int, prompts: list, score, folder: Path) -> dict:
     problem = None
     try:  # every rank reaches the gather below: a bad scorer stops all of them, with its message
         asked = [prompts[row[1]] for row in rows for _ in range(n)], [x for row in rows for x in row[2]]
-        scores = checked(o.scorer, score, *asked)
+        scores = scorers.checked(f"online.scorer={o.scorer}", score, *asked)
         for k, row in enumerate(rows):
             row.append([s - o.unfinished_penalty * (not end) for s, end in zip(scores[k * n : k * n + n], row[3])])
     except Exception as e:  # noqa: BLE001 - the user's scorer may raise anything: say which scorer, and what
@@ -177,7 +173,7 @@ def write_round(t, r: int, folder: Path, prompts: list, rows: list, seconds: tup
         best, worst = scores.index(max(scores)), scores.index(min(scores))
         if scores[best] - scores[worst] > o.min_score_gap:
             # a chat prompt stays messages: the loader renders it through the template, as it was sampled
-            reply = [[assistant(x)] for x in texts] if isinstance(prompts[i], list) else texts
+            reply = [[scorers.assistant(x)] for x in texts] if isinstance(prompts[i], list) else texts
             pair = dict(prompt=prompts[i], chosen=reply[best], rejected=reply[worst], prompt_index=i)
             pairs.append(dict(pair, chosen_score=scores[best], rejected_score=scores[worst], scores=scores))
             lengths.append((generated[best], generated[worst]))
@@ -249,83 +245,16 @@ def prompt_ids(tokenizer, prompt, c) -> list[int]:
 
 def check(c, tokenizer) -> None:
     """Before any model loads (train.py): the scorer builds, the prompts read and tokenize (a string, a chat one)."""
-    make_scorer(c)
+    scorers.make("online.scorer", c.online.scorer, c)
     for prompt in {isinstance(p, list): p for p in read_prompts(c)}.values():
         prompt_ids(tokenizer, prompt, c)
 
 
-# --- Scorers: score(prompts, completions) -> one float per completion -------------------------------------------
-def make_scorer(c, device=None):
-    """online.scorer as a function; without a device only checked (a reward model's config read, no weights)."""
-    kind, _, arg = c.online.scorer.partition("=")
-    if kind == "rule":
-        if (rule := sources.sample_rule(c.datasets)) is None:
-            raise ConfigError([f"online.scorer=rule: datasets={list(c.datasets)} have no checkable rule (toy has one)"])
-        return lambda prompts, completions: [float(rule(x)) for x in completions]
-    if kind == "reward_model":
-        return reward_model(arg, c, device)
-    module, _, name = arg.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception as e:  # noqa: BLE001 - the user's module: whatever stops its import
-        raise ConfigError([f"online.scorer={c.online.scorer}: cannot import {name} from {module} ({e!r})"]) from None
-
-
-def reward_model(path: str, c, device):
-    """A sequence-classification model's logit for prompt + completion, in batches of eval_batch_size on the device."""
-    import transformers
-
-    remote = c.model.trust_remote_code  # the policy's setting: off unless asked
-    try:
-        labels = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote).num_labels
-    except (OSError, ValueError) as e:
-        raise ConfigError([f"online.scorer=reward_model={path}: cannot load its config ({e!r})"]) from None
-    if labels != 1:
-        raise ConfigError([f"online.scorer=reward_model={path}: num_labels={labels}; expected 1 (one reward)"])
-    if device is None:
-        return None
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, truncation_side="left", trust_remote_code=remote)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
-    model = model.to(device).eval()
-    model.config.pad_token_id = tokenizer.pad_token_id  # it scores the last token before the padding
-    options = dict(return_tensors="pt", padding=True, truncation=True, max_length=c.max_length)
-    chat = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)  # a chat prompt: its template
-
-    @torch.no_grad()
-    def score(prompts: list, completions: list[str]) -> list[float]:
-        texts = [p + x if isinstance(p, str) else chat(p + [assistant(x)]) for p, x in zip(prompts, completions)]
-        step = c.eval_batch_size
-        batches = [tokenizer(texts[s : s + step], **options) for s in range(0, len(texts), step)]
-        return [v for b in batches for v in model(**b.to(device)).logits[:, 0].float().tolist()]
-
-    return score
-
-
-def checked(name: str, score, prompts: list, completions: list[str]) -> list[float]:
-    """The scorer's output as floats: one finite number per completion, else a ConfigError naming the scorer."""
-    out = score(prompts, completions) if completions else []
-    out = out.tolist() if hasattr(out, "tolist") else out  # a tensor or an array
-    is_list = isinstance(out, (list, tuple))
-    problem = f"returned {len(out)} scores" if is_list else f"returned {type(out).__name__}"
-    if is_list and len(out) == len(completions):
-        number = lambda v: isinstance(v, numbers.Real) and math.isfinite(v)
-        problem = next((f"returned {v!r} for completion {i}" for i, v in enumerate(out) if not number(v)), None)
-    if problem:
-        raise ConfigError([f"online.scorer={name}: {problem}; expected a list of {len(completions)} finite numbers"])
-    return [float(v) for v in out]
-
-
 def record(c) -> dict:
-    """run_manifest.json's `online`: settings, seeds and scorer (a function by module, name and source sha256)."""
-    kind, _, arg = c.online.scorer.partition("=")
-    scorer = {"spec": c.online.scorer, "datasets": list(c.datasets)}
-    if kind == "python":
-        function = make_scorer(c)
-        source = hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
-        scorer.update(module=function.__module__, function=function.__qualname__, source_sha256=source)
-    if kind == "reward_model":
-        files = sorted(p for p in Path(arg).rglob("*") if p.is_file())
-        scorer["sha256"] = {str(p.relative_to(arg)): file_sha256(p) for p in files}
+    """run_manifest.json's `online`: settings, seeds and scorer (scorers.record)."""
     seeds = f"round r, group g: utils.sampling_seed({c.seed}, {STREAM} + r, g)"
-    return {"settings": c.online.to_dict(), "seeds": seeds, "scorer": scorer}
+    return {
+        "settings": c.online.to_dict(),
+        "seeds": seeds,
+        "scorer": scorers.record("online.scorer", c.online.scorer, c),
+    }

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import online
+import scorers
 import run_manifest
 import train as train_py
 from config import ConfigError
@@ -194,7 +195,7 @@ def test_bad_scorer_output_stops_the_run_naming_the_scorer(tmp_path):
     for name, problem in (("one_short", "returned 3 scores"), ("words", "returned 'high' for completion 0")):
         expected = f"online.scorer=python=test_online:{name}: {problem}; expected a list of 4"
         with pytest.raises(ConfigError, match=expected):
-            online.checked(f"python=test_online:{name}", globals()[name], ["p"] * 4, ["a", "b", "c", "d"])
+            scorers.checked(f"online.scorer=python=test_online:{name}", globals()[name], ["p"] * 4, ["a", "b", "c", "d"])
 
 
 def test_each_scorer(tmp_path):
@@ -202,8 +203,10 @@ def test_each_scorer(tmp_path):
     each text's score batched as alone."""
     cfg = lambda scorer: load_config([*FAST, f"online.scorer={scorer}"])[0]  # noqa: E731
     texts = [" cats purr and nap.", " CATS PURR AND NAP.", " dogs bark"]
-    assert online.make_scorer(cfg("rule"))(["p"] * 3, texts) == [1.0, 0.0, 1.0]
-    assert online.make_scorer(cfg("python=test_online:by_length")) is by_length
+    assert scorers.make("online.scorer", "rule", cfg("rule"))(["p"] * 3, texts) == [1.0, 0.0, 1.0]
+    assert (
+        scorers.make("online.scorer", "python=test_online:by_length", cfg("python=test_online:by_length")) is by_length
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama")
     torch.manual_seed(0)
     model = transformers.LlamaForSequenceClassification(
@@ -218,12 +221,14 @@ def test_each_scorer(tmp_path):
     )
     model.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    score = online.make_scorer(cfg(f"reward_model={tmp_path / 'rm'}"), torch.device("cpu"))
+    score = scorers.make(
+        "online.scorer", f"reward_model={tmp_path / 'rm'}", cfg(f"reward_model={tmp_path / 'rm'}"), torch.device("cpu")
+    )
     batched = score(["\n\nHuman: Hi\n\nAssistant:"] * 3, texts)
     alone = [score(["\n\nHuman: Hi\n\nAssistant:"], [x])[0] for x in texts]
     assert len(set(batched)) == 3 and batched == pytest.approx(alone, abs=1e-5)
     with pytest.raises(ConfigError, match="online.scorer=python=no_such_module:f: cannot import f from no_such_module"):
-        online.make_scorer(cfg("python=no_such_module:f"))
+        scorers.make("online.scorer", "python=no_such_module:f", cfg("python=no_such_module:f"))
 
 
 def test_shared_prefix_sampling_draws_the_tokens_plain_sampling_draws():
