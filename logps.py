@@ -114,6 +114,8 @@ def scored_logits(call, rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
     """The model's logits at the scored positions (N, V) in row order, then at `rows.extra`'s; their labels (N,); the
     (R, T) mask of scored positions. The full (R, T, V) logits go as soon as the scored rows are taken."""
     logits = call(**rows.kwargs, use_cache=False).logits  # use_cache=False: training needs no KV cache
+    if logits.shape[:-1] != rows.targets.shape:
+        raise ValueError(f"the model's logits are {tuple(logits.shape)} for targets {tuple(rows.targets.shape)}")
     targets = rows.targets.to(logits.device)  # under device_map the head may sit on another GPU
     scored = targets != IGNORE_INDEX
     picked, labels = logits[scored], targets[scored]

@@ -250,7 +250,7 @@ def packed_attention_mask(mask: Tensor, config, positions: Optional[Tensor] = No
     mask per layer type for models with `layer_types`, counted in `positions` (R, T) where they are given (a shared
     prefix: the rejected is nearer the prompt than its column says), else in columns; (2) eager attention adds it
     to the scores: additive bf16 (0 or a large negative; half of fp32's bytes, the same range). A mask marked
-    `causal_only` (ulysses.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
+    `causal_only` (SequenceParallel.whole_row_inputs: a stand-in of no memory) stays as it is for full attention."""
     causal_only = getattr(mask, "causal_only", False)
     eager = getattr(config, "_attn_implementation", None) == "eager"
 
