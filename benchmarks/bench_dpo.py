@@ -345,11 +345,11 @@ def layout_flops(meta: dict) -> list[tuple[str, float, float]]:
     """(layout, unshared, shared) executed GFLOP of one policy forward + backward, mean over the workload's steps:
     layers on every slot of the rows (padding included), the LM head on scored positions only (tiled), attention
     on each row's whole T x T where the mask is dense (the kernel computes masked pairs too), else only on the
-    (query, key) pairs the mask allows (block granularity ignored). Rows as logps.packed_rows packs them, to
+    (query, key) pairs the mask allows (block granularity ignored). Rows as packing.packed_rows packs them, to
     max_length (a shared pair longer than that widens every row of its step), all 8 pairs of a step in one process.
     What it shows: how much work prefix sharing removes in each layout; a device's timing follows it only as far
     as its kernels run every shape equally fast."""
-    from logps import packed_rows
+    from packing import packed_rows
 
     h, L, V = MODEL["hidden_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
     layer, attention = 6 * (meta["n_params"] - 2 * V * h), 3 * 4 * h * L  # untied: input embedding + LM head
@@ -739,7 +739,7 @@ def profile_child(spec: dict) -> None:
 
     os.chdir(REPO)
     from torch.profiler import ProfilerActivity, profile, record_function
-    import logps
+    import tiled_head
     import trainers
     from config_loader import load_config
     from train import load_models
@@ -768,14 +768,14 @@ def profile_child(spec: dict) -> None:
         trainer.cache.precompute(trainer)
     batches = trainer.train_batches()
 
-    # wrap the LM head's kernel (looked up on its class at each forward_logps) so that its forward shows as one range
-    original_head = logps._LabelLogProbs.apply
+    # wrap the tiled LM head's kernel (looked up on its class at each call) so that its forward shows as one range
+    original_head = tiled_head._LabelLogProbs.apply
 
     def head(*a, **kw):
         with record_function("lm_head.forward"):
             return original_head(*a, **kw)
 
-    logps._LabelLogProbs.apply = head
+    tiled_head._LabelLogProbs.apply = head
 
     def step(batch):  # BasicTrainer.train_step's phases for one micro-batch, timed apart
         trainer.policy.train()

@@ -55,7 +55,7 @@ CONFIGS = [  # (model, arguments): model size, batch, length, checkpointing, FSD
     ("llama-4M", ["loss=sft", "batch_size=4", "max_length=256"]),
     ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=256"]),
     ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=512", "activation_checkpointing=true"]),
-    ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=256", "tiled_lm_head=false"]),
+    ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=256", "tiled_lm_head=true"]),
     ("llama-4M", ["loss=dpo", "batch_size=4", "max_length=256", "trainer=FSDPTrainer", "n_workers=2"]),
     ("llama-21M", ["loss=sft", "batch_size=8", "max_length=256"]),
     ("llama-21M", ["loss=dpo", "batch_size=4", "max_length=256", "precompute_ref_log_probs=true"]),
@@ -149,6 +149,7 @@ def worker(args: list[str], out: str) -> None:
 
     import logps
     import losses  # noqa: F401
+    import tiled_head
     import train
     import trainers  # noqa: F401
 
@@ -167,7 +168,8 @@ def worker(args: list[str], out: str) -> None:
         }
     )
     opt = torch.optim.AdamW(model.parameters())
-    logps.forward_logps(model, inputs, tiled=True, entropy={})[0].sum().backward()
+    for head in (None, tiled_head.Head()):  # both LM heads' first step: the plain (the default) and the tiled
+        logps.forward_logps(model, inputs, head=head)[0].sum().backward()
     opt.step()
     del model, opt, inputs
     gc.collect()

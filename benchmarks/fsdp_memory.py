@@ -3,8 +3,8 @@
 Each variant runs in a fresh pair of gloo ranks (torch.multiprocessing.spawn). Every rank builds the same
 random Llama-style model (hidden --hidden, --layers layers, untied head, vocab --vocab, fp32), shards each block
 and then the root with fully_shard (as fsdp.FSDP2 does), and runs ONE forward + backward of the sum of
-sequence log-probs through logps.forward_logps, the trainers' one log-prob path (under FSDP it is the root
-unit's forward). Each rank holds --rows sequences of --length tokens, the first --prompt of each unscored (as a
+sequence log-probs through logps.forward_logps, the trainers' one log-prob path, as the root unit's forward
+(fsdp.FSDP2.forward, as the trainer calls it): the plain head (full logits) against tiled_head.Head. Each rank holds --rows sequences of --length tokens, the first --prompt of each unscored (as a
 DPO prompt).
 
 Peak = VmHWM after resetting it through /proc/self/clear_refs once the model is sharded and the inputs exist,
@@ -32,8 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
+from lm_head_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
+import fsdp  # noqa: E402
 import logps  # noqa: E402
+import tiled_head  # noqa: E402
 from utils import get_open_port  # noqa: E402
 
 
@@ -78,13 +80,16 @@ def pair_rows(seed: int, rows: int, length: int, vocab: int, prompt: int) -> dic
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def measured_step(model, inputs: dict, **options) -> tuple[torch.Tensor, dict]:
-    """One forward + backward of the mean log-probs through logps.forward_logps; returns them and the step's
-    memory: VmHWM reset through /proc/self/clear_refs first, peak = VmHWM - VmRSS before (GiB), and its seconds."""
+def measured_step(model, inputs: dict, **seams) -> tuple[torch.Tensor, dict]:
+    """One forward + backward of the mean log-probs through logps.forward_logps with `seams` (layout, head), as the
+    sharded root's forward (fsdp.FSDP2.forward: it gathers the embeddings, final norm and LM head the tiled head
+    reads); returns them and the step's memory: VmHWM reset through /proc/self/clear_refs first, peak = VmHWM -
+    VmRSS before (GiB), and its seconds."""
+    sharding = object.__new__(fsdp.FSDP2)  # its forward alone: no config, mesh or sharding of its own here
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = status_kib("VmRSS")
     start = time.time()
-    sums, counts, _, *_ = logps.forward_logps(model, inputs, **options)
+    sums, counts, _, *_ = sharding.forward(model, logps.forward_logps, inputs, **seams)
     (sums / counts).sum().backward()
     seconds = time.time() - start
     peak = status_kib("VmHWM") - base
@@ -95,7 +100,7 @@ def rank_step(rank: int, port: int, args, tiled: bool, out: str) -> None:
     join_two_ranks(rank, port)
     model = random_llama(args.vocab, args.hidden, args.layers, args.length)
     inputs = pair_rows(rank, args.rows, args.length, args.vocab, args.prompt)
-    _, step = measured_step(model, inputs, tiled=tiled)
+    _, step = measured_step(model, inputs, head=tiled_head.Head() if tiled else None)
     result = {"rank": rank, "tiled": tiled, **step}
     Path(out, f"{'tiled' if tiled else 'full'}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -1,17 +1,17 @@
-"""Peak memory and time of the LM head + label log-probs: tiled (logps.label_logps: the kernel training runs) vs plain.
+"""Peak memory and time of the LM head + label log-probs: tiled (tiled_head's kernel, as tiled_lm_head runs) vs plain.
 
 Measures forward + backward of `sum of label log-probs` of N already-selected positions through an
 LM head weight (V, H), hidden and weight both requiring grad (the weight gradient (V, H) is made by
 both variants, so it is in both peaks).
-  plain: logits = hidden @ W.T (N, V), then log_softmax and gather in fp32.
-  tiled: the kernel forward_logps runs on the tiled head (logps.label_logps), `chunk_size` rows at a time
-         (default: logps.head_tile_rows, as training uses); never holds (N, V).
+  plain: logits = hidden @ W.T (N, V), then log_softmax and gather in fp32 (logps.label_logps' path).
+  tiled: the kernel the tiled head runs (tiled_head._LabelLogProbs), `chunk_size` rows at a time
+         (default: tiled_head.head_tile_rows, as training uses); never holds (N, V).
 Default: N = 4096 positions, H = 512, V = 32000 (Llama 2), fp32, i.e. 0.49 GiB of logits.
 
     python benchmarks/lm_head_memory.py                              # the default shape, ~1 min on 2 cores
     python benchmarks/lm_head_memory.py --rows 1024 --vocab 128256 --chunk-size 256
 
-How it measures, as benchmarks/logps_memory.py does (its /proc helpers are imported from there):
+How it measures (benchmarks/fsdp_memory.py imports its /proc helpers):
   - CPU: each variant in a fresh subprocess; peak = VmHWM after resetting it through
     /proc/self/clear_refs once the inputs exist, minus VmRSS then. That first call is cold;
     `seconds` is the fastest of `--repeats` calls (the first included).
@@ -31,10 +31,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: import logps_memory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: import tiled_head
 
-from logps_memory import GIB, read_kib, status_kib  # noqa: E402  (it also puts the repo on sys.path)
-from logps import head_tile_rows, label_logps  # noqa: E402
+from tiled_head import _LabelLogProbs, head_tile_rows  # noqa: E402
+
+GIB = 2**30
+
+
+def read_kib(path: str, field: str) -> int:
+    """A 'Field:  N kB' line of /proc/self/status or /proc/meminfo."""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in {path}")
+
+
+def status_kib(field: str) -> int:
+    return read_kib("/proc/self/status", field)
 
 
 def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
@@ -44,7 +57,8 @@ def plain_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
 
 
 def tiled_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
-    return label_logps(hidden, labels, weight, chunk_size=chunk_size)
+    """The tiled head's kernel: no bias, scale or softcap, no entropy or log sum p^2. Shape (N,)."""
+    return _LabelLogProbs.apply(hidden, weight, None, labels, chunk_size, 1.0, None, False, False)[0]
 
 
 VARIANTS = {"plain": plain_logps, "tiled": tiled_logps}
@@ -129,7 +143,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--chunk-size", type=int, default=None, help="rows per tile; default: logps.head_tile_rows")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="rows per tile; default: tiled_head.head_tile_rows"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed calls; the fastest is reported")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)

@@ -4,8 +4,9 @@ The pair is what a rank processes per micro-batch: its chosen and rejected rows 
 SP=1 each rank holds a whole pair (its own, as data parallelism does); with SP=2 both ranks hold the same pair and
 each runs the model on half of every row's positions (ulysses.py), attention seeing whole rows for half the
 heads. Both shard the model with fully_shard over the 2 ranks (each block, then the root, as fsdp.FSDP2 does)
-and run ONE forward + backward of the pair's summed log-probs through logps.forward_logps (tiled LM head, the
-default of train.py). The model is a random Llama (hidden --hidden, --layers layers, --heads heads, fp32, sdpa).
+and run ONE forward + backward of the pair's summed log-probs through logps.forward_logps (the tiled LM head,
+tiled_lm_head=true; SP=2: packing.Layout's slices of the padded rows, as trainers.BasicTrainer.log_prob_paths builds
+it). The model is a random Llama (hidden --hidden, --layers layers, --heads heads, fp32, sdpa).
 
 Peak = VmHWM after resetting it through /proc/self/clear_refs once the model is sharded and the inputs exist,
 minus VmRSS then: what the step itself adds, per rank. The pair's log-probs under SP=2 are printed beside SP=1's.
@@ -30,6 +31,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_memory import join_two_ranks, measured_step, pair_rows, random_llama  # noqa: E402
+import packing  # noqa: E402
+import tiled_head  # noqa: E402
 import ulysses  # noqa: E402
 from utils import get_open_port  # noqa: E402
 
@@ -47,7 +50,8 @@ def rank_step(rank: int, port: int, args, sp_size: int, out: str) -> None:
     )
     # SP=1: each rank its own pair; SP=2: the group's one pair (the ranks of a group read the same pairs)
     inputs = pair_rows(rank // sp_size, 2, args.length, args.vocab, args.prompt)
-    mean_logps, step = measured_step(model, inputs, tiled=True, sequence_parallel=sp)
+    layout = packing.Layout(None, False, sp) if sp else None
+    mean_logps, step = measured_step(model, inputs, layout=layout, head=tiled_head.Head())
     result = {"rank": rank, "sp": sp_size, **step, "mean_logp": mean_logps.tolist()}
     Path(out, f"sp{sp_size}-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -203,3 +203,87 @@ def build(name: str, out_dir: Path, seed: int = 0) -> Path:
 
 def build_all(out_dir: Path) -> dict[str, Path]:
     return {name: build(name, out_dir) for name in ARCHITECTURES}
+
+
+# ---------- forward_logps' seams and inputs, shared by the log-prob tests ----------
+def seams(
+    model,
+    tiled: bool = False,
+    packed_capacity: int | None = None,
+    prefix_sharing: bool = False,
+    sequence_parallel=None,
+    routing: bool = False,
+    routing_grad: bool = False,
+) -> dict:
+    """forward_logps' keyword arguments for the options a test names, as a run with them builds its seams
+    (trainers.BasicTrainer.log_prob_paths): a packing.Layout for packed rows (at most `packed_capacity` tokens),
+    shared prefixes or Ulysses' slices (`sequence_parallel`, a ulysses.SequenceParallel); the tiled head; a moe.Router
+    recording the routing, differentiable with `routing_grad` (a loss.router_aux_loss > 0)."""
+    out = {}
+    if packed_capacity or prefix_sharing or sequence_parallel:
+        import packing
+
+        out["layout"] = packing.Layout(packed_capacity, prefix_sharing, sequence_parallel)
+    if tiled:
+        import tiled_head
+
+        out["head"] = tiled_head.Head()
+    if routing or routing_grad:
+        import moe
+        from sharding import unwrap
+
+        out["router"] = moe.Router(unwrap(model).config, 0.01 if routing_grad else None, prefix_sharing)
+    return out
+
+
+def tiny(config_class: str, **kwargs):
+    """A random 2-layer model of transformers' `config_class` (vocab 256, hidden 64), fp32, in eval mode."""
+    sizes = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**sizes, **kwargs})
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def padded_batch(vocab: int = 256) -> dict[str, torch.Tensor]:
+    """Three rows of 24 tokens, the last two right-padded (to 18 and 11), 4 prompt tokens unscored."""
+    ids = torch.randint(3, vocab, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = mask[2, 11:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def own_token_logps(model, inputs: dict) -> torch.Tensor:
+    """Each labelled token's log-prob from log_softmax(model(...).logits), 0 elsewhere, (N, T): each row alone."""
+    out = torch.zeros(inputs["labels"].shape)
+    for i, n in enumerate(inputs["attention_mask"].sum(1).tolist()):
+        ids = inputs["input_ids"][i : i + 1, :n]
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        out[i, 1:n] = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0] * (inputs["labels"][i, 1:n] != -100)
+    return out
+
+
+def own_statistics(model, inputs: dict) -> dict[str, torch.Tensor]:
+    """From the model's own logits over the padded rows (log_softmax at every position, then the scored ones), per
+    sequence: the summed log-probs, the count, the mean entropy and the summed log sum_v p_v^2 of its labelled tokens;
+    differentiable (the entropy bonus's gradient is checked against this one)."""
+    logp = torch.log_softmax(model(input_ids=inputs["input_ids"]).logits.float(), -1)[:, :-1]
+    targets = inputs["labels"][:, 1:]  # output t predicts token t+1
+    scored = (targets != -100).float()
+    token = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    counts = scored.sum(1)
+    return dict(
+        sums=(token * scored).sum(1),
+        counts=counts,
+        entropy=(entropy * scored).sum(1) / counts,
+        log_sum_sq=(torch.logsumexp(2 * logp, -1) * scored).sum(1),
+    )

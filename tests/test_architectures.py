@@ -37,9 +37,11 @@ import train as train_py
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
 import fsdp
 import logps
-import losses
 import lora
+import moe
+import packing
 import trainers
+from architectures import seams
 from config_loader import load_config
 from utils import get_open_port
 
@@ -70,7 +72,8 @@ FAST = [
 ]
 ONE_STEP, TWO_STEPS = ["n_examples=8"], ["n_examples=16"]
 BF16 = ["fsdp.mixed_precision={param_dtype: bf16}"]
-PACKED = ["padding_free=true", "tiled_lm_head=false"]  # padding-free rows through the full LM head
+PACKED = ["padding_free=true"]  # padding-free rows through the full LM head (the plain one)
+TILED = ["tiled_lm_head=true"]  # the LM head in tiles on the scored positions
 BUDGET, BUDGET_TOKENS = [("gpt_neox", "fsdp"), ("llama", "fsdp2")], 120  # rank 0: 4 micro-batches, rank 1: 3
 SP = ["fsdp.ulysses_sequence_parallel_size=2"]  # Ulysses: both ranks hold the same 8 pairs, each half of every row
 # gemma3: local and global layers under Ulysses; gpt_oss: its sinks sliced to each rank's heads, eager attention
@@ -79,7 +82,7 @@ AUX = ["loss.router_aux_loss=0.5"]  # large enough that the router's term moves 
 # the same 8 pairs under 2 ranks: packed shared rows, 2 micro-batches each (FSDP1); padded rows, tiled head (FSDP2)
 AUX_RUNS = {
     "mixtral-fsdp-aux": ["fsdp.strategy=fsdp", "prefix_sharing=true", *PACKED],
-    "mixtral-fsdp2-aux": ["fsdp.strategy=fsdp2"],
+    "mixtral-fsdp2-aux": ["fsdp.strategy=fsdp2", *TILED],
 }
 MODIFIERS = [
     "loss.ld_alpha=0.5",
@@ -116,7 +119,7 @@ def scenarios() -> dict[str, list[str]]:
     for arch in ARCHS:
         for strategy in ("fsdp", "fsdp2"):
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"
-            out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP]  # tiled LM head (the default)
+            out[f"{arch}-{strategy}-fp32"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *TILED]
             out[f"{arch}-{strategy}-packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *PACKED]
             # prefix sharing: padded rows through the tiled head under one strategy, packed rows through the full head
             # under the other, alternating per architecture
@@ -125,24 +128,25 @@ def scenarios() -> dict[str, list[str]]:
                 ac,
                 *ONE_STEP,
                 "prefix_sharing=true",
-                *(PACKED if checkpointed(arch, strategy) else []),
+                *(PACKED if checkpointed(arch, strategy) else TILED),
             ]
             if FULL or bf16_in_ci(arch, strategy):
-                out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16]
+                out[f"{arch}-{strategy}-bf16"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *BF16, *TILED]
     for arch in SP_ARCHS:
         for strategy in ("fsdp", "fsdp2"):
             ac = f"activation_checkpointing={str(checkpointed(arch, strategy)).lower()}"  # recomputed attention too
-            out[f"{arch}-{strategy}-sp"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP]  # padded rows, tiled head
+            out[f"{arch}-{strategy}-sp"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP, *TILED]  # padded rows
             out[f"{arch}-{strategy}-sp_packed"] = [f"fsdp.strategy={strategy}", ac, *ONE_STEP, *SP, *PACKED]
     # the loss modifiers: per-token log-probs and WPO's statistic under Ulysses (each rank's slice), and under FSDP1
     # through shared-prefix packed rows
-    out["qwen2-fsdp2-sp_modifiers"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, *MODIFIERS]
+    out["qwen2-fsdp2-sp_modifiers"] = ["fsdp.strategy=fsdp2", *ONE_STEP, *SP, *MODIFIERS, *TILED]
     out["llama-fsdp-modifiers"] = [
         "fsdp.strategy=fsdp",
         *ONE_STEP,
         *MODIFIERS,
         "prefix_sharing=true",
         "padding_free=true",
+        *TILED,
     ]
     # the reference precomputed (its pass splits rows too) and token-budget micro-batches, under sequence parallelism
     out["qwen2-fsdp2-sp_budget"] = [
@@ -151,6 +155,7 @@ def scenarios() -> dict[str, list[str]]:
         *SP,
         f"max_tokens_per_microbatch={BUDGET_TOKENS}",
         "precompute_ref_log_probs=true",
+        *TILED,
     ]
     for arch, strategy in BUDGET:  # token-budget micro-batches: the ranks' counts differ, FSDP needs them equal
         # (consecutive halves: shares balanced by FLOPs happen to split into 4 micro-batches each on this batch)
@@ -159,12 +164,13 @@ def scenarios() -> dict[str, list[str]]:
             *ONE_STEP,
             f"max_tokens_per_microbatch={BUDGET_TOKENS}",
             "balance_batch=false",
+            *TILED,
         ]
     for name, args in AUX_RUNS.items():  # the router's loss, with recomputed blocks (its logits come from inside them)
         out[name] = [*args, *ONE_STEP, *AUX, "gradient_accumulation_steps=2", "activation_checkpointing=true"]
     for strategy in ("fsdp", "fsdp2"):  # a tied model stopped after step 1 and resumed
-        out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
-        out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS]
+        out[f"gpt2-{strategy}-interrupted"] = [f"fsdp.strategy={strategy}", *TWO_STEPS, *TILED]
+        out[f"gpt2-{strategy}-resumed"] = [f"fsdp.strategy={strategy}", *TWO_STEPS, *TILED]
     return out
 
 
@@ -302,7 +308,9 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         return out
 
     trainers.split_by_tokens = counted
-    layouts = {f: getattr(logps, f) for f in ("padded_inputs", "packed_inputs")}  # the whole rows, before any split
+    # the whole rows, before any split: padded (the plain path's, and Ulysses' through packing), packed
+    found = ((logps, "padded_inputs"), (packing, "padded_inputs"), (packing, "packed_inputs"))
+    layouts = {(module, name): getattr(module, name) for module, name in found}
 
     def recorded(layout):
         def rows(*args, **kwargs):
@@ -313,7 +321,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
         return rows
 
     for layout in layouts:
-        setattr(logps, layout, recorded(layout))
+        setattr(*layout, recorded(layout))
     if name.endswith("interrupted"):
         save = trainer.checkpoints.save
 
@@ -337,7 +345,7 @@ def run_scenario(name: str, args: list[str], rank: int, world_size: int, out_dir
     hook.remove(), seen.remove()
     trainers.split_by_tokens, trainers.self_check.run = split_by_tokens, check
     for layout, function in layouts.items():
-        setattr(logps, layout, function)
+        setattr(*layout, function)
     info["tie_after_training"] = tie_state(trainer.policy)
     return info
 
@@ -389,20 +397,26 @@ def sharded(tmp_path_factory, models):
 def single(tmp_path_factory, models):
     """BasicTrainer in this process on the full batch, fp32 and bf16 autocast: what every sharded run must match."""
     out = tmp_path_factory.mktemp("arch_single")
-    # fp32: the plain path (full logits, padded rows), which every sharded path (tiled, packed) must match
+    # fp32: the plain path (full logits, padded rows), which every sharded path (tiled, packed) must match; bf16
+    # through the tiled head
     runs = {
         f"{arch}-{precision}": [
             f"model.name_or_path={models[arch]}",
             *ONE_STEP,
-            *(BF16 if precision == "bf16" else ["tiled_lm_head=false"]),
+            *([*BF16, *TILED] if precision == "bf16" else []),
         ]
         for arch in ARCHS
         for precision in ("fp32", "bf16")
     }
-    runs["gpt2-two-steps"] = [f"model.name_or_path={models['gpt2']}", *TWO_STEPS, "activation_checkpointing=true"]
+    runs["gpt2-two-steps"] = [
+        f"model.name_or_path={models['gpt2']}",
+        *TWO_STEPS,
+        "activation_checkpointing=true",
+        *TILED,
+    ]
     runs.update(
         {
-            f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS, "tiled_lm_head=false"]
+            f"{arch}-modifiers": [f"model.name_or_path={models[arch]}", *ONE_STEP, *MODIFIERS]
             for arch in ("llama", "qwen2")
         }
     )
@@ -411,7 +425,6 @@ def single(tmp_path_factory, models):
             f"model.name_or_path={models['mixtral']}",
             *ONE_STEP,
             *AUX,
-            "tiled_lm_head=false",
             f"gradient_accumulation_steps={accumulation}",
         ]
     for name, args in runs.items():
@@ -477,7 +490,7 @@ def test_log_probs_equal_the_models_own_logits(models, arch):
             "packed": {"packed_capacity": 64},
             "packed+tiled": {"packed_capacity": 64, "tiled": True},
         }.items():
-            sums, counts, _, *_ = trainers.forward_logps(model, inputs, **options)
+            sums, counts, _, *_ = logps.forward_logps(model, inputs, **seams(model, **options))
             assert counts.tolist() == scored.sum(1).tolist(), path
             assert (sums / counts - expected).abs().max().item() < 1e-5, path
 
@@ -507,7 +520,7 @@ def test_prefix_sharing_equals_separate_sequences(models, arch):
 
     def run(options, inputs=inputs):
         model.zero_grad()
-        sums, counts, entropy, *_ = logps.forward_logps(model, inputs, entropy={}, **options)
+        sums, counts, entropy, *_ = logps.forward_logps(model, inputs, **seams(model, **options))
         (sums / counts).sum().backward()
         return sums.detach(), counts, entropy, {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -554,7 +567,7 @@ def test_per_token_logps_and_wpo_statistic_on_every_path(models, arch):
         {"prefix_sharing": True, "packed_capacity": 64, "tiled": True},
     ):
         model.zero_grad()
-        out = logps.forward_logps(model, inputs, per_token=True, sum_sq=True, **options)
+        out = logps.forward_logps(model, inputs, per_token=True, sum_sq=True, **seams(model, **options))
         torch.testing.assert_close(out.tokens.detach(), expected, rtol=1e-5, atol=1e-5, msg=str(options))
         torch.testing.assert_close(out.log_sum_sq, expected_sq, rtol=1e-5, atol=1e-5, msg=str(options))
         (out.tokens * weights).sum().backward()
@@ -571,7 +584,7 @@ DENSE_MASK = ("gemma2", "gpt2", "olmoe", "gpt_oss")  # no FlexAttention for thei
 # the newer dense families attend as Llama does here (sdpa, one mask per layer type); Gemma3 for its local layers
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2", "gpt2", "gemma3", *MOE])
 def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
-    """The GPU path of packed and shared rows, FlexAttention block masks (logps.block_masks), run here on CPU,
+    """The GPU path of packed and shared rows, FlexAttention block masks (packing.block_masks), run here on CPU,
     eagerly and forward only (CPU FlexAttention has no backward): the log-probs equal the plain path's (1e-5), Mistral given a
     sliding window of 16 (counted in positions), Qwen2 and Gemma3 one mask per layer type. Gemma2 attends eagerly (its
     logit softcapping), GPT-2's attention reads the mask as a tensor, OLMoE has no FlexAttention in transformers and
@@ -580,7 +593,7 @@ def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
 
-    monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(packing, "FLEX_DEVICES", ("cpu",))
     calls, forward = [], flex_attention.flex_attention_forward
     monkeypatch.setattr(flex_attention, "flex_attention_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     # transformers compiles FlexAttention; inductor's CPU kernel fails to build for these masks (torch 2.13), and the
@@ -597,7 +610,7 @@ def test_flex_attention_rows_equal_the_dense_mask(models, arch, monkeypatch):
     with torch.no_grad():
         base = logps.forward_logps(model.eval(), inputs)
         for options in ({"packed_capacity": 64}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
-            sums, counts, _, *_ = logps.forward_logps(model, inputs, **options)
+            sums, counts, _, *_ = logps.forward_logps(model, inputs, **seams(model, **options))
             torch.testing.assert_close(sums, base[0], rtol=1e-5, atol=1e-5, msg=str(options))
             assert torch.equal(counts, base[1])
     assert bool(calls) == (arch not in DENSE_MASK), (arch, model.config._attn_implementation)
@@ -799,7 +812,7 @@ def test_sampling_equals_one_process(sharded, one_process, arch, strategy):
 
 def test_router_load_balancing_is_transformers_per_sequence(models):
     """Per sequence, the router statistics of padded rows and of shared-prefix packed rows (through the tiled head)
-    give losses.load_balancing_loss equal to transformers' load_balancing_loss_func on that sequence alone (real
+    give moe.load_balancing_loss equal to transformers' load_balancing_loss_func on that sequence alone (real
     tokens only, so padding never counts: 1e-6), and the same gradient on the routers."""
     import importlib
 
@@ -819,17 +832,18 @@ def test_router_load_balancing_is_transformers_per_sequence(models):
         grads = []
         for options in ({}, {"prefix_sharing": True, "packed_capacity": 64, "tiled": True}):
             model.zero_grad()
-            routing = logps.forward_logps(model, inputs, routing=True, routing_grad=True, **options).routing
-            aux = losses.load_balancing_loss(routing)
+            routing = logps.forward_logps(model, inputs, **seams(model, routing_grad=True, **options)).routing
+            aux = moe.load_balancing_loss(routing)
             torch.testing.assert_close(aux.detach(), expected, rtol=1e-6, atol=1e-6, msg=f"{arch} {options}")
             aux.sum().backward()
-            grads.append(torch.cat([m.weight.grad.flatten() for m, _ in logps.routers(model)]))
+            grads.append(torch.cat([m.weight.grad.flatten() for m, _ in moe.routers(model)]))
             torch.testing.assert_close(grads[-1], grads[0], rtol=1e-5, atol=1e-6, msg=f"{arch} {options}")
         assert grads[0].abs().sum() > 0
 
 
 def test_mfu_and_estimate_count_the_active_parameters_of_an_moe(models):
-    """trainers.flops_params, the N of MFU's 6N per token: of a mixture of experts, the parameters a token runs
+    """moe.active_parameters of trainers.flops_params, the N of MFU's 6N per token: of a mixture of experts, the
+    parameters a token runs
     through. torch's FLOP counter on a forward of T tokens (experts looped: its counter skips grouped_mm) counts
     2 N T within 3% (attention's T x T products and the norms aside), where all parameters would be ~35% over.
     --estimate, from config.json alone, counts every parameter for memory and the same N for FLOPs, and says so."""
@@ -841,7 +855,7 @@ def test_mfu_and_estimate_count_the_active_parameters_of_an_moe(models):
         model = AutoModelForCausalLM.from_pretrained(models[arch], experts_implementation="eager")
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             model(input_ids=ids)
-        active = trainers.flops_params(model)
+        active = moe.active_parameters(model, trainers.flops_params(model))
         every = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
         assert abs(counter.get_total_flops() / (2 * ids.numel()) / active - 1) < 0.03 and every > 1.3 * active, arch
         geometry = estimate.geometry(json.loads((Path(models[arch]) / "config.json").read_text()))
@@ -914,11 +928,11 @@ def test_lora_reference_on_moe_is_the_base_model(models):
             )
         )  # the export's
         with torch.no_grad():
-            expected = logps.forward_logps(base, inputs, routing=True, **options)
-            moved = logps.forward_logps(model.eval(), inputs, routing=True, **options)
+            expected = logps.forward_logps(base, inputs, **seams(base, routing=True, **options))
+            moved = logps.forward_logps(model.eval(), inputs, **seams(model, routing=True, **options))
             with trainers.Reference.context(types.SimpleNamespace(lora=True, model=model)):
-                reference = logps.forward_logps(model, inputs, routing=True, **options)
-            exported = logps.forward_logps(merged, inputs, **options)
+                reference = logps.forward_logps(model, inputs, **seams(model, routing=True, **options))
+            exported = logps.forward_logps(merged, inputs, **seams(merged, **options))
         assert (moved.sums - expected.sums).abs().max() > 1e-2, arch
         assert torch.equal(reference.sums, expected.sums) and torch.equal(reference.routing, expected.routing), arch
         torch.testing.assert_close(exported.sums, moved.sums, rtol=1e-5, atol=1e-4, msg=arch)
@@ -1003,7 +1017,7 @@ def test_every_matrix_run_checked_itself(sharded, single):
         found = {c["check"]: c for c in report["checks"]}
         expected = {
             "reference",
-            *(["head"] if "tiled_lm_head=false" not in args else []),
+            *(["head"] if "tiled_lm_head=true" in args else []),
             *(["layout"] if set(layouts) & set(args) else []),
             *(["cache"] if "precompute_ref_log_probs=true" in args else []),
         }

@@ -195,7 +195,9 @@ def test_bad_scorer_output_stops_the_run_naming_the_scorer(tmp_path):
     for name, problem in (("one_short", "returned 3 scores"), ("words", "returned 'high' for completion 0")):
         expected = f"online.scorer=python=test_online:{name}: {problem}; expected a list of 4"
         with pytest.raises(ConfigError, match=expected):
-            scorers.checked(f"online.scorer=python=test_online:{name}", globals()[name], ["p"] * 4, ["a", "b", "c", "d"])
+            scorers.checked(
+                f"online.scorer=python=test_online:{name}", globals()[name], ["p"] * 4, ["a", "b", "c", "d"]
+            )
 
 
 def test_each_scorer(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 import train as train_py
-from preference_datasets import sample_rule
+from sources import sample_rule
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "sweeps"))

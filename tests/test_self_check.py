@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-import logps
+import packing
 import self_check
 import train as train_py
 import trainers
@@ -83,20 +83,24 @@ def scaled_head(monkeypatch, factor: float = 1.25):
 def leaky_masks(monkeypatch):
     """Packed and shared-prefix rows whose mask is plain causal over the whole row: each sequence attends to the ones
     packed before it, a rejected to its chosen."""
-    build = logps.packed_attention_mask
+    build = packing.packed_attention_mask
 
     def packed_attention_mask(mask, config, positions=None):
         causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
         return build(causal.expand_as(mask).clone(), config, positions)
 
-    monkeypatch.setattr(logps, "packed_attention_mask", packed_attention_mask)
+    monkeypatch.setattr(packing, "packed_attention_mask", packed_attention_mask)
 
 
-@pytest.mark.parametrize("args,code", [((), 4), (("tiled_lm_head=false",), 0), (("self_check=false",), 0)])
+TILED = "tiled_lm_head=true"
+
+
+@pytest.mark.parametrize("args,code", [((TILED,), 4), ((), 0), ((TILED, "self_check=false"), 0)])
 def test_a_head_the_tiled_path_does_not_reproduce_stops_the_run(tmp_path, monkeypatch, args, code):
     """A 1.25 logit multiplier: the tiled head's log-probs differ from the model's own, the run stops before any step
-    (exit 4) naming the check, its difference and tolerance and tiled_lm_head=false, and keeps what it wrote; with
-    that key the same model trains (the reference equals the policy: ln 2); self_check=false skips the checks."""
+    (exit 4) naming the check, its difference and tolerance and tiled_lm_head=false, and keeps what it wrote; without
+    the tiled head (the default) the same model trains (the reference equals the policy: ln 2); self_check=false skips
+    the checks."""
     scaled_head(monkeypatch)
     exit_code, printed, report = run(tmp_path / "run", *args)
     assert exit_code == code, printed[-3000:]
@@ -120,9 +124,9 @@ def test_a_head_the_tiled_path_does_not_reproduce_stops_the_run(tmp_path, monkey
 @pytest.mark.parametrize("option", ["padding_free=true", "prefix_sharing=true"])
 def test_a_broken_packed_or_shared_prefix_mask_stops_the_run(tmp_path, monkeypatch, option):
     """Sequences that see each other in a packed row, or a rejected that sees its chosen: the layout check fails and
-    names the key that turns the layout off; the head check (padded rows) still passes."""
+    names the key that turns the layout off; the tiled head's check (padded rows) still passes."""
     leaky_masks(monkeypatch)
-    code, printed, report = run(tmp_path / "run", option)
+    code, printed, report = run(tmp_path / "run", option, TILED)
     assert code == 4, printed[-3000:]
     assert checks(report)["head"]["passed"] and not checks(report)["layout"]["passed"]
     assert "self-check failed: layout" in printed and f"set {option.replace('true', 'false')}" in printed
@@ -179,9 +183,9 @@ def test_a_reference_that_is_not_the_policy_raises_no_false_alarm(tmp_path, monk
 
 
 def test_kto_on_unpaired_rows(tmp_path):
-    """KTO with pairs_to_unpaired (one completion a row) and packed rows: head, layout and reference pass, and the
-    step-0 loss is KTO's at zero margin (1 - sigma(0) = 0.5 per completion, the weights being 1)."""
-    code, printed, report = run(tmp_path / "run", "loss=kto", "pairs_to_unpaired=true", "padding_free=true")
+    """KTO with pairs_to_unpaired (one completion a row), packed rows and the tiled head: head, layout and reference
+    pass, and the step-0 loss is KTO's at zero margin (1 - sigma(0) = 0.5 per completion, the weights being 1)."""
+    code, printed, report = run(tmp_path / "run", "loss=kto", "pairs_to_unpaired=true", "padding_free=true", TILED)
     assert code == 0, printed[-3000:]
     found = checks(report)
     assert set(found) == {"head", "layout", "reference"} and report["passed"]
@@ -220,7 +224,8 @@ def worker(rank: int, world_size: int, port: int, out: str):
         for strategy in ("fsdp", "fsdp2"):
             run_dir = Path(out) / strategy
             cfg, _ = load_config(
-                [*FAST, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", f"run_dir={run_dir}"], world_size=world_size
+                [*FAST, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", TILED, f"run_dir={run_dir}"],
+                world_size=world_size,
             )
             run_dir.mkdir(exist_ok=True)
             tokenizer, policy, reference = train_py.load_models(cfg, on_meta=rank != 0)

@@ -7,10 +7,12 @@ packed) run in tests/test_architectures.py's spawn, which this file does not rep
 """
 
 import os
+import re
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ import torch.multiprocessing as mp
 import transformers
 
 import logps
-import trainers
+import packing
 import ulysses
+from config import ConfigError
+from architectures import seams
 from utils import get_open_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,15 +82,15 @@ def compare(rank: int, port: int, out: str) -> None:
         ulysses.install(model, sp)
         for packed in (None, 64):
             for tiled in (False, True):
-                options = dict(packed_capacity=packed, tiled=tiled, entropy=None if tiled else {})
+                options = dict(packed_capacity=packed, tiled=tiled)
                 model.zero_grad()
                 with ulysses.paused():  # the reference: whole rows on this rank, plain attention
-                    sums, counts, entropy, *_ = trainers.forward_logps(model, rows(), **options)
+                    sums, counts, entropy, *_ = logps.forward_logps(model, rows(), **seams(model, **options))
                 (sums * WEIGHTS).sum().backward()
                 whole = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad()
-                split_sums, split_counts, split_entropy, *_ = trainers.forward_logps(
-                    model, rows(), sequence_parallel=sp, **options
+                split_sums, split_counts, split_entropy, *_ = logps.forward_logps(
+                    model, rows(), **seams(model, sequence_parallel=sp, **options)
                 )
                 # each rank holds the same loss; summing the ranks' gradients (as FSDP's reduction does, then
                 # divides by the 2 ranks) must give the whole-row gradient
@@ -98,7 +102,7 @@ def compare(rank: int, port: int, out: str) -> None:
                 worst[key] = {
                     "counts_equal": torch.equal(counts, split_counts),
                     "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
-                    "entropy": 0.0 if tiled else (split_entropy - entropy).abs().max().item(),
+                    "entropy": (split_entropy - entropy).abs().max().item(),
                     "grads": max(
                         ((grads[n] - whole[n]).abs().max() / whole[n].abs().max().clamp(min=1e-12)).item()
                         for n in whole
@@ -112,11 +116,11 @@ def compare(rank: int, port: int, out: str) -> None:
     model = tiny_llama(2, "eager")
     ulysses.install(model, sp)
     with ulysses.paused():
-        sums, _, _, *_ = trainers.forward_logps(model, rows())
+        sums, _, _, *_ = logps.forward_logps(model, rows())
     for layer in model.model.layers:
         fully_shard(layer.self_attn, mesh=init_device_mesh("cpu", (2,)))
     assert type(model.model.layers[0].self_attn).__module__.startswith("torch.")
-    split_sums, _, _, *_ = trainers.forward_logps(model, rows(), sequence_parallel=sp)
+    split_sums, _, _, *_ = logps.forward_logps(model, rows(), **seams(model, sequence_parallel=sp))
     worst["fsdp2-eager"] = {
         "counts_equal": True,
         "logps": ((split_sums - sums).abs() / sums.abs()).max().item(),
@@ -129,7 +133,7 @@ def compare(rank: int, port: int, out: str) -> None:
     from torch.nn.attention.flex_attention import flex_attention as eager_flex_attention
     from transformers.integrations import flex_attention
 
-    logps.FLEX_DEVICES = ("cpu",)
+    packing.FLEX_DEVICES = ("cpu",)
     flex_attention.compile_friendly_flex_attention = lambda q, k, v, training=False, **kw: eager_flex_attention(
         q, k, v, **kw
     )
@@ -139,10 +143,10 @@ def compare(rank: int, port: int, out: str) -> None:
         ulysses.install(model, sp)
         with torch.no_grad():
             with ulysses.paused():  # the reference: padded whole rows, the model's own masks
-                sums, counts, *_ = trainers.forward_logps(model, rows())
+                sums, counts, *_ = logps.forward_logps(model, rows())
             calls.clear()
-            split_sums, split_counts, *_ = trainers.forward_logps(
-                model, rows(), packed_capacity=packed, sequence_parallel=sp
+            split_sums, split_counts, *_ = logps.forward_logps(
+                model, rows(), **seams(model, packed_capacity=packed, sequence_parallel=sp)
             )
         worst[name] = {
             "counts_equal": torch.equal(counts, split_counts) and len(calls) == 2,  # both layers: flex
@@ -164,7 +168,7 @@ def compared(tmp_path_factory):
 def test_split_sequences_equal_whole_rows(compared):
     """Per sequence: summed log-probs (relative 1e-5), token counts (exact), mean entropies (1e-5) and the weighted
     loss's gradients (relative to each tensor's largest entry, 1e-5): sdpa and eager, KV heads split or repeated,
-    padded and packed rows, full logits and the tiled LM head, on both ranks; and the log-probs of eager attention
+    padded and packed rows, full logits and the tiled LM head (its entropies too), on both ranks; and the log-probs of eager attention
     modules sharded by FSDP2 (whose class then lives in torch); and, forward only, the GPU path's FlexAttention block
     masks for packed rows and a sliding window's band (each layer's attention went through FlexAttention)."""
     assert len(compared[0]) == 19
@@ -178,32 +182,29 @@ class _StopBeforeTheModel(Exception):
     pass
 
 
-@pytest.mark.parametrize("case", ["padding_free", "sliding window", "window over the rows", "no flex: refused"])
+@pytest.mark.parametrize("case", ["padding_free", "sliding window", "window over the rows"])
 def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypatch, case):
     """The GPU path of Ulysses (FLEX_DEVICES; here on CPU), one rank of two, rows of 4096 tokens: packed rows and a
     sliding window's band are FlexAttention block masks over whole sequences (the builder stubbed: on GPUs it is
     compiled, on CPU it would materialize the mask it compresses), a window holding the rows keeps the causal
     stand-in, and nothing while the inputs are built allocates (T, T) (before: a dense (R, 1, T, T) mask and a
-    (1, 1, T, T) band). An sdpa model without FlexAttention (GPT-2) is refused there. What sdpa or FlexAttention
-    allocate inside is a CUDA kernel's: a CPU run cannot reach it."""
+    (1, 1, T, T) band). An sdpa model without FlexAttention is refused before loading (the next test). What sdpa or
+    FlexAttention allocate inside is a CUDA kernel's: a CPU run cannot reach it."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    import logps
 
     t, built, handed = 4096, [], {}
-    monkeypatch.setattr(logps, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(packing, "FLEX_DEVICES", ("cpu",))
     monkeypatch.setattr(
-        logps,
+        packing,
         "_block_mask_builder",
         lambda device_type: (
             lambda mask_mod, b, h, q, kv, device: built.append((mask_mod, q, kv)) or f"block mask {len(built)}"
         ),
     )
 
-    def stop(model, call, kwargs, *args, **options):
-        handed.update(kwargs)
+    def stop(model, call, rows, sum_sq=False):  # forward_logps' head: handed the rows the model would see
+        handed.update(rows.kwargs)
         raise _StopBeforeTheModel
-
-    monkeypatch.setattr(logps, "_label_logps", stop)
 
     class Largest(TorchDispatchMode):
         bytes = 0  # storage: a stand-in expanded to (T, T) holds one element
@@ -218,7 +219,6 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
         "padding_free": (transformers.LlamaConfig, dict(packed_capacity=2 * t)),
         "sliding window": (transformers.MistralConfig, dict(sliding_window=16)),
         "window over the rows": (transformers.MistralConfig, dict(sliding_window=t)),
-        "no flex: refused": (transformers.GPT2Config, dict(packed_capacity=2 * t)),
     }[case]
     model = transformers.AutoModelForCausalLM.from_config(
         config_class(
@@ -239,12 +239,9 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
     mask[1, 3000:] = 0
     inputs = {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     sp = ulysses.SequenceParallel(group=None, rank=1, size=2)
-    if case == "no flex: refused":
-        with pytest.raises(ValueError, match="padding_free=true: GPT2LMHeadModel does not attend through Flex"):
-            logps.forward_logps(model, inputs, sequence_parallel=sp, packed_capacity=2 * t)
-        return
+    layout = seams(model, sequence_parallel=sp, packed_capacity=options.get("packed_capacity"))
     with Largest(), pytest.raises(_StopBeforeTheModel):
-        logps.forward_logps(model, inputs, sequence_parallel=sp, packed_capacity=options.get("packed_capacity"))
+        logps.forward_logps(model, inputs, head=stop, **layout)
     assert Largest.bytes <= 64 * t, f"{Largest.bytes} bytes: a (T, T) boolean mask has {t * t}"
     if case == "window over the rows":
         assert not built and handed["attention_mask"].causal_only
@@ -255,6 +252,30 @@ def test_on_gpus_sequence_parallel_rows_get_block_masks_not_dense_ones(monkeypat
     if case == "sliding window":  # row 0's band, at a few queries: keys within 16 positions before the query
         q, k = torch.tensor([0, 15, 16, 4095])[:, None], torch.arange(t)[None, :]
         assert torch.equal(built[-1][0](torch.tensor(0), 0, q, k), (k <= q) & (q - k < 16))
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_on_gpus_packed_rows_or_a_window_without_flex_attention_are_refused_before_loading(monkeypatch, padding_free):
+    """On CUDA, Ulysses' packed rows or a sliding window through an sdpa model without FlexAttention would keep a dense
+    (T, T) mask in every layer: ulysses.check refuses them from config.json alone (train.check_inputs), naming the
+    key and the model class: GPT-2 with padding_free; Mistral (which has FlexAttention) with its window is accepted;
+    without padding_free or a window GPT-2 is accepted too. CPU keeps the dense mask: no refusal there."""
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(name_or_path="tiny/gpt2"),
+        fsdp=SimpleNamespace(ulysses_sequence_parallel_size=2),
+        padding_free=padding_free,
+    )
+    gpt2, mistral = transformers.GPT2Config(n_head=4), transformers.MistralConfig(sliding_window=16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ulysses.check(cfg, gpt2)  # CPU: the dense mask is what it runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ulysses.check(cfg, mistral)
+    if not padding_free:
+        ulysses.check(cfg, gpt2)
+        return
+    expected = "padding_free=true: GPT2LMHeadModel (model type 'gpt2') does not attend through FlexAttention"
+    with pytest.raises(ConfigError, match=re.escape(expected) + ".*set padding_free=false"):
+        ulysses.check(cfg, gpt2)
 
 
 def run_cfg(*args: str) -> subprocess.CompletedProcess:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 import architectures  # noqa: E402
+import logps  # noqa: E402
 import trainers  # noqa: E402
 import utils  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -139,7 +140,7 @@ def test_log_prob_paths_and_their_gradients_on_cuda(tmp_path, arch, dtype):
     }.items():
 
         def ours():
-            sums, counts, _, *_ = trainers.forward_logps(model, inputs, **options)
+            sums, counts, _, *_ = logps.forward_logps(model, inputs, **architectures.seams(model, **options))
             assert counts.tolist() == (labels[:, 1:] != -100).sum(1).tolist(), path
             return sums.float() / counts
 
@@ -165,7 +166,7 @@ def test_prefix_sharing_and_packing_through_flex_attention_on_cuda(tmp_path, arc
 
     def run(options):
         model.zero_grad(set_to_none=True)
-        sums, counts, _, *_ = trainers.forward_logps(model, inputs, **options)
+        sums, counts, _, *_ = logps.forward_logps(model, inputs, **architectures.seams(model, **options))
         (sums / counts).sum().backward()
         return sums.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -40,6 +40,7 @@ FAST = [
     "do_first_eval=false",
     "sample_during_eval=false",
     "wandb.enabled=false",
+    "tiled_lm_head=true",  # the head check runs with the tiled head (off by default)
 ]
 BF16 = "fsdp.mixed_precision={param_dtype: bf16}"
 SETTINGS = {  # name: (arguments, the checks that must run)
