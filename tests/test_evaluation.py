@@ -128,21 +128,24 @@ def test_the_win_rate_is_each_prompts_comparison_of_the_logged_samples_ties_half
         assert record["samples/win_rate"] == pytest.approx(sum(wins) / 16, abs=1e-12)
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def noisy_trainer(run_dir, *args) -> trainers.BasicTrainer:
     """A trainer in this process whose reference is the policy with noise added (their log-ratios are far from 0),
     scored by by_length."""
-    tmp = tmp_path_factory.mktemp("trainer")
-    cfg, _ = load_config([*FAST, "n_examples=16", "eval_scorer=python=test_evaluation:by_length", f"run_dir={tmp}"])
+    cfg, _ = load_config([*FAST, "n_examples=16", "eval_scorer=python=test_evaluation:by_length", *args])
     tokenizer, policy, reference = train_py.load_models(cfg)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.05 * torch.randn_like(p))
     with contextlib.redirect_stdout(io.StringIO()):
-        t = trainers.BasicTrainer(policy, cfg, cfg.seed, str(tmp), reference, tokenizer=tokenizer)
+        t = trainers.BasicTrainer(policy, cfg, cfg.seed, str(run_dir), reference, tokenizer=tokenizer)
     t.policy.eval()
     return t
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    return noisy_trainer(tmp_path_factory.mktemp("trainer"))
 
 
 def plain_logp(model, prompt_ids: torch.Tensor, completion: list[int]) -> float:
@@ -183,6 +186,17 @@ def test_the_kl_scores_and_lengths_are_plain_computations_on_the_samples(trainer
     assert got["samples/policy_score"] == pytest.approx(sum(scores) / 16, abs=1e-12)
     assert got["samples/policy_length"] == sum(lengths) / 16
     assert got["samples/win_rate"] == sum(wins) / 16
+
+
+@pytest.mark.parametrize("options", [["padding_free=true", "tiled_lm_head=true"], ["prefix_sharing=true"]])
+def test_the_kl_is_the_same_through_packed_rows_the_tiled_head_and_a_shared_prefix_run(trainer, tmp_path, options):
+    """The KL forwards take the run's log-prob path: packed rows and the tiled head give the plain path's KL; under
+    prefix_sharing (whose layout lays out pairs sharing a prompt) the single completions go as plain rows."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        plain = trainer.sample_and_log()["samples/kl"]
+        fast = noisy_trainer(tmp_path, *options)
+        assert fast.layout is not None
+        assert fast.sample_and_log()["samples/kl"] == pytest.approx(plain, abs=1e-4)
 
 
 def test_completion_rows_label_the_completion_up_to_its_first_stop_and_drop_the_prompts_padding():
