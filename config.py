@@ -59,6 +59,10 @@ def dtype_of(name: str):
 RANKS = (lambda v: v == -1 or v > 0, "-1 (all ranks) or a positive number")  # fsdp.fsdp_size
 SP_SIZE = (lambda v: v >= 1, "a positive integer (1 = off)")  # fsdp.ulysses_sequence_parallel_size
 DATASETS = (lambda v: v and all(isinstance(d, str) for d in v), "at least one dataset name or path (strings)")
+SCORER = (  # online.scorer, eval_scorer: the scorers of scorers.py
+    lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
+    "rule, reward_model=<directory> or python=<module>:<function>",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,10 +235,7 @@ class OnlineConfig(BaseConfig):
     scorer: str = param(
         "rule",
         "rule (the toy's own), reward_model (a sequence classifier) or python (score(prompts, completions) -> floats)",
-        (
-            lambda v: bool(re.fullmatch(r"(?s)rule|reward_model=.+|python=[^:]+:[^:]+", v)),
-            "rule, reward_model=<directory> or python=<module>:<function>",
-        ),
+        SCORER,
     )
     prompts: Optional[str] = param(
         None, "a .jsonl of {prompt: ...} rows (text or chat messages); null = the datasets' .jsonl train prompts"
@@ -266,6 +267,11 @@ class Config(BaseConfig):
     )
     sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
     n_eval_model_samples: int = param(16, "prompts sampled at each evaluation", NON_NEGATIVE)
+    eval_scorer: Optional[str] = param(
+        None,
+        "score each evaluation's samples (scorers as online.scorer's): scores, win rate, lengths, KL (scored_eval.py)",
+        SCORER,
+    )
     do_first_eval: bool = param(True, "evaluate before the first training step")
     lr: float = param(5e-7, "peak learning rate (DPO paper: 1e-6 at batch 64; the original config: 5e-7)", POSITIVE)
     gradient_accumulation_steps: int = param(1, "micro-batches per optimizer step", POSITIVE)

@@ -345,6 +345,7 @@ OPTIONS = {
     "lora": lambda c: c.lora.r is not None,
     "reference_cache": lambda c: c.precompute_ref_log_probs,
     "online": lambda c: c.online.rounds is not None,
+    "scored_eval": lambda c: c.eval_scorer is not None,
 }
 
 

@@ -73,6 +73,10 @@ def write(run_dir, cfg, splits: dict, world_size: int) -> None:
         import online
 
         manifest["online"] = online.record(cfg)
+    if cfg.eval_scorer:  # what scores the evaluations' samples (a function's source, a reward model's files)
+        import scorers
+
+        manifest["eval_scorer"] = scorers.record("eval_scorer", cfg.eval_scorer, cfg)
     if diff:
         utils.atomic_write_text(Path(run_dir) / DIFF, diff)
     utils.atomic_write_text(Path(run_dir) / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -123,6 +127,15 @@ def check_against(recorded_dir, cfg, splits: dict, what: str) -> None:
             print(
                 f"warning: the online scorer differs from the recorded run's ({path}): the rounds it scores will "
                 f"differ:\n  then {recorded['online'].get('scorer')}\n  now  {now_scorer}",
+                file=sys.stderr,
+            )
+    if cfg.eval_scorer and "eval_scorer" in recorded:  # a scorer whose code or weights changed scores otherwise
+        import scorers
+
+        if (now_scorer := scorers.record("eval_scorer", cfg.eval_scorer, cfg)) != recorded["eval_scorer"]:
+            print(
+                f"warning: eval_scorer differs from the recorded run's ({path}): the evaluations' scores will "
+                f"differ:\n  then {recorded['eval_scorer']}\n  now  {now_scorer}",
                 file=sys.stderr,
             )
     code, _ = git_state()

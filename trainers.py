@@ -138,6 +138,11 @@ class BasicTrainer:
         self.sample_batches = data.get_sample_batches(
             test, n_examples=c.n_eval_model_samples * c.sample_during_eval, **shares
         )
+        self.scored = None  # eval_scorer: the samples scored, and the policy's KL on them
+        if c.eval_scorer:
+            import scored_eval
+
+            self.scored = scored_eval.ScoredEvaluation(c, self.device, self.tokenizer, self.policy)
 
     def log_prob_paths(self) -> None:
         """How log-probs are computed (never what they are; logps.py), each None on the plain path: the row layout,
@@ -435,9 +440,10 @@ class BasicTrainer:
         self.log(self.state.example_counter, mean)
         self.last_eval_metrics = mean
 
-    def sample(self, model: nn.Module, batch: dict, seed: int) -> list[str]:
-        """Completions of the batch's (left-padded) prompts, decoded without the prompt, drawn from their own stream
-        (a function of weights, prompts and seed; the training RNG untouched)."""
+    def sample(self, model: nn.Module, batch: dict, seed: int) -> tuple[torch.Tensor, list[str]]:
+        """Completions of the batch's (left-padded) prompts, drawn from their own stream (a function of weights,
+        prompts and seed; the training RNG untouched): their new tokens (B, new; padding after a completion's end)
+        and their text."""
         ids = batch["prompt_input_ids"].to(self.sharding.input_device(model))
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else ()):
             torch.manual_seed(seed)  # seeds the CPU and every CUDA generator, restored on exit
@@ -451,21 +457,22 @@ class BasicTrainer:
                 top_p=self.config.top_p,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-        return self.tokenizer.batch_decode(out[:, ids.size(1) :], skip_special_tokens=True)
+        new = out[:, ids.size(1) :]
+        return new, self.tokenizer.batch_decode(new, skip_special_tokens=True)
 
     def sample_and_log(self) -> dict[str, float]:
         """Samples of policy and reference for the first n_eval_model_samples prompts, in groups seeded on their own
         (alike at any world size); three printed, all in samples.jsonl (and W&B); where the data has a checkable rule
-        (the toy task), the rate samples follow it."""
-        rows = []
+        (the toy task), the rate samples follow it; with eval_scorer, their scores and KL (scored_eval.py)."""
+        rows, drawn = [], []
         for group, batch in self.sample_batches:  # as many on every rank: each generate is a collective under FSDP
-            # the policy's stream depends on the examples seen, the frozen reference's not: at step 0 the two are
-            # one, and equal weights give equal samples
-            policy = self.sample(
-                self.policy, batch, sampling_seed(self.seed, self.state.example_counter, max(group, 0))
-            )
-            reference = self.reference.sample(batch, sampling_seed(self.seed, 0, max(group, 0))) or [None] * len(policy)
-            rows += [(group, *row) for row in zip(batch["prompt"], policy, reference)] if group >= 0 else []
+            # both models from one seed: the comparison is paired (equal weights draw equal samples, at step 0 too)
+            seed = sampling_seed(self.seed, self.state.example_counter, max(group, 0))
+            policy = self.sample(self.policy, batch, seed)
+            reference = self.reference.sample(batch, seed)
+            drawn.append((group, batch, policy, reference))
+            texts = zip(batch["prompt"], policy[1], reference[1] if reference else [None] * len(policy[1]))
+            rows += [(group, *row) for row in texts] if group >= 0 else []
         rows = [row[1:] for row in sorted(self.sharding.gather_objects(rows, self.sp_size), key=lambda row: row[0])]
         rule = sources.sample_rule(self.config.datasets)
         metrics = {}
@@ -476,7 +483,7 @@ class BasicTrainer:
             for row in rows[:3] if samples and self.rank == 0 else []:
                 print(f"  {who} sample | {row[0]!r} -> {row[column]!r}")
         self.log.samples(self.state.example_counter, rows)
-        return metrics
+        return dict(metrics, **self.scored(self, drawn)) if self.scored else metrics
 
 
 class RunLog:
@@ -572,16 +579,16 @@ class Reference:
         return unwrap(self.model).disable_adapter() if self.lora else contextlib.nullcontext()
 
     @torch.no_grad()
-    def forward(self, inputs: dict[str, torch.Tensor], per_token: bool = False) -> SequenceLogps | None:
-        """The reference log-probs of `inputs`' sequences (forward_logps), or None without a reference model."""
+    def forward(self, inputs: dict[str, torch.Tensor], per_token: bool = False, **paths) -> SequenceLogps | None:
+        """The reference log-probs of `inputs`' sequences (forward_logps), or None without a reference model; `paths`
+        (layout, head) instead of the run's."""
         t = self.trainer
         if self.model is None or t.config.loss.reference_free:
             return None
         inputs = {k: v.to(t.sharding.input_device(self.model)) for k, v in inputs.items()}
+        paths = {"layout": t.layout, "head": t.head, **paths}
         with t.autocast() if self.mixed else contextlib.nullcontext(), self.context():
-            out = t.sharding.forward(
-                self.model, forward_logps, inputs, layout=t.layout, head=t.head, per_token=per_token
-            )
+            out = t.sharding.forward(self.model, forward_logps, inputs, per_token=per_token, **paths)
         t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
         return out
 
@@ -617,7 +624,8 @@ class Reference:
         total = t.sharding.gather(total[None]).sum(0)
         return (total[0] / total[1]).float().reshape(1)
 
-    def sample(self, batch: dict, seed: int) -> list[str] | None:
+    def sample(self, batch: dict, seed: int) -> tuple[torch.Tensor, list[str]] | None:
+        """BasicTrainer.sample's completions from the reference model; None without one."""
         if self.model is None:
             return None
         with self.context():
