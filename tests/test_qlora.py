@@ -3,6 +3,7 @@ process and on 2 real gloo ranks (FSDP2 and FSDP1), on the toy model and tests/a
 is the quantized base with the adapters off: step 0 gives exactly float32(ln 2)."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import config_loader  # noqa: E402
+import estimate  # noqa: E402
 import lora  # noqa: E402
 import sharding  # noqa: E402
 import train as train_py  # noqa: E402
@@ -259,6 +261,68 @@ def test_a_model_bitsandbytes_cannot_quantize_is_refused(tmp_path, monkeypatch, 
     args = ["loss=dpo", "n_examples=8", "sample_during_eval=false", *QLORA]
     assert train_py.main([*FAST, f"run_dir={tmp_path / 'run'}", *args]) == 2
     assert "bitsandbytes quantized no layer of LlamaForCausalLM" in capsys.readouterr().err
+
+
+# --- --estimate ------------------------------------------------------------------------------------------------
+TOY = json.loads((REPO / "toy" / "tiny-llama" / "config.json").read_text())
+# Llama-3-8B's shape (hidden 4096, 32 layers, 32 query and 8 key/value heads of 128, MLP 14336, vocabulary 128256)
+LLAMA3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4", "int8"])
+def test_estimated_weights_are_the_bytes_bitsandbytes_holds(quantization):
+    """The toy model loaded for QLoRA: its parameters (packed weights, the rest, the fp32 adapters) and the
+    constants bitsandbytes keeps beside them (4-bit: absmax codes, code books, the nested absmax and offset; int8:
+    row scales) add up to the estimate's weights, byte for byte."""
+    cfg, _ = config_loader.load_config(["model=tiny", "loss=dpo", "lora.r=4", f"model.quantization={quantization}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        policy = train_py.load_models(cfg)[1]
+    held = 0
+    for p in {id(p): p for p in policy.parameters()}.values():
+        held += p.nbytes
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            held += state.absmax.nbytes + state.code.nbytes + 4 + state.state2.absmax.nbytes + state.state2.code.nbytes
+        held += p.SCB.nbytes if getattr(p, "SCB", None) is not None else 0
+    assert estimate.estimate(cfg, TOY, 1)["weights"] == held
+
+
+def test_llama3_8b_nf4_weights_are_under_0_4_of_bf16_with_no_reference():
+    """By hand: nf4 with double quantization keeps, per matrix of n weights, n/2 bytes of codes, n/64 of absmax codes,
+    4 per 256 blocks of 64 and 1092 of code books and offset: q and o (4096^2) 8,655,940 bytes each, k and v
+    (4096 x 1024) 2,164,804, gate, up and down (4096 x 14336) 30,293,060; 112,520,668 a block, 3,600,661,376 for
+    the 32. Embeddings and head (2 x 128256 x 4096) and the 65 norms (4096 each) stay bf16: 2,101,878,784. LoRA
+    r=16 on the 7 linears: 32 x 16 x 81,920 = 41,943,040 fp32 adapters, 167,772,160 bytes. In all 5,870,312,320
+    bytes, 0.3655 of bf16's 16,060,522,496 (8,030,261,248 weights). No reference weights: the reference is the base
+    with the adapters off."""
+    args = ["loss=dpo", "fsdp.model_dtype=bf16", "lora.r=16"]
+    bf16 = estimate.estimate(config_loader.load_config([*args[:2]])[0], LLAMA3_8B, 1)
+    qlora = estimate.estimate(config_loader.load_config([*args, "model.quantization=nf4"])[0], LLAMA3_8B, 1)
+    assert bf16["weights"] == 16_060_522_496
+    assert qlora["weights"] == 5_870_312_320 and qlora["weights"] / bf16["weights"] <= 0.4
+    assert qlora["reference weights"] == 0 < bf16["reference weights"]
+
+
+def test_a_report_whose_weights_do_not_fit_names_model_quantization(tmp_path):
+    """Llama-3-8B's shape, bf16 DPO on one 24 GB L4: the weights, reference and optimizer state alone exceed it, so
+    the report says that only model.quantization lowers them and gives the peak QLoRA reaches."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    cfg = config_loader.load_config(["loss=dpo", "fsdp.model_dtype=bf16", "batch_size=8", "max_length=1024"])[0]
+    out = estimate.report(cfg, str(tmp_path), 1, "L4")
+    assert "DOES NOT FIT" in out and "only model.quantization (QLoRA: a 4-bit base, LoRA adapters) lowers them" in out
+    qlora = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization="nf4"))
+    qlora = dataclasses.replace(qlora, lora=dataclasses.replace(cfg.lora, r=16))
+    peak = estimate.estimate(qlora, LLAMA3_8B, 1)["peak"]
+    assert re.search(rf"model.quantization=nf4 lora.r=16 +peak {peak / 2**30:.2f} GiB", out), out
 
 
 # --- FSDP on 2 gloo ranks: the same run as one process -----------------------------------------------------------
