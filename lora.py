@@ -203,7 +203,7 @@ def quantized_loading(c, device_map=None) -> dict:
             bnb_4bit_quant_type=c.model.quantization,
             bnb_4bit_compute_dtype=compute,
             bnb_4bit_quant_storage=dtype,
-            bnb_4bit_use_double_quant=True,  # QLoRA's: the block constants quantized too (0.37 bits a weight less)
+            bnb_4bit_use_double_quant=True,  # QLoRA's: each block's fp32 absmax quantized to a byte too
         )
     if device_map is None and torch.cuda.is_available():
         device_map = {"": torch.cuda.current_device()}
@@ -220,9 +220,8 @@ def record(c) -> dict:
 
 def prepare(model: nn.Module, c) -> nn.Module:
     """The quantized base made ready for adapters, without peft's prepare_model_for_kbit_training: that helper casts
-    every weight bitsandbytes left alone (embeddings, LM head, norms) to fp32, which for Llama-3-8B takes the weights
-    from 0.375 to 0.506 of their bf16 size, and for its reentrant gradient checkpointing makes the inputs require
-    gradients. Here nothing is cast: the base is frozen (peft freezes it too), and activation_checkpointing=true
+    every weight bitsandbytes left alone (embeddings, LM head, norms) to fp32, doubling the largest part of a bf16
+    model that quantization leaves, and for its reentrant gradient checkpointing makes the inputs require gradients. Here nothing is cast: the base is frozen (peft freezes it too), and activation_checkpointing=true
     recomputes blocks by NO_REENTRANT checkpointing, whose gradients reach the adapters without that hook. Raises
     ConfigError where bitsandbytes quantized no layer of the model (it replaces nn.Linear, and GPT-2's Conv1D)."""
     import bitsandbytes as bnb
