@@ -128,6 +128,12 @@ class ModelConfig(BaseConfig):
         None, "template of chat-form data: chatml, or a Jinja file; null = the tokenizer's (which it replaces)"
     )
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
+    quantization: Optional[str] = param(
+        None,
+        "QLoRA: the frozen base in 4 bits (nf4, fp4) or 8 (int8) through bitsandbytes, computing in the model's dtype; "
+        "needs lora.r; the reference is the base with the adapters off",
+        ("nf4", "fp4", "int8"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -342,7 +342,7 @@ OPTIONS = {
     ),
     "packing": lambda c: c.prefix_sharing,
     "ulysses": lambda c: c.fsdp.ulysses_sequence_parallel_size > 1,
-    "lora": lambda c: c.lora.r is not None,
+    "lora": lambda c: c.lora.r is not None or c.model.quantization is not None,  # QLoRA: lora.py's rules
     "reference_cache": lambda c: c.precompute_ref_log_probs,
     "online": lambda c: c.online.rounds is not None,
     "scored_eval": lambda c: c.eval_scorer is not None,

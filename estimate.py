@@ -17,6 +17,9 @@ on top of the weights (+ an online reference) and optimizer state, sharded over 
   self check  before the first step, the reference still loaded: a few pairs' forwards and, with the tiled head,
               the full fp32 logits it is compared with (at most self_check.HEAD_LOGITS_BYTES)
 LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and optimizer state; no reference copy.
+QLoRA (model.quantization): the blocks' linear weights as bitsandbytes holds them (quantized_bytes: the 4- or 8-bit
+codes and their constants; a mixture's fused experts are not quantized), everything else in the model's dtype, and
+one layer's weight dequantized at a time in the compute dtype.
 Packed or shared rows attend through FlexAttention block masks on GPUs; elsewhere (CPU, GPT-2) sdpa keeps a float
 copy of their dense mask in every layer. Keys it does not model (NOT_MODELLED) are printed with what it counts instead.
 """
@@ -166,6 +169,17 @@ def lora_linears(cfg, g: Geometry) -> list:
     return [(i, o) for path, i, o in g.linears if names is None or any(hit(path, n) for n in names)]
 
 
+def quantized_bytes(n: int, rows: int, quantization: str) -> int:
+    """Bytes bitsandbytes holds for one weight matrix of n elements and `rows` output rows: int8, a byte each and an
+    fp32 scale per row; nf4 and fp4, two a byte, and an absmax per block of 64 quantized again to a byte (double
+    quantization), with an fp32 absmax per 256 blocks, the two fp32 code books (16 and 256 entries) and an fp32
+    offset."""
+    if quantization == "int8":
+        return n + 4 * rows
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256) + 4
+
+
 def _activations(cfg, g: Geometry, tokens: int, rows: int, c: int, w: int, dense: bool) -> dict:
     """Per rank: saved activations, logits (or the tiled head's tiles), the head's backward workspace, one block's."""
     s = g.saved
@@ -242,6 +256,14 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     adapters = g.layers * cfg.lora.r * sum(i + o for i, o in lora_linears(cfg, g)) if lora else 0
     # what gets gradients and optimizer state: the adapters (fp32: peft casts bf16 ones up), or every parameter
     trained, tw, block_trained = (adapters, 4, adapters / g.layers) if lora else (g.params, w, g.block_params)
+    # the size of a block's and of the model's weights, in elements of the model's dtype; model.quantization: the
+    # blocks' linear weights as bitsandbytes holds them, and the largest one dequantized (one at a time, in the compute
+    # dtype, in forward and again in backward)
+    block_size, dequantized = g.block_params, 0
+    if cfg.model.quantization is not None:
+        block_size -= sum(i * o - quantized_bytes(i * o, o, cfg.model.quantization) / w for _, i, o in g.linears)
+        dequantized = max(i * o for _, i, o in g.linears) * c
+    model_size = g.params - g.layers * (g.block_params - block_size)
     gradients = trained * tw / shard
     needs_reference = losses.needs_reference(cfg.loss_names, cfg.loss.reference_free)
     ref_online = needs_reference and not cfg.precompute_ref_log_probs
@@ -265,7 +287,7 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
         "micro-batch tokens": tokens,
         "compute bytes": c,
         "dense mask": dense,
-        "weights": (g.params * w + adapters * 4) / shard,
+        "weights": (model_size * w + adapters * 4) / shard,
         "reference weights": reference if ref_online else 0,
         "optimizer state": STATES[cfg.optimizer] * gradients,
         "gradients": gradients,
@@ -274,11 +296,11 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     gathered = ref_root = root_reduce = forward_units = 0
     if fsdp:  # one block gathered (two with forward_prefetch), its unsharded gradient in backward, and the root unit
         units = 1 + cfg.fsdp.forward_prefetch
-        gathered = (units * g.block_params + block_trained) * c + root * c * (1 - 1 / shard)
+        gathered = (units * block_size + block_trained) * c + root * c * (1 - 1 / shard)
         if not cfg.fsdp.reshard_after_forward:  # every unit kept until its backward
-            gathered = g.params * c + block_trained * c
+            gathered = model_size * c + block_trained * c
         ref_root = root * ref_c if ref_online else 0  # the reference reshards after its forward, whatever the knob
-        forward_units = units * g.block_params + root  # gathered by a forward alone (reference, evaluation)
+        forward_units = units * block_size + root  # gathered by a forward alone (reference, evaluation)
         root_reduce = root * (c + r) if fsdp2 and not lora else 0  # unsharded grads + buffer
     out.update({"FSDP gathered": gathered, "reference root": ref_root, "root reduce-scatter": root_reduce})
     # held from a step's earlier micro-batches through the later ones: each rank's gradients (FSDP: its shard), or
@@ -288,12 +310,12 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
     static = out["weights"] + out["reference weights"] + out["optimizer state"]
     # gradients are None between steps (zero_grad(set_to_none=True)): backward peaks at its start or its end
     start = held + out["activations"] + out["logits"] + max(out["LM-head backward"], ref_root)
-    backward = max(start, unsynced + gradients + out["block activations"] + root_reduce) + gathered
+    backward = max(start, unsynced + gradients + out["block activations"] + root_reduce) + gathered + dequantized
     fused = cfg.fused_optimizer and cfg.optimizer == "AdamW"  # one kernel: no temporary
     optimizer = gradients + (gradients if STATES[cfg.optimizer] and not fused else 0)  # the temporary: sqrt(v)
     # a forward without gradients, computing in b bytes per element: a block's widest moment, the output hidden
     # states and the rows gathered from them, the units FSDP gathers for it (the logits apart)
-    no_grad = lambda tokens, b: ((g.widest + 2 * g.hidden) * tokens + forward_units) * b
+    no_grad = lambda tokens, b: ((g.widest + 2 * g.hidden) * tokens + forward_units) * b + dequantized
     # evaluation: eval_batch_size pairs per data-parallel group and their logits; sampling: SAMPLE_GROUP's KV cache
     eval_pairs = max(1, cfg.eval_batch_size // (world_size // sp))
     eval_tokens = -(-eval_pairs * pairs * cfg.max_length // sp)
@@ -353,6 +375,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     e = estimate(cfg, model, world, device)
     family = model.get("model_type")
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
+    if cfg.model.quantization is not None:
+        lora = f", the blocks' linear layers in {cfg.model.quantization}{lora}"
     hint = " (set n_workers=N for another world size)" if cfg.trainer == "FSDPTrainer" and not cfg.n_workers else ""
     unit, size = ("GiB", GiB) if e["peak"] >= 4 * GiB else ("MiB", 2**20)
     lines = [
@@ -422,12 +446,24 @@ def _switches(cfg, model: dict, world: int, device: str, e: dict, usable: float)
         else None,
         f"{', '.join(f'{k}={v}' for k, v in micro.items())} (half the micro-batch)": micro if fits else None,
     }
+    if cfg.model.quantization is None:  # the weights themselves: a 4-bit base that only LoRA adapters train (QLoRA)
+        qlora = {"model": dataclasses.replace(cfg.model, quantization="nf4")}
+        if cfg.lora.r is None:
+            qlora["lora"] = dataclasses.replace(cfg.lora, r=16)
+        options["model.quantization=nf4" + (" lora.r=16" if cfg.lora.r is None else "")] = qlora
     options = {name: changes for name, changes in options.items() if changes}
     if len(options) > 1:
         options["all of these"] = {k: v for changes in options.values() for k, v in changes.items()}
     lines = [
         f"what lowers the peak of {e['peak'] / GiB:.2f} GiB ({e['peak phase']}; the logits: {e['logits'] / GiB:.2f} GiB):"
     ]
+    held = e["weights"] + e["reference weights"] + e["optimizer state"]
+    if held > usable and cfg.model.quantization is None:  # no activation switch helps: the weights do not fit
+        lines.insert(
+            0,
+            f"the weights, reference and optimizer state alone take {held / GiB:.2f} GiB of {usable / GiB:.0f} GiB "
+            "usable: of these switches only model.quantization (QLoRA: a 4-bit base, LoRA adapters) lowers them",
+        )
     for name, changes in options.items():
         peak = estimate(dataclasses.replace(cfg, **changes), model, world, device)["peak"]
         lines.append(f"  {name:<56} peak {peak / GiB:.2f} GiB: " + ("fits" if peak <= usable else "does not fit"))

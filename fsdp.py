@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from config import dtype_of
-from sharding import OneProcess, block_classes, checkpoint_blocks, unwrap
+from sharding import OneProcess, block_classes, checkpoint_blocks, loadable, unwrap
 from utils import all_gather_if_needed, all_ranks_true, rank0_print, wait_for_rank0
 
 
@@ -170,7 +170,10 @@ class Sharded(OneProcess):
         state, where = self.sharded_state(model, optimizer, ckpt)
         dcp.load(state, checkpoint_id=where)
         set_state_dict(
-            model, optimizer or (), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+            model,
+            optimizer or (),
+            model_state_dict=loadable(model, state["model"]),  # a quantized base: without bitsandbytes' constants
+            optim_state_dict=state.get("optimizer", {}),
         )
 
 
@@ -204,7 +207,8 @@ class FSDP1(Sharded):
         if self.mesh.ndim == 2 and self.mesh.shape[1] == 1:
             strategy = ShardingStrategy.NO_SHARD  # fsdp_size=1: every rank holds everything
         on_gpu = self.device.type == "cuda"
-        if not on_gpu:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first, into the others'
+        filled = getattr(model, "is_quantized", False)  # model.quantization: every rank loaded the weights itself
+        if not on_gpu and not filled:  # FSDP1 refuses sync_module_states on CPU: rank 0's values are broadcast first
             if self.rank != 0:  # meta tensors given CPU memory and re-tied (the broadcast must see the same tensors)
                 ties = tied_slots(model)
                 model.to_empty(device="cpu")
@@ -225,11 +229,11 @@ class FSDP1(Sharded):
             # it off only for CPU-bound runs with low memory pressure, as gloo on CPU
             limit_all_gathers=on_gpu,
             # on GPU the other ranks' meta tensors get memory per unit, filled with rank 0's values
-            sync_module_states=on_gpu,
+            sync_module_states=on_gpu and not filled,
             param_init_fn=materialize(self.device, tied_slots(model)) if on_gpu else None,
             device_mesh=self.mesh if hybrid else None,
         )
-        if on_gpu:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid): once more
+        if on_gpu and not filled:  # sync_module_states may skip buffers across shard groups (torch < 2.11, hybrid)
             for buffer in wrapped.buffers():
                 dist.broadcast(buffer, src=0)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
@@ -269,10 +273,13 @@ class FSDP2(Sharded):
         if dtypes and self.fsdp.mixed_precision.get("buffer_dtype") is not None:  # FSDP2 casts no buffers: once, here
             for buffer in filter(torch.is_floating_point, model.buffers()):
                 buffer.data = buffer.data.to(dtypes["buffer_dtype"])
+        # model.quantization: every rank loaded and quantized the same weights (train.load_models), whose bitsandbytes
+        # constants, attributes of each layer, neither `to("meta")` nor a scatter keeps: sharded as they are
+        scatter = not getattr(model, "is_quantized", False)
         ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter
-        full_state = model.state_dict() if self.rank == 0 else {}  # only rank 0 loaded weights (the others: meta)
-        buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 else {}
-        if self.rank == 0:
+        full_state = model.state_dict() if self.rank == 0 and scatter else {}  # only rank 0 loaded weights
+        buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 and scatter else {}
+        if self.rank == 0 and scatter:
             model.to("meta")  # every rank shards the same empty structure, then rank 0's values are scattered
             retie(ties)
         if checkpoint:  # before sharding: each sharded unit is then the checkpointed block
@@ -289,15 +296,16 @@ class FSDP2(Sharded):
             fully_shard(
                 unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload
             )
-        model.to_empty(device="cpu" if self.fsdp.offload_policy else self.device)
-        retie(ties)  # a tied embedding must be ONE sharded Parameter on every rank
-        set_model_state_dict(
-            model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-        for name, buffer in model.named_buffers():  # non-persistent buffers (rotary tables) are not in the state dict
-            if self.rank == 0:
-                buffer.copy_(buffers[name])
-            dist.broadcast(buffer, src=0)
+        if scatter:
+            model.to_empty(device="cpu" if self.fsdp.offload_policy else self.device)
+            retie(ties)  # a tied embedding must be ONE sharded Parameter on every rank
+            set_model_state_dict(
+                model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+            for name, buffer in model.named_buffers():  # non-persistent buffers (rotary tables): not in the state dict
+                if self.rank == 0:
+                    buffer.copy_(buffers[name])
+                dist.broadcast(buffer, src=0)
         if self.fsdp.forward_prefetch:  # FSDP2 prefetches explicitly: each unit all-gathers the next one early
             for unit, following in zip(units, units[1:]):
                 unit.set_modules_to_forward_prefetch([following])

@@ -1,6 +1,6 @@
 """precompute_ref_log_probs: one pass of the reference over the pairs a run uses (train and eval), cached on disk under
-a key of model, archive, dtype, tokenizer and data, then the reference's memory freed: training runs one model, not
-two. Reference.logps reads the tables this fills. Imported only when the switch is on (BasicTrainer.train, the
+a key of model, archive, dtype, quantization, tokenizer and data, then the reference's memory freed: training runs one
+model, not two. Reference.logps reads the tables this fills. Imported only when the switch is on (BasicTrainer.train, the
 self-check's `cache` probe, config_loader's rules).
 """
 
@@ -60,8 +60,8 @@ def precompute(t) -> None:
 
 def table(t, split: str, wanted: list[int]) -> torch.Tensor:
     """(n_examples, 2) summed reference log-probs of chosen and rejected (NaN where never needed), cached under a
-    key of model, archive, dtype, tokenizer and tokenized examples; a later run computes only what the cache lacks.
-    Rank 0 reads the cache (local_dirs may be node-local); every rank takes its known."""
+    key of model, archive, dtype, model.quantization, tokenizer and tokenized examples; a later run computes only what
+    the cache lacks. Rank 0 reads the cache (local_dirs may be node-local); every rank takes its known."""
     c, ref = t.config, t.reference
     examples = t.splits[split]
     archive = Path(c.model.archive) if c.model.archive else None
@@ -72,7 +72,7 @@ def table(t, split: str, wanted: list[int]) -> torch.Tensor:
         archive and (str(archive.resolve()), archive.stat().st_size, archive.stat().st_mtime_ns),
         sorted(examples.keys.items()),  # data, tokenizer
         len(examples),
-    )
+    ) + ((c.model.quantization,) if c.model.quantization else ())  # a quantized base's log-probs are its own
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     path = utils.first_usable_dir(c.local_dirs) / "reference_logps" / f"{split}-{digest}.pt"
     known = None

@@ -5,6 +5,7 @@ device, world size and a fingerprint of each split's and source's tokenized data
 first: other data refuses (exit 2, nothing loaded or written), other code warns. `train.py --replay <run_dir>` runs
 <run_dir>/config.yaml again into a new run directory and prints each logged metric's largest difference against
 <run_dir>/metrics.jsonl, over the steps both runs logged. (Not step-N/manifest.json: a checkpoint's file list.)
+With model.quantization it also records bitsandbytes' settings and the versions of bitsandbytes, peft and accelerate.
 """
 
 import hashlib
@@ -69,6 +70,10 @@ def write(run_dir, cfg, splits: dict, world_size: int) -> None:
             for split, loaded in splits.items()
         },
     }
+    if cfg.model.quantization:  # QLoRA: bitsandbytes' settings and the versions of the libraries that quantize
+        import lora
+
+        manifest["quantization"] = lora.record(cfg)
     if cfg.online.rounds:  # semi-online DPO: what regenerates its rounds (sampling, seeds, prompts, scorer)
         import online
 

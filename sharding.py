@@ -97,7 +97,7 @@ class OneProcess:
 
     def load(self, model: nn.Module, optimizer, ckpt: Path) -> None:
         if optimizer is not None:
-            model.load_state_dict(torch.load(ckpt / "policy.pt", weights_only=True)["state"])
+            model.load_state_dict(loadable(model, torch.load(ckpt / "policy.pt", weights_only=True)["state"]))
             optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         else:
             model.load_state_dict(torch.load(ckpt / "reference.pt", weights_only=True))
@@ -127,6 +127,16 @@ class OneProcess:
     def tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """Every tensor whose storage `release` frees."""
         return [*model.parameters(), *model.buffers()]
+
+
+def loadable(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` as `model` loads it: a quantized base's (model.quantization) without bitsandbytes' constants, which the
+    model got by quantizing the same weights (lora.loadable)."""
+    if not getattr(model, "is_quantized", False):
+        return state
+    import lora
+
+    return lora.loadable(state)
 
 
 def released(module: nn.Module, args) -> None:

@@ -84,12 +84,20 @@ def load_tokenizer(cfg):
 def load_models(cfg, device_map=None, on_meta: bool = False):
     """(tokenizer, policy, reference or None). `on_meta`: the models' structure with no memory behind the weights
     (FSDP ranks other than 0: rank 0 loads the weights once, so a node holds one copy in host memory, not one per
-    rank). Under LoRA the reference is the policy with its adapters off (trainers.Reference): None here."""
+    rank). Under LoRA the reference is the policy with its adapters off (trainers.Reference): None here.
+    model.quantization: every rank loads and quantizes the base itself (bitsandbytes' constants are attributes, which
+    no broadcast from rank 0 carries)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per weight shard drowns the training bar
     path = resolve_local(cfg.model.name_or_path)
     remote = cfg.model.trust_remote_code
+    quantized = {}
+    if cfg.model.quantization is not None:
+        import lora  # QLoRA: the BitsAndBytesConfig (check_inputs refused it without bitsandbytes and accelerate)
+
+        quantized = lora.quantized_loading(cfg, device_map)
+        on_meta = False
 
     def load(dtype: torch.dtype):
         if on_meta:
@@ -98,7 +106,7 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, device_map=device_map, trust_remote_code=remote
+                path, dtype=dtype, trust_remote_code=remote, **{"device_map": device_map, **quantized}
             )
         utils.disable_dropout(model)
         return model
@@ -119,7 +127,10 @@ def load_models(cfg, device_map=None, on_meta: bool = False):
     if cfg.lora.r is not None:
         import lora  # optional: check_inputs refused lora.r without peft, before any model loaded
 
-        policy = lora.add(cfg.lora, policy)
+        if quantized:  # every rank builds its own adapters: drawn from the seed alone, equal on all
+            policy = lora.add(cfg.lora, lora.prepare(policy, cfg), seed=cfg.seed)
+        else:
+            policy = lora.add(cfg.lora, policy)
     return load_tokenizer(cfg), policy, reference
 
 
@@ -172,6 +183,14 @@ def check_inputs(cfg, world_size: int) -> dict:
     tokenized splits."""
     if cfg.lora.r is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError([f"lora.r={cfg.lora.r}: LoRA needs the optional dependency peft: pip install peft"])
+    missing = [n for n in ("bitsandbytes", "accelerate") if cfg.model.quantization and not importlib.util.find_spec(n)]
+    if missing:  # transformers quantizes a model through both
+        raise ConfigError(
+            [
+                f"model.quantization={cfg.model.quantization}: QLoRA needs the optional dependencies bitsandbytes and "
+                f"accelerate (transformers quantizes through both): pip install {' '.join(missing)}"
+            ]
+        )
     sources.validate_sources(cfg.datasets)
     if cfg.model.archive and not Path(cfg.model.archive).is_file():
         raise ConfigError([f"model.archive={cfg.model.archive}: no such file (expected <run dir>/LATEST/policy.pt)"])

@@ -659,8 +659,10 @@ class Reference:
 # --- Small pure helpers ---
 def flops_params(model: nn.Module) -> int:
     """N of the 6N-FLOPs-per-token rule: the parameters outside the input embedding (a lookup, not a matmul); a
-    mixture of experts counts its active ones (moe.active_parameters)."""
-    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    mixture of experts counts its active ones (moe.active_parameters); a 4-bit weight (model.quantization) counts its
+    shape's, not its packed bytes'."""
+    numel = lambda p: p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
+    return sum(map(numel, model.parameters())) - model.get_input_embeddings().weight.numel()
 
 
 def micro_batches(batch: dict, c, sharding: OneProcess) -> tuple[list[dict], int]:

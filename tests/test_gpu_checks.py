@@ -32,7 +32,7 @@ def test_dry_run_prints_the_plan_within_the_limit():
     assert f"= {total} s" in plan and "within the limit of 480 s" in plan
     for c in defaults:
         assert f"{c.name:<11} budget {c.budget_s:>4} s:" in plan
-    assert "qlora" in plan and "NOT YET BUILT" in plan and "model.quantization=nf4" in plan
+    assert "5. qlora       budget   90 s  (not selected)" in plan and "model.quantization=nf4" in plan
     assert "flex_tests" in plan and "(not selected)" in plan
 
 
@@ -42,6 +42,7 @@ def test_every_planned_run_is_a_config_train_py_accepts(cpu):
     explicitly (its default is changing) and no run writes a checkpoint."""
     runs = {name: args for c in gpu_checks.CHECKS if c.runs for name, args in c.runs(Path("/work"), cpu).items()}
     assert set(runs) >= {"flex", "self_check_correct", "self_check_broken_long", "head_dtype_tiled_false", "mfu"}
+    assert set(runs) >= {"qlora_lora_bf16", "qlora_nf4"}
     for name, args in runs.items():
         cfg, _ = config_loader.load_config(args)
         assert any(a.startswith("tiled_lm_head=") for a in args) and cfg.debug, name
@@ -150,12 +151,15 @@ def test_a_terminated_entry_point_takes_the_running_check_with_it(tmp_path):
     assert leftovers(pids) == [] and code == 128 + 15
 
 
-def test_only_refuses_unknown_names_and_the_unbuilt_slot():
+def test_only_refuses_unknown_names_and_an_unbuilt_slot(monkeypatch):
     assert [c.name for c in gpu_checks.selected("2,mfu")] == ["self_check", "mfu"]
+    assert [c.name for c in gpu_checks.selected("qlora")] == ["qlora"]  # opt-in, outside the default budget
     with pytest.raises(SystemExit, match="'fast' is not a check"):
         gpu_checks.selected("flex,fast")
-    with pytest.raises(SystemExit, match="qlora is not yet built"):
-        gpu_checks.selected("qlora")
+    slot = gpu_checks.Check("later", None, "NOT YET BUILT: a slot", None, default=False)
+    monkeypatch.setattr(gpu_checks, "CHECKS", [*gpu_checks.CHECKS, slot])
+    with pytest.raises(SystemExit, match="later is not yet built"):
+        gpu_checks.selected("later")
 
 
 def test_head_matmuls_record_the_dtype_autocast_runs_the_head_in():
