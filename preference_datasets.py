@@ -336,8 +336,8 @@ def load_tokenized(
         index = np.concatenate(
             [start + (np.arange(len(p)) if p.index is None else p.index) for p, start in zip(parts, starts)]
         )
-    table = pa.concat_tables([p.table for p in parts])
-    return Split(table, stats, keys, np.concatenate([p.lengths for p in parts], 1), index)
+    lengths = parts[0].lengths if len(parts) == 1 else np.concatenate([p.lengths for p in parts], 1)  # no copy of one
+    return Split(pa.concat_tables([p.table for p in parts]), stats, keys, lengths, index)
 
 
 def _draw(part: Split, spec: Spec, seed: int, name: str) -> Split:
