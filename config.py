@@ -266,7 +266,7 @@ class Config(BaseConfig):
     eval_batch_size: int = param(16, "pairs per evaluation step, over all ranks", POSITIVE)
     debug: bool = param(False, "debug mode: no W&B and no checkpoints")
     fsdp_port: Optional[int] = param(None, "rendezvous port of the single-node FSDP launcher; null = a free port")
-    datasets: list = param(["toy"], "names (hh, shp, se, ultrafeedback, toy) or .jsonl/.json paths", DATASETS)
+    datasets: list = param(["toy"], "names, files, folders, Hub ids; NAME:N, NAME:F take N or F (sources.py)", DATASETS)
     wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
     local_dirs: list = param(
         [".cache"], "dirs for caches and runs: the first that exists or can be made", (bool, "at least one directory")

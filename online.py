@@ -211,7 +211,7 @@ def shared_prefix_generate(sharding, model, ids: torch.Tensor, mask: torch.Tenso
 # --- Prompts ---------------------------------------------------------------------------------------------------
 def read_prompts(c) -> list:
     """The distinct `prompt` fields (strings or {role, content} lists) of online.prompts, else of datasets' files."""
-    files = [c.online.prompts] if c.online.prompts else [sources.resolve_source(d, "train")[1] for d in c.datasets]
+    files = [c.online.prompts] if c.online.prompts else [f for d in c.datasets for f in sources.local_files(d, "train")]
     prompts = []
     for path in map(Path, files):
         if path.suffix != ".jsonl" or not path.is_file():  # a hub dataset, a .json list

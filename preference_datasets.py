@@ -31,11 +31,11 @@ import torch
 from filelock import FileLock
 from torch.nn.utils.rnn import pad_sequence
 
-from sources import HH_MARKER, MAX_PAIRS_PER_PROMPT, SHAPES, DataError, PromptResponses, detect_shape, read_rows
-from sources import resolve_source
-from utils import file_sha256, first_usable_dir
+from sources import HH_MARKER, MAX_PAIRS_PER_PROMPT, SHAPES, DataError, PromptResponses, Spec, detect_shape
+from sources import open_source, parse_spec
+from utils import first_usable_dir
 
-CODE_VERSION = 5  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
+CODE_VERSION = 6  # bump when tokenization, conversion or SourceStats change, so old cache entries are not reused
 ENCODE_CHUNK = 2048  # prompts per tokenizer call: a call per text is slow, one call for all holds every list at once
 SAMPLE_GROUP = 8  # prompts per generate call during evaluation (see get_sample_batches)
 
@@ -84,6 +84,7 @@ class SourceStats:
     origin: str = ""  # the local file (and its shape), or "hub:<fingerprint>"
     prompts: int = 0
     kept: int = 0
+    taken: int | None = None  # drawn from the kept examples by the entry's N or F (training split)
     dropped: dict = field(default_factory=dict)
     prompts_truncated: int = 0
     responses_truncated: int = 0  # cut before their EOS
@@ -104,15 +105,18 @@ class Split:
     stats: list[SourceStats]
     keys: dict[str, str]  # {source: cache key}: the run manifest's fingerprints
     lengths: np.ndarray  # (3, len): prompt, chosen, rejected tokens per example (0: none), kept out of the mapped file
+    index: np.ndarray | None = None  # the table's row of each example, where entries drew from their sources
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return self.table.num_rows if self.index is None else len(self.index)
 
     def __getitem__(self, i: int | slice) -> TokenizedExample | list[TokenizedExample]:  # iter() stops at IndexError
         return self.rows(range(len(self))[i]) if isinstance(i, slice) else self.rows([i])[0]
 
     def rows(self, indices: Iterable[int]) -> list[TokenizedExample]:
         """The examples at `indices`, each a one-row slice (take() on a chunked table copies whole columns)."""
+        if self.index is not None:
+            indices = self.index[list(indices)]
         rows = (self.table.slice(int(i), 1).to_pylist()[0].values() for i in indices)
         return [TokenizedExample(*(np.asarray(v, np.int32) if isinstance(v, list) else v for v in r)) for r in rows]
 
@@ -178,26 +182,27 @@ def _encode(jobs: list[tuple], tokenizer: Any) -> dict[tuple[str, bool], list[in
 
 
 def tokenize_normalized(
-    data: dict[str, PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats, file: Path | None = None
+    entries: Iterable[PromptResponses], tokenizer: Any, opts: LoadOptions, stats: SourceStats, file: Path | None = None
 ) -> Split:
     """[BOS] + ids(prompt), ids(response) + [EOS], truncated, into Arrow columns written to `file` chunk by chunk (or
-    kept in memory); `stats` (source, split, origin, the converter's drops) completed. Dropped, counted: empty_response;
+    kept in memory), the entries read a chunk at a time; `stats` (source, split, origin, the converter's drops, a
+    Counter it may fill as its entries are read) completed. Dropped, counted: empty_response;
     unless drop_identical_pairs=False, the pairs without signal (listed in no_signal with their first rows either way):
     chosen_equals_rejected, identical_after_truncation (no preference left once cut)."""
-    drops = Counter(stats.dropped)
+    drops = Counter()  # here; the converter's join at the end, once its entries are read
     counts = Counter()
     no_signal = {}
     lengths = []
-    prompts = set()
+    prompts = set()  # their hashes: a million prompts' text is not held
     bos = tokenizer.bos_token_id
     eos = tokenizer.eos_token_id
     add_bos = tokenizer_adds_bos(tokenizer)
-    entries = list(data.values())
+    entries = iter(entries)
     limits = dict(max_length=opts.max_length, max_prompt_length=opts.max_prompt_length)
     sink = str(file) if file else pa.BufferOutputStream()  # no file: in memory
     writer = pa.ipc.new_file(sink, SCHEMA)
-    for start in range(0, len(entries), ENCODE_CHUNK):
-        jobs = list(_jobs(entries[start : start + ENCODE_CHUNK], opts, no_signal))
+    while chunk := list(itertools.islice(entries, ENCODE_CHUNK)):
+        jobs = list(_jobs(chunk, opts, no_signal))
         ids = _encode(jobs, tokenizer)
         columns = {name: [] for name in SCHEMA.names}
         for entry, chosen, rejected, label, row in jobs:
@@ -222,19 +227,21 @@ def tokenize_normalized(
             counts["responses_truncated"] += sum(len(r) <= len(b) for r, b in zip(responses, bodies))  # lost EOS
             if label is not None:  # unpaired: completions per label
                 counts["desirable" if label else "undesirable"] += 1
-            prompts.add(entry.prompt)
+            prompts.add(hash(entry.prompt))
             rejected_ids = responses[1] if rejected is not None else None
             example = TokenizedExample(entry.prompt, chosen, rejected, cut, responses[0], rejected_ids, label)
             for name, value in zip(SCHEMA.names, example):  # SCHEMA's columns are TokenizedExample's fields
                 columns[name].append(value)
         writer.write_batch(pa.record_batch(columns, schema=SCHEMA))
-        lengths.append([[len(v or ()) for v in columns[side]] for side in ("prompt_ids", "chosen_ids", "rejected_ids")])
+        sides = ("prompt_ids", "chosen_ids", "rejected_ids")
+        lengths.append(np.array([[len(v or ()) for v in columns[side]] for side in sides], np.int32).reshape(3, -1))
     writer.close()
     # memory-mapped: a page is read when used, and the processes that map the file share it
     table = pa.ipc.open_file(pa.memory_map(sink) if file else sink.getvalue()).read_all()
+    drops.update(stats.dropped)
     if opts.drop_identical_pairs:
         drops.update({reason: len(rows) for reason, rows in no_signal.items()})
-    lengths = np.concatenate(lengths or [[[]] * 3], axis=1).astype(np.int32)
+    lengths = np.concatenate(lengths or [np.zeros((3, 0), np.int32)], axis=1)
     prompt, chosen, rejected = lengths
     paired = bool(rejected.any())  # a kept rejected response has >= 1 token
     tokens = {}
@@ -268,47 +275,45 @@ def _sha256(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _plan(name: str, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: str | None, opts: LoadOptions):
+def _plan(spec: Spec, split: str, tokenizer: Any, tokenizer_fp: str, cache_dir: str | None, opts: LoadOptions):
     """(cache key of content, tokenizer, options and CODE_VERSION; build(file) that converts and tokenizes the
-    source). A local file is hashed as a stream, never held whole; its rows are read and checked if build() runs."""
-    source, path = resolve_source(name, split)
-    if path is None:
-        rows = source.fetch(split, cache_dir)
-        content = origin = "hub:" + str(getattr(rows, "_fingerprint", None) or _sha256(list(rows)))
-    else:
-        content = "sha256:" + file_sha256(path)
-        origin = str(path)
-    key = _sha256([asdict(opts), CODE_VERSION, name, split, content, tokenizer_fp, MAX_PAIRS_PER_PROMPT])
+    source). Local files are hashed as a stream, never held whole; rows are read, checked and tokenized a batch at a
+    time, only if build() runs."""
+    rows = open_source(spec, split, cache_dir)
+    key = _sha256([asdict(opts), CODE_VERSION, spec.source, split, rows.content, tokenizer_fp, MAX_PAIRS_PER_PROMPT])
 
     def build(file: Path | None) -> Split:
-        records = rows if path is None else read_rows(path)
-        shape = None if source else detect_shape(records[0])  # a local file's shape, picked by its first row
-        src = source or SHAPES[shape]
+        records = rows.read()
+        first = list(itertools.islice(records, 1))  # checked rows: none raises; a named Hub source's may be empty
+        shape = None if rows.source else detect_shape(first[0])  # a file's or Hub id's shape, by its first row
+        src = rows.source or SHAPES[shape]
+        named = f"dataset {spec.name!r}" if rows.origin.startswith("hub:") else rows.origin  # in messages
         if src.unpaired and not opts.unpaired:
             raise DataError(
-                f"{path or f'dataset {name!r}'}: holds unpaired {{prompt, completion, label}} rows; only an unpaired "
-                "loss reads them (loss=kto), this one needs pairs"
+                f"{named}: holds unpaired {{prompt, completion, label}} rows; only an unpaired loss reads them "
+                "(loss=kto), this one needs pairs"
             )
         if opts.unpaired and not src.unpaired and not opts.pairs_to_unpaired:
             raise DataError(
-                f"{path or f'dataset {name!r}'}: holds pairs, but loss kto needs {{prompt, completion, label}} rows; "
-                "set pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
+                f"{named}: holds pairs, but loss kto needs {{prompt, completion, label}} rows; set "
+                "pairs_to_unpaired=true to use each pair as a desirable and an undesirable completion"
             )
-        if not (mode := opts.truncation_mode or src.truncation_mode):  # a local file's: does its first prompt cue
-            prompt = records[0]["prompt"]  # the reply? (sources.py, departure 3)
+        mode = opts.truncation_mode or src.truncation_mode
+        if not mode:  # does the first prompt cue the reply? (sources.py, departure 3)
+            prompt = first[0]["prompt"]
             mode = "keep_end" if isinstance(prompt, list) or prompt.endswith(HH_MARKER) else "keep_start"
-        data, dropped = src.convert(records, tokenizer)
-        where = SourceStats(name, split, origin=origin + f" ({shape})" * bool(shape), dropped=dropped)
-        return tokenize_normalized(data, tokenizer, replace(opts, truncation_mode=mode), where, file)
+        entries, dropped = src.convert(itertools.chain(first, records), tokenizer)
+        where = SourceStats(spec.name, split, origin=rows.origin + f" ({shape})" * bool(shape), dropped=dropped)
+        return tokenize_normalized(entries, tokenizer, replace(opts, truncation_mode=mode), where, file)
 
     return key, build
 
 
 def load_tokenized(
-    names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None, tokenizer_fp: str = "", **options
+    names: list[str], tokenizer: Any, split: str, *, cache_dir: str | None = None, tokenizer_fp="", seed=0, **options
 ) -> Split:
-    """Every source tokenized (cached in cache_dir), concatenated, with one SourceStats per source (printed by
-    dataset_summary)."""
+    """Every source tokenized (cached in cache_dir; the draw of an entry NAME:N or NAME:F from its training pairs
+    seeded by `seed`), concatenated, with one SourceStats per source (printed by dataset_summary)."""
     opts = LoadOptions(**options)
     parts = []
     keys = {}
@@ -316,10 +321,36 @@ def load_tokenized(
         raise ValueError("the tokenizer has no eos_token: responses end in EOS, so set tokenizer.eos_token")
     tokenizer_fp = tokenizer_fp or tokenizer_fingerprint(tokenizer)
     for name in names:
-        keys[name], build = _plan(name, split, tokenizer, tokenizer_fp, cache_dir, opts)
-        parts.append(_cached(Path(cache_dir), f"{name}-{split}", keys[name], build) if cache_dir else build(None))
+        spec = parse_spec(name)
+        keys[name], build = _plan(spec, split, tokenizer, tokenizer_fp, cache_dir, opts)
+        part = _cached(Path(cache_dir), f"{spec.source}-{split}", keys[name], build) if cache_dir else build(None)
+        part.stats[0].source = name
+        if spec.take is not None and split == "train":
+            part = _draw(part, spec, seed, name)
+            keys[name] = _sha256([keys[name], hashlib.sha256(part.index.tobytes()).hexdigest()])  # which pairs
+        parts.append(part)
     stats = [s for part in parts for s in part.stats]
-    return Split(pa.concat_tables([p.table for p in parts]), stats, keys, np.concatenate([p.lengths for p in parts], 1))
+    index = None
+    if any(p.index is not None for p in parts):  # entries drew: each example's row of the concatenated table
+        starts = np.cumsum([0] + [p.table.num_rows for p in parts])
+        index = np.concatenate(
+            [start + (np.arange(len(p)) if p.index is None else p.index) for p, start in zip(parts, starts)]
+        )
+    lengths = parts[0].lengths if len(parts) == 1 else np.concatenate([p.lengths for p in parts], 1)  # no copy of one
+    return Split(pa.concat_tables([p.table for p in parts]), stats, keys, lengths, index)
+
+
+def _draw(part: Split, spec: Spec, seed: int, name: str) -> Split:
+    """spec.take examples (a count, or a fraction of them) of one source's split, drawn by (seed, entry), in order."""
+    count = spec.take if isinstance(spec.take, int) else round(spec.take * len(part))
+    if count > len(part):
+        raise DataError(
+            f"datasets: {name!r} asks for {count} training pairs; the source has {len(part)} after filtering "
+            f"(ask for at most that, or for a fraction, {spec.source}:0.5)"
+        )
+    rng = np.random.default_rng([seed, int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)])
+    index = np.sort(rng.choice(len(part), count, replace=False))
+    return Split(part.table, [replace(part.stats[0], taken=count)], {}, part.lengths[:, index], index)
 
 
 def _cached(cache_dir: Path, what: str, key: str, build: Callable[[Path], Split]) -> Split:
@@ -386,7 +417,9 @@ def load_splits(cfg, tokenizer: Any) -> dict[str, Split]:
     for split in ("train", "test"):
         unpaired = cfg.unpaired_loss and (split == "train" or not cfg.pairs_to_unpaired)
         options = dict(same, unpaired=unpaired, pairs_to_unpaired=unpaired and cfg.pairs_to_unpaired)
-        splits[split] = load_tokenized(cfg.datasets, tokenizer, split, cache_dir=cache_dir, tokenizer_fp=fp, **options)
+        splits[split] = load_tokenized(
+            cfg.datasets, tokenizer, split, cache_dir=cache_dir, tokenizer_fp=fp, seed=cfg.seed, **options
+        )
     return splits
 
 
@@ -395,9 +428,10 @@ def dataset_summary(stats: list[SourceStats]) -> str:
     lines = []
     for s in stats:
         labels = f" desirable={s.desirable} undesirable={s.undesirable}" if s.unit == "completions" else ""
+        taken = "" if s.taken is None else f" taken={s.taken} (drawn for training)"
         lines += [
             f"[data] {s.source}/{s.split} ({s.origin})",
-            f"       {s.unit}_kept={s.kept} prompts={s.prompts}{labels} dropped: "
+            f"       {s.unit}_kept={s.kept}{taken} prompts={s.prompts}{labels} dropped: "
             + (", ".join(f"{k}={v}" for k, v in s.dropped.items()) or "none"),
             f"       prompts_truncated={s.prompts_truncated} responses_truncated={s.responses_truncated} "
             f"truncation_mode={s.truncation_mode}",

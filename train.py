@@ -164,7 +164,7 @@ def work_offline_if_the_hub_is_unreachable(cfg) -> None:
     HF_DATASETS_OFFLINE (for its ranks too): a file missing from the cache then fails at once, not after retries."""
     names = {cfg.model.name_or_path, cfg.model.tokenizer_name_or_path or cfg.model.name_or_path}
     hub = [n for n in names if not Path(resolve_local(n)).exists()]
-    hub += [d for d in cfg.datasets if d in sources.SOURCES and sources.SOURCES[d].path is None]
+    hub += [d for d in cfg.datasets if sources.on_hub(d)]
     if not hub or utils.hub_offline():
         return
     try:
@@ -229,10 +229,10 @@ def check_data(cfg, world_size: int) -> dict:
     """Tokenize both splits as the trainer will (returned: handed on); refuse fewer training pairs than one step, or
     fewer eval pairs than ranks, naming each source and its drops; warn of a long warmup and of one file for both."""
     for name in cfg.datasets:
-        if name not in sources.SOURCES and "{split}" not in name:
+        if sources.serves_both_splits(name):
             print(
-                f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation"
-                " (name two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl to separate them)"
+                f"datasets: {name} has no {{split}} in its path: the same pairs serve training and evaluation (name"
+                " two files <dir>/train.jsonl and <dir>/test.jsonl as <dir>/{split}.jsonl, or hold out :test=0.05)"
             )
     splits = data.load_splits(cfg, load_tokenizer(cfg))
     train = splits["train"]

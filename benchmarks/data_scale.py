@@ -9,7 +9,8 @@ tiny model, max_length 512) for 1 process (BasicTrainer) and for 2 ranks (FSDPTr
 starts them): cold (an empty cache) then warm (the same cache). Each rank reports, at its first train_step, the
 seconds since its start, its peak RSS (getrusage) and its peak PSS (/proc/self/smaps_rollup, sampled every 50 ms:
 pages several ranks map count once in their sum). The toy task, run the same way, is the reference: the table gives
-each figure and what N pairs add over the toy task.
+each figure and what N pairs add over the toy task. Anon: peak anonymous memory (RssAnon in /proc/self/status,
+sampled likewise): what a rank holds of its own, mapped files' pages left out.
 """
 
 import argparse
@@ -92,12 +93,14 @@ def dataset(work: Path, n: int) -> str:
 
 def worker(tree: str, out: str, argv: list[str]) -> None:
     """One rank: train.py's main with train_step replaced by a probe that reports and exits at the first step."""
-    peak = {"pss": 0}
+    peak = {"pss": 0, "anon": 0}
 
-    def sample():  # PSS has no kernel high-water mark: sample it
+    def sample():  # PSS and RssAnon have no kernel high-water mark: sample them
         while True:
             pss = next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("Pss:"))
+            anon = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
             peak["pss"] = max(peak["pss"], pss)
+            peak["anon"] = max(peak["anon"], anon)
             time.sleep(0.05)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -114,6 +117,7 @@ def worker(tree: str, out: str, argv: list[str]) -> None:
             at=time.time(),
             rss_mb=usage.ru_maxrss / 1024,
             pss_mb=peak["pss"] / 1024,
+            anon_mb=peak["anon"] / 1024,
             cpu=usage.ru_utime + usage.ru_stime,
         )
         Path(f"{out}.{rank}.json").write_text(json.dumps(record))
@@ -154,6 +158,7 @@ def run(tree: str, source: str, ranks: int, cache: Path, tmp: Path, name: str) -
         rss=max(r["rss_mb"] for r in records),
         pss=max(r["pss_mb"] for r in records),
         pss_sum=sum(r["pss_mb"] for r in records),
+        anon=max(r["anon_mb"] for r in records),
     )
 
 
@@ -173,7 +178,7 @@ def main() -> None:
     )
     print(
         f"{'tree':>8} {'pairs':>9} {'ranks':>5} {'cache':>5} {'seconds':>8} {'+s':>7} {'cpu s':>7} {'+cpu':>7} "
-        f"{'RSS':>7} {'+RSS':>7} {'PSS':>7} {'+PSS':>7} {'PSS sum':>8}",
+        f"{'RSS':>7} {'+RSS':>7} {'PSS':>7} {'+PSS':>7} {'PSS sum':>8} {'Anon':>7} {'+Anon':>7}",
         flush=True,
     )
     toy = {}
@@ -188,11 +193,12 @@ def main() -> None:
                     r = run(tree, source, ranks, cache, work, f"{label}-{n}-{ranks}-{state}")
                     toy[label, ranks] = r if n == 0 and state == "warm" else toy.get((label, ranks))
                     base = toy[label, ranks] if n else r
-                    added = {k: r[k] - base[k] for k in ("seconds", "cpu", "rss", "pss")}
+                    added = {k: r[k] - base[k] for k in ("seconds", "cpu", "rss", "pss", "anon")}
                     print(
                         f"{label:>8} {n or 'toy':>9} {ranks:>5} {state:>5} {r['seconds']:8.1f} "
                         f"{added['seconds']:+7.1f} {r['cpu']:7.1f} {added['cpu']:+7.1f} {r['rss']:7.0f} "
-                        f"{added['rss']:+7.0f} {r['pss']:7.0f} {added['pss']:+7.0f} {r['pss_sum']:8.0f}",
+                        f"{added['rss']:+7.0f} {r['pss']:7.0f} {added['pss']:+7.0f} {r['pss_sum']:8.0f} "
+                        f"{r['anon']:7.0f} {added['anon']:+7.0f}",
                         flush=True,
                     )
 

@@ -16,7 +16,9 @@ import dataclasses  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402  (to plant an old-format cache file, never to read one)
+import math  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -105,6 +107,12 @@ def numbered_rows(n: int) -> list[dict]:
     ]
 
 
+def by_prompt(converted: tuple) -> tuple[dict, Counter]:
+    """A converter's (entries, dropped) as ({prompt: entry}, dropped), the entries read first (drops count as read)."""
+    entries, dropped = converted
+    return {entry.prompt: entry for entry in entries}, dropped
+
+
 def hh_row(history: str, chosen: str, rejected: str) -> dict:
     return {"chosen": history + chosen, "rejected": history + rejected}
 
@@ -127,7 +135,7 @@ def test_hh_multiturn_history_stays_in_prompt():
         hh_row(history, " It names the speaker.", " No idea."),
         hh_row(history, " A label.", " It names the speaker."),
     ]
-    data, dropped = sources.convert_hh(rows)
+    data, dropped = by_prompt(sources.convert_hh(rows))
     assert list(data) == [history] and not dropped
     entry = data[history]
     assert entry.responses == [" It names the speaker.", " No idea.", " A label."]
@@ -138,15 +146,17 @@ def test_hh_multiturn_history_stays_in_prompt():
 def test_hh_response_containing_the_marker_is_split_where_both_agree():
     history = "\n\nHuman: Write a dialogue.\n\nAssistant:"
     chosen = " Sure.\n\nAssistant: (continues)"  # the marker inside a response must not move the split
-    data, dropped = sources.convert_hh([hh_row(history, chosen, " No.")])
+    data, dropped = by_prompt(sources.convert_hh([hh_row(history, chosen, " No.")]))
     assert list(data) == [history] and data[history].responses == [chosen, " No."] and not dropped
 
 
 def test_hh_rows_with_different_histories_are_dropped_and_counted():
     a = "\n\nHuman: A\n\nAssistant: x\n\nHuman: B\n\nAssistant: y"
     b = "\n\nHuman: A\n\nAssistant: z\n\nHuman: C\n\nAssistant: w"
-    data, dropped = sources.convert_hh([{"chosen": a, "rejected": b}, {"chosen": "no marker", "rejected": "none"}])
-    assert data == {} and dropped == {"hh_prompt_mismatch": 2}
+    data, dropped = by_prompt(
+        sources.convert_hh([{"chosen": a, "rejected": b}, {"chosen": "no marker", "rejected": "none"}])
+    )
+    assert data == {} and dropped == {"no_shared_prompt": 2}
 
 
 def shp_row(history, a, b, label, score_a, score_b):
@@ -168,7 +178,7 @@ def test_shp_ratio_filter_label_direction_sft_target_and_pair_cap():
         shp_row("post", "A4", "B4", 1, 0, 0),
     ]  # 0 vs 0: no preference, dropped
     rows += [shp_row("busy", f"a{i}", f"b{i}", 1, 4, 1) for i in range(sources.MAX_PAIRS_PER_PROMPT + 2)]
-    data, dropped = sources.convert_shp(rows)
+    data, dropped = by_prompt(sources.convert_shp(rows))
     post = data["\n\nHuman: post\n\nAssistant:"]
     assert [(post.responses[i], post.responses[j]) for i, j in post.pairs] == [(" A1", " B1"), (" B2", " A2")]
     assert post.sft_targets == [" B2"]
@@ -185,19 +195,43 @@ def test_se_html_stripped_no_ties_best_answer_and_cap():
             {"text": "<p>Loop backwards.</p>", "pm_score": 1},
         ],
     }
-    data, dropped = sources.convert_se([row])
+    data, dropped = by_prompt(sources.convert_se([row]))
     ((prompt, entry),) = data.items()
     assert prompt == "\n\nHuman: How do I reverse a list?\n\nxs = [1, 2]\n\nAssistant:"
     assert entry.responses == [" Use xs[::-1] & done.", " You can't.", " Loop backwards."]
     assert entry.pairs == [(0, 1), (0, 2)] and dropped == {"se_tie": 1}
     assert entry.sft_targets == [" Use xs[::-1] & done."]
     many = {"question": "q", "answers": [{"text": f"a{i}", "pm_score": i} for i in range(5)]}  # 10 pairs
-    data, dropped = sources.convert_se([many])
+    data, dropped = by_prompt(sources.convert_se([many]))
     assert len(data["\n\nHuman: q\n\nAssistant:"].pairs) == sources.MAX_PAIRS_PER_PROMPT
     assert dropped == {"over_pair_cap": 10 - sources.MAX_PAIRS_PER_PROMPT}
 
 
-def test_ultrafeedback_rendered_with_chat_template(chat_tok):
+def test_implicit_prompt_is_the_shared_opening_at_a_turn_boundary():
+    """One rule for rows without a prompt: conversations share their opening messages (each keeps its last, the
+    reply); HH-style transcripts share their text up to the last "\\n\\nAssistant:" within it. None where the
+    replies are not one assistant message, no message is shared, or the histories differ."""
+    user, system = {"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}
+    reply = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    assert sources.implicit_prompt([system, user, reply("a")], [system, user, reply("b")]) == (
+        [system, user],
+        [reply("a")],
+        [reply("b")],
+    )
+    same = [user, reply("a")]
+    assert sources.implicit_prompt(same, same) == ([user], [reply("a")], [reply("a")])  # no signal: dropped later
+    longer = [user, reply("a"), {"role": "user", "content": "more"}, reply("c")]
+    assert sources.implicit_prompt([user, reply("a")], longer) is None  # the replies: one message and three
+    assert sources.implicit_prompt([reply("a")], [reply("b")]) is None  # nothing shared: no prompt
+    history = "\n\nHuman: Hi\n\nAssistant: Hello.\n\nHuman: Name a prime.\n\nAssistant:"
+    assert sources.implicit_prompt(history + " 7", history + " 8") == (history, " 7", " 8")
+    assert sources.implicit_prompt("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: x") is None
+
+
+def test_ultrafeedback_rows_take_the_implicit_prompt_and_render_with_the_chat_template(chat_tok):
+    """HuggingFaceH4/ultrafeedback_binarized's rows: a prompt string beside whole conversations; the conversations'
+    shared opening is the prompt, rendered by the chat template (its EOS stripped from the replies); a row whose
+    conversations open differently is dropped and counted."""
     user = {"role": "user", "content": "Name a prime."}
     row = {
         "prompt": "Name a prime.",
@@ -210,15 +244,16 @@ def test_ultrafeedback_rendered_with_chat_template(chat_tok):
         "chosen": [user, {"role": "assistant", "content": "7"}],
         "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "8"}],
     }
-    data, dropped = sources.convert_ultrafeedback([row, odd], chat_tok)
+    assert sources.SOURCES["ultrafeedback"].convert is sources.convert_implicit
+    data, dropped = by_prompt(sources.convert_implicit([row, odd], chat_tok))
     ((prompt, entry),) = data.items()
     assert prompt == "<s><|user|>\nName a prime.</s>\n<|assistant|>\n"
     assert entry.responses == ["7", "8"] and entry.pairs == [(0, 1)] and entry.chat  # template's EOS stripped
-    assert dropped == {"ultrafeedback_prompt_mismatch": 1}
+    assert dropped == {"no_shared_prompt": 1}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Local exports of hub sources in their raw shapes: detected, converted by the hub converter
+# Rows without a prompt (HH transcripts, whole conversations): one implicit-prompt rule
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -229,8 +264,8 @@ def load_one(path, tok, **kw):
 
 
 def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monkeypatch):
-    """A user's export of Anthropic/hh-rlhf ({chosen, rejected} transcripts) loads, with the HH converter's
-    split, drops and counts, and keep_end by default: exactly what `datasets=[hh]` gives on the same rows."""
+    """A user's export of Anthropic/hh-rlhf ({chosen, rejected} transcripts) loads by the implicit-prompt rule with
+    the HH converter's split, drops and counts, and keep_end by default: what `datasets=[hh]` gives on the same rows."""
     import datasets
 
     history = "\n\nHuman: " + "hello there " * 40 + "\n\nAssistant:"
@@ -250,7 +285,7 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
         sources.SOURCES, "hh", dataclasses.replace(sources.SOURCES["hh"], fetch=lambda split, cd: dataset)
     )
     hub, hub_stats = load_one("hh", gpt2_tok, max_length=40, max_prompt_length=20)
-    assert local_stats.dropped == hub_stats.dropped == {"hh_prompt_mismatch": 1}
+    assert local_stats.dropped == hub_stats.dropped == {"no_shared_prompt": 1}
     assert local_stats.truncation_mode == "keep_end" and local_stats.kept == 2
     assert [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in local] == [
         (e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist()) for e in hub
@@ -259,20 +294,13 @@ def test_local_raw_hh_file_is_split_like_the_hub_source(tmp_path, gpt2_tok, monk
     assert long_prompt.prompt_ids.tolist() == gpt2_tok(history)["input_ids"][-20:]  # ends in "\n\nAssistant:"
 
 
-def test_local_raw_shp_and_ultrafeedback_files_use_their_converters(tmp_path, chat_tok):
-    """SHP rows (the SHP fields) and UltraFeedback rows (prompt string, whole conversations in chosen/rejected,
-    as ultrafeedback_binarized exports them) give what their converters give, drops counted."""
-    shp = [
-        shp_row("post", "A1", "B1", 1, 10, 3),
-        shp_row("post", "A2", "B2", 0, 2, 30),
-        shp_row("post", "A3", "B3", 1, 3, 2),
-    ]
-    examples, stats = load_one(write_jsonl(tmp_path / "shp.jsonl", shp), chat_tok)
-    assert [(e.prompt, e.chosen, e.rejected) for e in examples] == [
-        ("\n\nHuman: post\n\nAssistant:", " A1", " B1"),
-        ("\n\nHuman: post\n\nAssistant:", " B2", " A2"),
-    ]
-    assert stats.dropped == {"shp_score_ratio_below_2": 1} and stats.truncation_mode == "keep_start"  # as hub shp
+def test_raw_shp_exports_are_refused_and_ultrafeedback_rows_take_the_implicit_prompt(tmp_path, chat_tok):
+    """A raw SHP export (history, human_ref_A, ...) is no pair file: refused, naming the fields found (convert it, or
+    use datasets=[shp]). UltraFeedback rows (prompt string, whole conversations in chosen/rejected, as
+    ultrafeedback_binarized exports them) take the implicit prompt, drops counted."""
+    shp = [{"history": "post", "human_ref_A": "A1", "human_ref_B": "B1", "labels": 1, "score_A": 10, "score_B": 3}]
+    with pytest.raises(sources.DataError, match=r"line 1: missing field 'prompt' .*found 'history', 'human_ref_A'"):
+        load_one(write_jsonl(tmp_path / "shp.jsonl", shp), chat_tok)
     user = {"role": "user", "content": "Name a prime."}
     uf = [
         {
@@ -295,7 +323,8 @@ def test_local_raw_shp_and_ultrafeedback_files_use_their_converters(tmp_path, ch
         "7",
         "8",
     )
-    assert stats.dropped == {"ultrafeedback_prompt_mismatch": 1} and stats.truncation_mode == "keep_end"
+    assert stats.dropped == {"no_shared_prompt": 1} and stats.truncation_mode == "keep_end"
+    assert stats.origin.endswith("uf.jsonl (implicit prompt)")
 
 
 def test_conversation_prompts_in_local_files_keep_their_end_by_default(tmp_path, llama_tok):
@@ -1000,10 +1029,10 @@ def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_t
         lines = (REPO / "toy" / "data" / f"{split}.jsonl").read_text().splitlines()[:48]
         (tmp_path / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     calls, reads, hashed = Counter(), Counter(), Counter()
-    read_bytes, file_digest = Path.read_bytes, hashlib.file_digest
-    for name in ("load_tokenized", "tokenizer_fingerprint", "read_rows"):
+    read_jsonl, file_digest = sources.READERS[".jsonl"], hashlib.file_digest
+    for name in ("load_tokenized", "tokenizer_fingerprint"):
         monkeypatch.setattr(pd, name, lambda *a, _f=getattr(pd, name), _n=name, **k: calls.update([_n]) or _f(*a, **k))
-    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.update([self.name]) or read_bytes(self))
+    monkeypatch.setitem(sources.READERS, ".jsonl", lambda path: reads.update([path.name]) or read_jsonl(path))
     monkeypatch.setattr(hashlib, "file_digest", lambda f, *a: hashed.update([Path(f.name).name]) or file_digest(f, *a))
     args = [
         "loss=dpo",
@@ -1015,7 +1044,7 @@ def test_a_run_loads_each_split_once_reads_each_file_once_and_fingerprints_the_t
     for run, parsed in (("cold", 1), ("warm", 0)):
         calls.clear(), reads.clear(), hashed.clear()
         train(tmp_path / run, *args)
-        assert calls == Counter(load_tokenized=2, tokenizer_fingerprint=1, read_rows=2 * parsed), calls
+        assert calls == Counter(load_tokenized=2, tokenizer_fingerprint=1), calls
         assert [(n[f"{split}.jsonl"]) for n in (hashed, reads) for split in ("train", "test")] == [1, 1, parsed, parsed]
     manifest = json.loads((tmp_path / "warm" / "run_manifest.json").read_text())
     counts = manifest["data_counts"]
@@ -1057,16 +1086,16 @@ def test_offline_hub_dataset_fails_at_once_with_advice(tmp_path, gpt2_tok):
 
 
 def test_toy_maps_to_files_next_to_the_module():
-    source, path = sources.resolve_source("toy", "train")
-    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is sources.convert_rows
-    assert sources.resolve_source("toy", "test")[1] == REPO / "toy" / "data" / "test.jsonl"
+    source, (path,), fetch = sources.resolve_source(sources.parse_spec("toy"), "train")
+    assert path == REPO / "toy" / "data" / "train.jsonl" and source.convert is sources.convert_rows and fetch is None
+    assert sources.local_files("toy", "test") == [REPO / "toy" / "data" / "test.jsonl"]
     if path.is_file() and (REPO / "toy" / "data" / "test.jsonl").is_file():
         sources.validate_sources(["toy"])
 
 
 def test_split_placeholder_in_a_path(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", numbered_rows(1))
-    assert sources.resolve_source(str(tmp_path / "{split}.jsonl"), "test")[1] == tmp_path / "test.jsonl"
+    assert sources.local_files(str(tmp_path / "{split}.jsonl"), "test") == [tmp_path / "test.jsonl"]
 
 
 def test_example_file_validates_loads_and_prints_a_summary(gpt2_tok):
@@ -1140,10 +1169,10 @@ BAD_CASES = {
     "invalid.json": ["line 3", "not valid JSON"],
     "empty_list.json": ["no rows"],
     "item_missing_field.json": ["item 2", "missing field 'rejected'"],
-    "wrong_extension.csv": ["expected a .jsonl or .json file", "'.csv'"],
-    "hh_missing_rejected.jsonl": ["line 2", "missing field 'rejected'", "Anthropic HH fields chosen, rejected"],
-    "hh_then_pairs.jsonl": ["line 2", "first row has the Anthropic HH {chosen, rejected} shape"],
-    "shp_labels_not_binary.jsonl": ["line 1", "field 'labels'", "expected 0 or 1"],
+    "wrong_extension.csv": ["got a '.csv' file", "expected a .jsonl, .json, .parquet, .arrow file"],
+    "hh_missing_rejected.jsonl": ["line 2", "missing field 'rejected'", "implicit prompt fields chosen, rejected"],
+    "hh_then_pairs.jsonl": ["line 2", "first row has the implicit prompt {chosen, rejected} shape"],
+    "shp_export.jsonl": ["line 1", "missing field 'prompt'", "found 'history', 'human_ref_A'"],
     "ultrafeedback_reply_not_assistant.jsonl": ["line 2", "field 'rejected'", "last message must be the assistant"],
 }
 
@@ -1166,7 +1195,7 @@ def test_bad_input_raises_data_error_naming_file_line_and_field(name, gpt2_tok):
 def test_missing_path_and_unknown_names(tmp_path):
     with pytest.raises(sources.DataError, match=r"no such file"):
         sources.validate_sources([str(tmp_path / "nope.jsonl")])
-    with pytest.raises(sources.DataError, match=r"expected a .jsonl or .json file of .*, got a '.csv' file"):
+    with pytest.raises(sources.DataError, match=r"got a '\.csv' file \(expected a \.jsonl, \.json, \.parquet, \.arrow"):
         sources.validate_sources([str(BAD_DATA / "wrong_extension.csv")])  # config time: names and paths
     with pytest.raises(sources.DataError, match=r"unknown dataset 'hhh'.*did you mean 'hh'\?"):
         sources.validate_sources(["hhh"])
@@ -1217,7 +1246,7 @@ def test_unpaired_chat_rows_are_rendered_and_bad_rows_name_the_line(tmp_path, ch
     assert stats.truncation_mode == "keep_end"  # a conversation prompt keeps its cue to reply
     bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], dict(rows[0], label="yes")])
     with pytest.raises(sources.DataError, match=r"bad.jsonl, line 2: field 'label': expected a boolean, got string"):
-        sources.read_rows(Path(bad))
+        list(sources.read_rows([Path(bad)]))
 
 
 def test_pairs_to_unpaired_gives_a_desirable_and_an_undesirable_completion_per_pair(tmp_path, gpt2_tok):
@@ -1295,5 +1324,318 @@ def test_an_unterminated_string_says_where_it_starts_once(tmp_path):
     path = tmp_path / "cut.jsonl"
     path.write_text('{"prompt": "Q", "chosen": "a\n')
     with pytest.raises(sources.DataError) as error:
-        sources.read_rows(path)
+        list(sources.read_rows([path]))
     assert "(Unterminated string starting at column 27)" in str(error.value), str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Preference data as researchers have it: parquet, Arrow, save_to_disk and Hub-repo folders, Hub ids (from a
+# datasets cache laid out as a download leaves it), held-out test fractions, mixtures
+# ---------------------------------------------------------------------------------------------------------
+
+
+def toy_pairs(split: str, n: int) -> list[dict]:
+    lines = (REPO / "toy" / "data" / f"{split}.jsonl").read_text().splitlines()[:n]
+    return [{k: json.loads(line)[k] for k in ("prompt", "chosen", "rejected")} for line in lines]
+
+
+def as_chat(row: dict) -> dict:  # the same pair as messages: the question a user turn, the replies assistant turns
+    question = row["prompt"].split("Human: ", 1)[1].removesuffix("\n\nAssistant:")
+    reply = lambda text: [{"role": "assistant", "content": text.strip()}]  # noqa: E731
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "chosen": reply(row["chosen"]),
+        "rejected": reply(row["rejected"]),
+    }
+
+
+def as_implicit(row: dict) -> dict:  # whole conversations, no prompt field
+    chat = as_chat(row)
+    return {"chosen": chat["prompt"] + chat["chosen"], "rejected": chat["prompt"] + chat["rejected"]}
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa_table(rows), path)
+
+
+def pa_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows)
+
+
+def hub_cache(cache_dir: Path, repo_id: str, splits: dict[str, list[dict]]) -> None:
+    """datasets' cache as a download of repo_id leaves it, made offline: the parquet builder run on local files, its
+    output moved to <org>___<name>/default/0.0.0/<hash>/ and named for the repo (load_dataset(repo_id) offline
+    reads it from there, as it would a real download)."""
+    import datasets
+
+    files = {}
+    for split, rows in splits.items():
+        write_parquet(cache_dir / "src" / f"{split}.parquet", rows)
+        files[split] = str(cache_dir / "src" / f"{split}.parquet")
+    datasets.load_dataset("parquet", data_files=files, cache_dir=str(cache_dir / "build"))
+    (built,) = [p for p in (cache_dir / "build" / "parquet").glob("*/*/*") if p.is_dir()]
+    org, name = repo_id.split("/")
+    target = cache_dir / f"{org}___{name}" / "default" / "0.0.0" / built.name
+    shutil.copytree(built, target)
+    for arrow in target.glob("parquet-*.arrow"):
+        arrow.rename(arrow.with_name(arrow.name.replace("parquet-", f"{name}-", 1)))
+    info = json.loads((target / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps(dict(info, dataset_name=name, config_name="default")))
+    shutil.rmtree(cache_dir / "build")
+    shutil.rmtree(cache_dir / "src")
+
+
+def write_format(folder: Path, kind: str, splits: dict[str, list[dict]]) -> str:
+    """The pairs of `splits` in one format a researcher holds them in; returns the datasets=[...] entry."""
+    import datasets
+    import pyarrow as pa
+
+    if kind == "save_to_disk":
+        datasets.DatasetDict(
+            {s: datasets.Dataset.from_list(list(map(as_chat, r))) for s, r in splits.items()}
+        ).save_to_disk(folder / "saved")
+        return str(folder / "saved")
+    if kind == "hub_repo_folder":
+        for split, rows in splits.items():
+            write_parquet(folder / "repo" / "data" / f"{split}-00000-of-00001.parquet", list(map(as_chat, rows)))
+        return str(folder / "repo")
+    convert = {"strings": lambda row: row, "chat": as_chat, "implicit": as_implicit}[kind.split(".")[0]]
+    for split, rows in splits.items():
+        path = folder / kind.replace(".", f"-{split}.")
+        if path.suffix == ".arrow":  # Arrow's file format (datasets writes the stream format: save_to_disk above)
+            table = pa_table(list(map(convert, rows)))
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table, max_chunksize=5)
+        else:
+            write_parquet(path, list(map(convert, rows)))
+    return str(folder / kind.replace(".", "-{split}."))
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    """The toy model's tokenizer with model.chat_template=chatml, as train.py loads it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / "toy" / "tiny-llama"))
+    tok.chat_template = sources.chat_template("chatml")
+    return tok
+
+
+def examples_of(split) -> list[tuple]:
+    return [(e.prompt, e.chosen, e.rejected, e.prompt_ids.tolist(), e.chosen_ids.tolist()) for e in split]
+
+
+FORMATS = ["chat.parquet", "implicit.parquet", "strings.parquet", "chat.arrow", "save_to_disk", "hub_repo_folder"]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_every_format_loads_the_pairs_its_jsonl_gives(tmp_path, chatml_tok, kind):
+    """Parquet (conversational, implicit prompt, strings), an Arrow file, a save_to_disk folder and a Hub-repo
+    folder (data/train-*.parquet) give, split by split, exactly the tokenized pairs of the same rows in a .jsonl
+    (before: only .jsonl/.json were read, a folder or parquet file refused)."""
+    splits = {"train": toy_pairs("train", 40), "test": toy_pairs("test", 12)}
+    entry = write_format(tmp_path, kind, splits)
+    sources.validate_sources([entry])
+    plain = kind.startswith("strings")
+    for split, rows in splits.items():
+        reference = write_jsonl(tmp_path / f"ref-{split}.jsonl", rows if plain else list(map(as_chat, rows)))
+        expected = pd.load_tokenized([reference], chatml_tok, split)
+        loaded = pd.load_tokenized([entry], chatml_tok, split, cache_dir=str(tmp_path / "cache"))
+        assert examples_of(loaded) == examples_of(expected) and len(expected) == len(rows)
+        assert loaded.stats[0].truncation_mode == expected.stats[0].truncation_mode == "keep_end"  # prompts cue
+
+
+def test_a_bad_row_in_a_parquet_file_is_named_by_file_row_and_field(tmp_path, chatml_tok):
+    rows = list(map(as_chat, toy_pairs("train", 5)))
+    rows[3] = dict(rows[3], rejected=[{"role": "user", "content": "no reply"}])
+    write_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(sources.DataError, match=r"bad.parquet, row 4: field 'rejected': the last message must be"):
+        pd.load_tokenized([str(tmp_path / "bad.parquet")], chatml_tok, "train")
+
+
+@pytest.mark.parametrize(
+    "kind", ["chat.parquet", "implicit.parquet", "strings.parquet", "save_to_disk", "hub_repo_folder"]
+)
+def test_each_format_trains_one_dpo_step_on_the_toy_model(tmp_path, kind):
+    """The bar: the same pairs in each format train one DPO step (model.chat_template=chatml)."""
+    from test_train import metrics, train
+
+    entry = write_format(tmp_path, kind, {"train": toy_pairs("train", 16), "test": toy_pairs("test", 8)})
+    args = ["loss=dpo", f"datasets=[{entry}]", "model.chat_template=chatml", "n_examples=8", "sample_during_eval=false"]
+    result = train(tmp_path / "run", *args, "do_first_eval=false", f"local_dirs=[{tmp_path / 'local'}]")
+    assert "pairs_kept=16" in result.stdout and "eval pairs 8" in result.stdout
+    (step,) = [m for m in metrics(tmp_path / "run") if "loss/train" in m]
+    assert math.isfinite(step["loss/train"])
+
+
+def test_a_hub_id_loads_from_the_datasets_cache_offline_with_its_split_names(tmp_path, chatml_tok):
+    """datasets=[org/name:train=train_prefs:test=test_prefs] reads a Hub dataset through datasets.load_dataset, here
+    offline from a cache laid out as a download leaves it (before: any org/name was a missing local path); its rows
+    are checked as a file's are, and give the pairs the same rows give in a file."""
+    splits = {"train_prefs": toy_pairs("train", 24), "test_prefs": toy_pairs("test", 8)}
+    hub_cache(
+        tmp_path / "local" / "datasets", "toy-org/toy_prefs", {s: list(map(as_implicit, r)) for s, r in splits.items()}
+    )
+    entry = "toy-org/toy_prefs:train=train_prefs:test=test_prefs"
+    sources.validate_sources([entry])
+    assert sources.on_hub(entry) and not sources.on_hub("toy") and sources.on_hub("hh")
+    for split, hub_split in (("train", "train_prefs"), ("test", "test_prefs")):
+        reference = write_jsonl(tmp_path / f"{split}.jsonl", list(map(as_chat, splits[hub_split])))
+        loaded = pd.load_tokenized([entry], chatml_tok, split, cache_dir=str(tmp_path / "local" / "datasets"))
+        assert examples_of(loaded) == examples_of(pd.load_tokenized([reference], chatml_tok, split))
+        assert loaded.stats[0].origin.startswith("hub:") and loaded.stats[0].origin.endswith("(implicit prompt)")
+    held_out = "toy-org/toy_prefs:train=train_prefs:test=0.25"  # a quarter of train_prefs held out as test
+    cache = str(tmp_path / "local" / "datasets")
+    assert [len(pd.load_tokenized([held_out], chatml_tok, s, cache_dir=cache)) for s in ("train", "test")] == [18, 6]
+
+
+def test_hub_ids_train_and_an_uncached_one_offline_exits_2_naming_it(tmp_path):
+    from test_train import train
+
+    splits = {"train_prefs": toy_pairs("train", 16), "test_prefs": toy_pairs("test", 8)}
+    hub_cache(
+        tmp_path / "local" / "datasets", "toy-org/toy_prefs", {s: list(map(as_implicit, r)) for s, r in splits.items()}
+    )
+    args = ["loss=dpo", "model.chat_template=chatml", "n_examples=8", "sample_during_eval=false", "do_first_eval=false"]
+    args.append(f"local_dirs=[{tmp_path / 'local'}]")
+    train(tmp_path / "run", *args, "datasets=[toy-org/toy_prefs:train=train_prefs:test=test_prefs]")
+    refused = train(tmp_path / "x", *args, "datasets=[nobody/not_cached_prefs]", check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "dataset 'nobody/not_cached_prefs'" in refused.stderr and "not available offline" in refused.stderr
+    assert "pre-populate the cache" in refused.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_held_out_fraction_of_a_file_is_the_one_the_hub_path_holds_out(tmp_path, gpt2_tok):
+    """NAME:test=F: no test split, so the fraction F of train is held out (a file without {split} otherwise serves
+    both); its rows are the ones Dataset.shuffle(seed=42) puts first, as for se and Hub ids; train keeps the rest."""
+    import datasets
+
+    rows = numbered_rows(40)
+    entry = write_jsonl(tmp_path / "all.jsonl", rows) + ":test=0.25"
+    assert sources.serves_both_splits(str(tmp_path / "all.jsonl")) and not sources.serves_both_splits(entry)
+    train_split, test_split = (pd.load_tokenized([entry], gpt2_tok, s) for s in ("train", "test"))
+    drawn = datasets.Dataset.from_list(rows).shuffle(seed=42).select(range(10))["prompt"]
+    assert sorted(e.prompt for e in test_split) == sorted(drawn)
+    assert len(train_split) == 30 and not {e.prompt for e in train_split} & set(drawn)
+    assert [e.prompt for e in train_split] == [r["prompt"] for r in rows if r["prompt"] not in drawn]  # file order
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("hh:0", "cannot read '0': expected N >= 1 pairs or a fraction 0 < F <= 1"),
+        ("hh:1.5", "cannot read '1.5'"),
+        ("hh:half", "cannot read 'half'"),
+        ("hh:0.5:100", "cannot read '100'"),
+        ("org/name:split=train", "cannot read 'split=train'"),
+        ("org/name:tset=test_prefs", "did you mean 'test='"),
+        ("org/name:train=", "cannot read 'train='"),
+        (":0.5", "cannot read ':0.5'"),
+        ("org/name:test=1.5", "cannot read 'test=1.5': expected a split or a fraction 0 < F < 1"),
+        ("hh:train=x", "hh has its splits; it takes a count or fraction only"),
+        ("examples/pairs.jsonl:train=x", "a file holds one split"),
+    ],
+)
+def test_malformed_entries_are_refused_naming_the_entry(entry, message):
+    with pytest.raises(sources.DataError) as error:
+        sources.validate_sources([entry])
+    assert message in str(error.value) and "datasets: " in str(error.value)
+
+
+def test_entries_read_as_their_spec():
+    spec = sources.parse_spec("HuggingFaceH4/ultrafeedback_binarized:train=train_prefs:test=test_prefs:0.25")
+    assert (spec.name, spec.take, spec.train, spec.test, spec.held_out) == (
+        "HuggingFaceH4/ultrafeedback_binarized",
+        0.25,
+        "train_prefs",
+        "test_prefs",
+        0.0,
+    )
+    assert spec.source == "HuggingFaceH4/ultrafeedback_binarized:train=train_prefs:test=test_prefs"  # no take
+    assert sources.parse_spec("hh:1000").take == 1000 and sources.parse_spec("hh:1.0").take == 1.0
+    assert sources.parse_spec("a/b:test=0.05").held_out == 0.05 and sources.parse_spec("a/b:config=x").config == "x"
+
+
+def test_a_mixture_draws_a_seeded_count_or_fraction_of_each_source(tmp_path, gpt2_tok):
+    """datasets=[toy:100, file:0.5]: 100 of toy's training pairs and half the file's, drawn by (seed, entry), each
+    in its source's order; the cache entry is the whole source's (shared with datasets=[toy]); evaluation reads
+    whole test splits; the summary shows pairs kept and taken; the fingerprint names the pairs drawn."""
+    write_jsonl(tmp_path / "train.jsonl", numbered_rows(30))
+    write_jsonl(tmp_path / "test.jsonl", numbered_rows(8))
+    entries = ["toy:100", str(tmp_path / "{split}.jsonl") + ":0.5"]
+    cache = str(tmp_path / "cache")
+    load = lambda split, seed, names=entries: pd.load_tokenized(names, gpt2_tok, split, cache_dir=cache, seed=seed)  # noqa: E731
+    mixed = load("train", 0)
+    toy_all, file_all = (pd.load_tokenized([e.rsplit(":", 1)[0]], gpt2_tok, "train", cache_dir=cache) for e in entries)
+    assert len(mixed) == 115 and [s.taken for s in mixed.stats] == [100, 15]
+    assert [s.cache.split()[0] for s in mixed.stats] == ["written", "written"] and toy_all.stats[0].cache.startswith(
+        "hit"
+    )
+    toy_drawn = [e.prompt for e in mixed[:100]]
+    toy_order = [e.prompt for e in toy_all]
+    assert sorted(toy_drawn, key=toy_order.index) == toy_drawn and set(toy_drawn) <= set(toy_order)
+    assert {e.prompt for e in mixed[100:]} <= {e.prompt for e in file_all}
+    assert mixed.lengths.shape == (3, 115) and mixed.lengths[0].tolist() == [len(e.prompt_ids) for e in mixed]
+    again, other = load("train", 0), load("train", 1)
+    assert examples_of(again) == examples_of(mixed) and again.keys == mixed.keys
+    assert examples_of(other) != examples_of(mixed) and other.keys != mixed.keys
+    assert len(load("test", 0)) == 256 + 8  # evaluation: whole test splits
+    summary = pd.dataset_summary(mixed.stats)
+    assert "pairs_kept=2000 taken=100" in summary and "pairs_kept=30 taken=15" in summary
+    batches = pd.get_batch_iterator(mixed, gpt2_tok.pad_token_id, batch_size=8, n_epochs=1, world_size=2, balance=True)
+    assert sum(len(b["prompt"]) for b in batches) == 112 // 2
+    with pytest.raises(sources.DataError, match=r"'toy:2001' asks for 2001 training pairs; the source has 2000"):
+        load("train", 0, ["toy:2001"])
+
+
+def test_a_resume_with_another_draw_is_refused_by_the_manifest(tmp_path):
+    """The draw is part of the data's fingerprint in run_manifest.json: the same entry and seed resume, another
+    count (or seed) is other data, refused before any model loads."""
+    from test_train import FAST, train
+
+    import config_loader
+    import run_manifest
+    import train as train_py
+
+    args = ["loss=dpo", "n_examples=8", "sample_during_eval=false", "do_first_eval=false", f"local_dirs=[{tmp_path}]"]
+    train(tmp_path / "run", *args, "datasets=[toy:64]")
+    manifest = json.loads((tmp_path / "run" / "run_manifest.json").read_text())
+    assert [s["taken"] for s in manifest["data_counts"]["train"]] == [64] and "toy:64" in manifest["data"]["train"]
+    for datasets_entry, refused in (("toy:64", False), ("toy:32", True)):
+        cfg, _ = config_loader.load_config([*FAST, *args, f"datasets=[{datasets_entry}]"])
+        splits = pd.load_splits(cfg, train_py.load_tokenizer(cfg))
+        if refused:
+            with pytest.raises(run_manifest.ManifestError, match="differs"):
+                run_manifest.check_against(tmp_path / "run", cfg, splits, "resume")
+        else:
+            run_manifest.check_against(tmp_path / "run", cfg, splits, "resume")
+
+
+def test_the_cold_build_holds_a_chunk_not_the_source(tmp_path, gpt2_tok):
+    """Rows are read, checked, converted and tokenized a chunk at a time into the cache's Arrow file: the Python
+    memory a build peaks at does not grow with the source (before: every row, its normalized form and the file's
+    text were held at once, about 1.3 KB a pair more here)."""
+    import tracemalloc
+
+    def peak(n: int) -> int:
+        rows = [
+            {"prompt": f"\n\nHuman: q {i} {'w' * (i % 50)}?\n\nAssistant:", "chosen": f" a {i}", "rejected": f" b {i}"}
+            for i in range(n)
+        ]
+        path = write_jsonl(tmp_path / f"rows{n}.jsonl", rows)
+        del rows
+        tracemalloc.start()
+        split = pd.load_tokenized([path], gpt2_tok, "train", cache_dir=str(tmp_path / "cache"))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert len(split) == n
+        return peak
+
+    peak(1000)  # first-call costs (imports, caches) out of the way
+    small, large = peak(4000), peak(20000)
+    assert large - small < 8_000_000, (small, large)  # before: +21 MB
