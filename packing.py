@@ -85,7 +85,8 @@ class Layout:
         }
         fix = " and ".join(k for k, on in keys.items() if on)
         padded = self_check.policy_logps(t, inputs, head=t.head)
-        return [self_check.compare(t, "layout", "the run's rows vs plain padded rows", ours, padded, dtype, fix)]
+        what = "the run's rows vs plain padded rows"
+        return [self_check.compare(t, "layout", what, ours, padded, dtype, fix, mean=True)]
 
 
 def packed_rows(lengths: list[int], capacity: int) -> list[list[int]]:

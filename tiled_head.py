@@ -15,7 +15,7 @@ from torch import Tensor
 
 import self_check
 from config import ConfigError
-from logps import IGNORE_INDEX, Rows, entropy, log_sum_sq
+from logps import IGNORE_INDEX, Rows, entropy, label_logps, log_sum_sq
 from sharding import unwrap
 
 # Rows per tile: at most 1024 (enough to keep a GPU busy), fewer where a tile's fp32 logits pass HEAD_TILE_BYTES: its
@@ -23,8 +23,9 @@ from sharding import unwrap
 # up to vocab 32768, 261 rows at Llama-3's 128256.
 MAX_TILE_ROWS = 1024
 HEAD_TILE_BYTES = 128 * 2**20
-# The self-check holds the probe's full logits, what the tiled head exists to avoid: its rows are cut to this many
-# bytes of fp32 logits (1 GiB: about 260 tokens of 4 pairs at Llama-3's vocabulary of 128256).
+# The self-check holds the model's own logits at the scored positions it compares, what the tiled head exists to avoid:
+# each row's first scored tokens, at most this many bytes of fp32 logits in all (1 GiB: 261 of each of 4 pairs' 8 rows
+# at Llama-3's vocabulary of 128256).
 HEAD_LOGITS_BYTES = 2**30
 
 
@@ -79,13 +80,31 @@ class Head:
         return logps, token_entropy, token_sq if sum_sq else None, scored
 
     def probe(self, t, pairs: dict, inputs: dict, ours, dtype) -> list[dict]:
-        """The self-check's `head`: this head's log-probs and entropies vs log_softmax of the model's own logits."""
+        """The self-check's `head`: this head's log-probs and entropies vs log_softmax of the model's own logits, on
+        each row's first scored tokens (HEAD_LOGITS_BYTES), prompts of any length: every compared token is scored."""
         config = unwrap(t.policy).config
         vocab = (getattr(config, "text_config", None) or config).vocab_size
-        cut = {k: v[:, : max(1, HEAD_LOGITS_BYTES // (len(v) * vocab * 4))] for k, v in inputs.items()}
-        tiled, own = self_check.policy_logps(t, cut, head=self), self_check.policy_logps(t, cut)
+        labels = inputs["labels"]
+        keep = max(1, HEAD_LOGITS_BYTES // (len(labels) * vocab * 4))
+        first = dict(inputs, labels=labels.masked_fill((labels != IGNORE_INDEX).cumsum(1) > keep, IGNORE_INDEX))
+        tiled, own = self_check.policy_logps(t, first, head=self), self_check.policy_logps(t, first, head=own_logps)
         what = "the tiled LM head vs log_softmax of the model's own forward().logits"
-        return [self_check.compare(t, "head", what, tiled, own, dtype, "tiled_lm_head=false")]
+        tolerance = self_check.HEAD_TOLERANCE
+        return [self_check.compare(t, "head", what, tiled, own, dtype, "tiled_lm_head=false", tolerance, mean=True)]
+
+
+def own_logps(model, call, rows: Rows, sum_sq: bool = False):
+    """logps.label_logps of the model's own forward (its scaling or capping after the LM head included), whose LM head
+    is fed the scored positions' hidden states alone: (1, scored, vocab) logits, never (rows, positions, vocab)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    scored = rows.targets != IGNORE_INDEX
+    only_scored = lambda module, args: (args[0][scored.to(args[0].device)][None], *args[1:])
+    hook = lm.get_output_embeddings().register_forward_pre_hook(only_scored)
+    try:
+        *out, _ = label_logps(model, call, rows._replace(targets=rows.targets[scored][None]), sum_sq)
+    finally:
+        hook.remove()
+    return *out, scored
 
 
 def postprocessing(config) -> tuple[float, Optional[float]]:

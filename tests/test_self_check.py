@@ -18,10 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from types import SimpleNamespace
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import packing
 import self_check
+import sharding
+import tiled_head
 import train as train_py
 import trainers
 from config_loader import load_config
@@ -67,14 +70,21 @@ def checks(report: dict) -> dict:
 
 
 def scaled_head(monkeypatch, factor: float = 1.25):
-    """Models whose LM head multiplies its logits (a head multiplier in the model's code, as HyperCLOVAX's or a
-    muP model's): the model's own forward applies it, the tiled head reads the weight alone and does not."""
+    """Models whose forward() multiplies its logits (a head multiplier in the model's code, as HyperCLOVAX's or a
+    muP model's, or a wrapper's): the model's own forward applies it, the tiled head reads the weight alone and does
+    not."""
     load = train_py.load_models
 
     def load_models(*args, **kwargs):
         tokenizer, policy, reference = load(*args, **kwargs)
         for model in filter(None, (policy, reference)):
-            model.get_output_embeddings().register_forward_hook(lambda module, inputs, out: out * factor)
+
+            def scaled(*inputs, forward=model.forward, **options):
+                out = forward(*inputs, **options)
+                out["logits"] = out.logits * factor
+                return out
+
+            model.forward = scaled
         return tokenizer, policy, reference
 
     monkeypatch.setattr(train_py, "load_models", load_models)
@@ -119,6 +129,76 @@ def test_a_head_the_tiled_path_does_not_reproduce_stops_the_run(tmp_path, monkey
     else:
         assert head is None and report["passed"] and "self-check reference:" in printed
         assert checks(report)["reference"]["step0_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tmp_path_factory) -> list[str]:
+    """A Llama of Llama-3's vocabulary (128256; hidden size 16) and 4 pairs whose prompts are 309 tokens, with their
+    train.py arguments: the probe's 8 rows at that vocabulary once kept only their first 261 columns, all prompt."""
+    root = tmp_path_factory.mktemp("long")
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=512, initializer_range=0.2, **sizes)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    AutoTokenizer.from_pretrained(TOY).save_pretrained(root / "model")
+    prompt = "\n\nHuman: " + " ".join(["Describe rain and snow."] * 60) + "\n\nAssistant:"
+    pairs = [dict(prompt=f"{prompt} {i}", chosen=" rain falls.", rejected=" snow falls.") for i in range(4)]
+    for split in ("train", "test"):
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    data = [f"datasets=[{root}/{{split}}.jsonl]", "max_length=340", "max_prompt_length=320"]
+    return [f"model.name_or_path={root / 'model'}", *data, "batch_size=4", "n_examples=4", "n_eval_examples=4"]
+
+
+def test_a_head_fault_past_long_prompts_stops_the_run(tmp_path, monkeypatch, long_prompts):
+    """Llama-3's vocabulary, prompts over 300 tokens and a forward that scales its logits by 1.1: the head check
+    compares the responses' tokens (the model's own logits at the scored positions alone), says how many, and stops
+    the run; it once compared the prompts' first columns, none scored, and passed with a difference of 0."""
+    scaled_head(monkeypatch, 1.1)
+    code, printed, report = run(tmp_path / "run", *long_prompts, TILED)
+    assert code == 4, printed[-3000:]
+    head = checks(report)["head"]
+    assert head["tokens"] == checks(report)["reference"]["tokens"] > 0 and not head["passed"]
+    assert f"over {head['tokens']} scored tokens" in printed and "set tiled_lm_head=false" in printed
+
+
+def test_a_check_that_compared_no_token_fails():
+    """Rows without a scored token: the head check compared nothing, and fails instead of passing with 0."""
+    model = AutoModelForCausalLM.from_pretrained(TOY).eval()
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.full_like(ids, -100))
+    t = SimpleNamespace(policy=model, sp=None, autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    t.sharding = sharding.OneProcess(model, SimpleNamespace(activation_checkpointing=False))
+    with torch.no_grad():
+        (head,) = tiled_head.Head().probe(t, {}, inputs, None, torch.float32)
+    assert head["tokens"] == 0 and not head["passed"]
+    assert "compared no scored token" in self_check.failure_line(head)
+
+
+@pytest.fixture(scope="module")
+def spread_logits(tmp_path_factory) -> Path:
+    """The toy model, its LM head times 4: a logit temperature 10% off then moves its tokens by about 0.1 nats, as it
+    moves a trained model's by 0.1 to 0.3 (the toy's own logits, near uniform, by 0.02)."""
+    model = AutoModelForCausalLM.from_pretrained(TOY)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    path = tmp_path_factory.mktemp("spread") / "model"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(TOY).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("factor,code", [(1.1, 4), (1.0, 0)])
+def test_a_logit_temperature_ten_percent_off_stops_a_bf16_run(tmp_path, monkeypatch, spread_logits, factor, code):
+    """bf16: a forward that scales its logits by 1.1 moves each token by more than the head check's own tolerance
+    (less than the layout's 0.2, which once let it pass); the same model without the fault trains."""
+    scaled_head(monkeypatch, factor)
+    args = [f"model.name_or_path={spread_logits}", "fsdp.mixed_precision={param_dtype: bf16}", TILED]
+    exit_code, printed, report = run(tmp_path / "run", *args)
+    assert exit_code == code, printed[-3000:]
+    head = checks(report)["head"]
+    assert head["tolerance"] == self_check.HEAD_TOLERANCE[torch.bfloat16] and head["dtype"] == "bfloat16"
+    if code == 4:
+        assert head["tolerance"] < head["difference"] < self_check.TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("option", ["padding_free=true", "prefix_sharing=true"])
@@ -184,11 +264,15 @@ def test_a_reference_that_is_not_the_policy_raises_no_false_alarm(tmp_path, monk
 
 def test_kto_on_unpaired_rows(tmp_path):
     """KTO with pairs_to_unpaired (one completion a row), packed rows and the tiled head: head, layout and reference
-    pass, and the step-0 loss is KTO's at zero margin (1 - sigma(0) = 0.5 per completion, the weights being 1)."""
+    pass on the same scored tokens, head and layout by their mean per token (the largest per sequence logged), and the
+    step-0 loss is KTO's at zero margin (1 - sigma(0) = 0.5 per completion, the weights being 1)."""
     code, printed, report = run(tmp_path / "run", "loss=kto", "pairs_to_unpaired=true", "padding_free=true", TILED)
     assert code == 0, printed[-3000:]
     found = checks(report)
     assert set(found) == {"head", "layout", "reference"} and report["passed"]
+    assert found["head"]["tokens"] == found["layout"]["tokens"] == found["reference"]["tokens"] > 0
+    for name, measure in (("head", "mean"), ("layout", "mean"), ("reference", "largest")):
+        assert found[name]["measure"] == measure and found[name]["difference"] == found[name][measure], found[name]
     assert found["reference"]["step0_loss"] == pytest.approx(found["reference"]["zero_margin_loss"])
     assert found["reference"]["zero_margin_loss"] == pytest.approx(0.5)
 
