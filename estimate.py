@@ -15,7 +15,7 @@ on top of the weights (+ an online reference) and optimizer state, sharded over 
   reference   precompute_ref_log_probs: policy and reference weights while the reference pass runs, before
               training (the reference is freed after it: training holds the policy alone)
   self check  before the first step, the reference still loaded: a few pairs' forwards and, with the tiled head,
-              the full fp32 logits it is compared with (at most self_check.HEAD_LOGITS_BYTES)
+              the model's own fp32 logits at the scored positions (at most tiled_head.HEAD_LOGITS_BYTES)
 LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and optimizer state; no reference copy.
 QLoRA (model.quantization): the blocks' linear weights as bitsandbytes holds them (quantized_bytes: the 4- or 8-bit
 codes and their constants; a mixture's fused experts are not quantized), everything else in the model's dtype, and
