@@ -232,7 +232,8 @@ def _logits(cfg, g: Geometry, tokens: int, c: int) -> dict:
 
 def _forward_logits(cfg, g: Geometry, tokens: int, c: int) -> int:
     """Per rank, a forward without gradients (evaluation, the reference pass): the plain path holds the model's
-    (tokens, V) logits, the scored rows of them, and their fp32 log-softmax and entropy work; the tiled head its tiles."""
+    (tokens, V) logits, the scored rows of them, and their fp32 log-softmax and entropy work; the tiled head its
+    tiles."""
     if cfg.tiled_lm_head:
         return 4 * min(tokens, MAX_TILE_ROWS, head_tile_rows(g.vocab)) * g.vocab * 4
     return tokens * g.vocab * (2 * c + 3 * 4)
@@ -455,7 +456,8 @@ def _switches(cfg, model: dict, world: int, device: str, e: dict, usable: float)
     if len(options) > 1:
         options["all of these"] = {k: v for changes in options.values() for k, v in changes.items()}
     lines = [
-        f"what lowers the peak of {e['peak'] / GiB:.2f} GiB ({e['peak phase']}; the logits: {e['logits'] / GiB:.2f} GiB):"
+        f"what lowers the peak of {e['peak'] / GiB:.2f} GiB ({e['peak phase']}; "
+        f"the logits: {e['logits'] / GiB:.2f} GiB):"
     ]
     held = e["weights"] + e["reference weights"] + e["optimizer state"]
     if held > usable and cfg.model.quantization is None:  # no activation switch helps: the weights do not fit

@@ -1,7 +1,7 @@
 """precompute_ref_log_probs: one pass of the reference over the pairs a run uses (train and eval), cached on disk under
-a key of model, archive, dtype, quantization, tokenizer and data, then the reference's memory freed: training runs one
-model, not two. Reference.logps reads the tables this fills. Imported only when the switch is on (BasicTrainer.train, the
-self-check's `cache` probe, config_loader's rules).
+a key of model, archive, dtype, quantization, tokenizer and data, then the reference's memory freed: training runs
+one model, not two. Reference.logps reads the tables this fills. Imported only when the switch is on
+(BasicTrainer.train, the self-check's `cache` probe, config_loader's rules).
 """
 
 import gc

@@ -25,14 +25,14 @@ from utils import find_block_class_names, get_block_class_from_model, rank0_prin
 
 
 class OneProcess:
-    """The interface, in one process. gradient_sync(model, sync): the context of a micro-batch's backward (FSDP reduces
-        its gradients across ranks when `sync`); clip: the norm before clipping (all shards together); all_true / any_true:
-        one decision for all ranks (a CPU-GPU sync point); agree_max: the largest count over the ranks (all run as many
-        collective forwards); gather: every rank's tensor along dim 0; gather_objects: every data-parallel rank's items;
-        barrier: wait for rank 0's lone work (a timeout slow disks do not trip); forward: a whole forward of the model's
-    (logps.forward_logps); reshard: free gathered parameters;
-        params_on_device: offloaded parameters on device for a phase; save / load: what a resume needs besides policy.pt
-        (the optimizer state, or TR-DPO's reference); release: a model's memory freed for good (a precomputed reference)."""
+    """The interface, in one process. gradient_sync(model, sync): the context of a micro-batch's backward (FSDP
+    reduces its gradients across ranks when `sync`); clip: the norm before clipping (all shards together); all_true /
+    any_true: one decision for all ranks (a CPU-GPU sync point); agree_max: the largest count over the ranks (all run as
+    many collective forwards); gather: every rank's tensor along dim 0; gather_objects: every data-parallel rank's
+    items; barrier: wait for rank 0's lone work (a timeout slow disks do not trip); forward: a whole forward of the
+    model's (logps.forward_logps); reshard: free gathered parameters; params_on_device: offloaded parameters on device
+    for a phase; save / load: what a resume needs besides policy.pt (the optimizer state, or TR-DPO's reference);
+    release: a model's memory freed for good (a precomputed reference)."""
 
     autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
     saves_weights = False  # save writes no policy weights: a resume reads them from policy.pt (FSDP: its sharded files)
@@ -76,7 +76,8 @@ class OneProcess:
         return model.generate(**kwargs)
 
     def forward(self, model: nn.Module, fn, inputs: dict, **options):
-        """fn(model, inputs, **options), fn a whole forward such as logps.forward_logps (FSDP: inside the root unit's)."""
+        """fn(model, inputs, **options), fn a whole forward such as logps.forward_logps (FSDP: inside the root
+        unit's)."""
         return fn(model, inputs, **options)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:

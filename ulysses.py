@@ -103,7 +103,8 @@ def check(cfg, config) -> None:
     if heads is None:
         raise ConfigError(
             [
-                f"fsdp.ulysses_sequence_parallel_size={sp}: the config of model.name_or_path={name!r} has no attention heads"
+                f"fsdp.ulysses_sequence_parallel_size={sp}: the config of model.name_or_path={name!r} has no "
+                "attention heads"
             ]
         )
     if heads % sp:
