@@ -1,6 +1,7 @@
 """The entropy bonus (loss.entropy_coeff > 0, as verl's): loss - entropy_coeff * the policy's mean entropy, so the
 entropy is differentiated: from the model's full logits at the scored positions, in row chunks
-(fsdp.entropy_from_logits_with_chunking), recomputed in backward (fsdp.entropy_checkpointing), compiled (fsdp.use_torch_compile; null: on CUDA).
+(fsdp.entropy_from_logits_with_chunking), recomputed in backward (fsdp.entropy_checkpointing), compiled
+(fsdp.use_torch_compile; null: on CUDA).
 Without the bonus the logged entropy is a detached statistic of the log-prob path. Imported only with the bonus.
 """
 

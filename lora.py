@@ -223,7 +223,8 @@ def prepare(model: nn.Module, c) -> nn.Module:
     every weight bitsandbytes left alone (embeddings, LM head, norms) to fp32, doubling the largest part of a bf16
     model that quantization leaves, and for its reentrant gradient checkpointing makes the inputs require gradients.
     Here nothing is cast: the base is frozen (peft freezes it too), and activation_checkpointing=true recomputes blocks
-    by NO_REENTRANT checkpointing, whose gradients reach the adapters without that hook. Raises ConfigError where bitsandbytes quantized no layer of the model (it replaces nn.Linear, and GPT-2's Conv1D)."""
+    by NO_REENTRANT checkpointing, whose gradients reach the adapters without that hook. Raises ConfigError where
+    bitsandbytes quantized no layer of the model (it replaces nn.Linear, and GPT-2's Conv1D)."""
     import bitsandbytes as bnb
 
     layers = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
