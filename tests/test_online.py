@@ -9,10 +9,13 @@ import re
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import transformers
 
 import online
@@ -21,8 +24,11 @@ import run_manifest
 import train as train_py
 from config import ConfigError
 from config_loader import load_config
+from sharding import unwrap
+from test_fsdp import gathered_units
 
 from conftest import LOCAL_DIRS  # runs and caches in a temporary directory
+from utils import get_open_port
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = [
@@ -255,12 +261,49 @@ def test_replay_regenerates_identical_pairs(online_run, tmp_path):
 
 
 def test_fsdp2_on_two_ranks_writes_the_same_round_file_as_one_process(online_run, tmp_path):
-    """Each group of prompts has its own stream, whichever rank samples it: round 0 (the starting weights) is the same
-    file; the later round matches too as long as FSDP's training steps match one process bit for bit."""
+    """Each group of prompts has its own stream, whichever rank samples it, with the policy gathered once for the
+    round (sharding.sampling): round 0 (the starting weights) is the same file; the later round matches too as long as
+    FSDP's training steps match one process bit for bit."""
     run_dir, _ = online_run
     train(tmp_path / "fsdp", SCORER, "trainer=FSDPTrainer", "fsdp.strategy=fsdp2", "n_workers=2")
     sharded, single = (d / "rounds" / "0" / "pairs.jsonl" for d in (tmp_path / "fsdp", run_dir))
     assert sharded.read_bytes() == single.read_bytes()
+
+
+def rank_worker(rank: int, world_size: int, port: int, runs: list) -> None:
+    """train.py as one torchrun rank, for each (run_dir, args, fits) in turn; fits=False: fsdp.free_memory says 0,
+    so sampling gathers per forward. What rank 0 prints goes to run_dir/stdout.txt."""
+    import fsdp
+
+    free_memory = fsdp.free_memory
+    for k, (run_dir, args, fits) in enumerate(runs):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + k), RANK=str(rank), LOCAL_RANK=str(rank))
+        os.environ["WORLD_SIZE"] = str(world_size)
+        fsdp.free_memory = free_memory if fits else lambda device: 0
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = train_py.main([*FAST, f"run_dir={run_dir}", *args])
+        if rank == 0:
+            Path(run_dir, "stdout.txt").write_text(f"exit {code}\n" + printed.getvalue())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_fsdp_sampling_gathered_once_writes_the_round_file_gathering_per_forward_writes(tmp_path, strategy):
+    """Round 0 on 2 ranks with the policy gathered once for the round, and as before sharding.sampling (each forward
+    gathering its units: the free memory made 0): the same bytes (#52 G4), the fallback said. FSDP1's sampling need
+    not match one process's (its flat parameters compute otherwise, before this change too)."""
+    args = [SCORER, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", "online.rounds=1", "eval_every=16"]
+    args += ["do_first_eval=false", "sample_during_eval=false"]
+    runs = [(str(tmp_path / "once"), args, True), (str(tmp_path / "per_forward"), args, False)]
+    mp.spawn(rank_worker, args=(2, get_open_port(), runs), nprocs=2, join=True)
+    once, per_forward = ((tmp_path / name / "stdout.txt").read_text() for name in ("once", "per_forward"))
+    assert once.startswith("exit 0") and per_forward.startswith("exit 0"), (once[-2000:], per_forward[-2000:])
+    assert "does not fit" not in once and "gathered whole" in per_forward and "does not fit in 75% of" in per_forward
+    assert (
+        pairs(tmp_path / "once", 0)
+        and (tmp_path / "once" / "rounds" / "0" / "pairs.jsonl").read_bytes()
+        == (tmp_path / "per_forward" / "rounds" / "0" / "pairs.jsonl").read_bytes()
+    )
 
 
 def test_bad_scorer_output_stops_the_run_naming_the_scorer(tmp_path):
@@ -407,3 +450,94 @@ def test_pairing_settings_are_checked_before_anything_loads(tmp_path):
     spin = ["online.pairing=spin", "online.samples_per_prompt=1", f"online.prompts={tmp_path / 'prompts.jsonl'}"]
     result = train(tmp_path / "run", *spin, code=2)
     assert "online.pairing=spin" in result.stderr and "has no target" in result.stderr
+
+
+# --- Sampling under FSDP: gathered once (sharding.sampling), or per forward where it does not fit ---------------
+def sampling_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Each strategy, the tiny model sharded over 2 ranks: shared_prefix_generate inside sharding.sampling, the whole
+    model fitting (gathered once) and not (fsdp.free_memory says 0: gathered per forward); records the tokens, the
+    forwards and the all-gathers FSDP issued (FSDP1: a handle's, FSDP2: a parameter group's)."""
+    import fsdp
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    gathers = []
+
+    def counted(gather):
+        def counting(*args, **kwargs):
+            gathers.append(1)
+            return gather(*args, **kwargs)
+
+        return counting
+
+    FlatParamHandle._all_gather_flat_param = counted(FlatParamHandle._all_gather_flat_param)
+    _fsdp_param_group.foreach_all_gather = counted(_fsdp_param_group.foreach_all_gather)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    results = {}
+    free_memory = fsdp.free_memory  # the real one, put back for each strategy
+    try:
+        for strategy in ("fsdp", "fsdp2"):
+            cfg = load_config([*FAST, "trainer=FSDPTrainer", f"fsdp.strategy={strategy}", "n_workers=2"])[0]
+            _, policy, _ = train_py.load_models(cfg, on_meta=rank != 0)
+            sharding, policy, _, _ = fsdp.spread(policy, None, cfg, rank, world_size)
+            ids, mask = prompt_batch()
+            forwards = []
+            unwrap(policy).get_output_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+            for mode, free in (("gathered", free_memory), ("per forward", lambda device: 0)):
+                fsdp.free_memory = free
+                sharding.reshard(policy)  # nothing gathered before
+                gathers.clear()
+                forwards.clear()
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed), sharding.sampling(policy), torch.random.fork_rng():
+                    torch.manual_seed(7)
+                    new = online.shared_prefix_generate(sharding, policy, ids, mask, 3, **SAMPLING)
+                results[strategy, mode] = dict(
+                    tokens=new, forwards=len(forwards), gathers=len(gathers), printed=printed.getvalue()
+                )
+            policy(input_ids=ids, attention_mask=mask)  # out of the context: each unit reshards after its forward
+            results[strategy, "after"] = gathered_units(policy)
+    finally:
+        if rank == 0:
+            torch.save(results, Path(out_dir) / "sampling.pt")
+        dist.destroy_process_group()
+
+
+SAMPLING = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, pad_token_id=0)
+
+
+def prompt_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two left-padded toy prompts of different lengths."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(REPO / "toy" / "tiny-llama", padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(["Hi", "Tell me about cats and the sea."], return_tensors="pt", padding=True)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def test_fsdp_sampling_gathers_once_or_per_forward_and_samples_what_one_process_samples(tmp_path):
+    """FSDP1 and FSDP2 on 2 gloo ranks (#52 G4): inside sharding.sampling every unit stays gathered from the first
+    forward on (one all-gather per unit for the call, not one per generated token), all resharded on exit; where the
+    model does not fit (the free-memory figure made 0) it says so and gathers per forward, as training does; both
+    sample the same tokens (FSDP2: those one process samples from the same seed)."""
+    mp.spawn(sampling_worker, args=(2, get_open_port(), str(tmp_path)), nprocs=2, join=True)
+    results = torch.load(tmp_path / "sampling.pt", weights_only=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(REPO / "toy" / "tiny-llama").eval()
+    ids, mask = prompt_batch()
+    one = type("OneProcess", (), {"generate": staticmethod(lambda m, **kwargs: m.generate(**kwargs))})()
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        expected = online.shared_prefix_generate(one, model, ids, mask, 3, **SAMPLING)
+    units = model.config.num_hidden_layers + 1  # each block a unit, and the root
+    for strategy in ("fsdp", "fsdp2"):
+        gathered, per_forward = results[strategy, "gathered"], results[strategy, "per forward"]
+        assert torch.equal(gathered["tokens"], per_forward["tokens"]), strategy
+        assert strategy == "fsdp" or torch.equal(gathered["tokens"], expected)  # FSDP1's flat parameters: otherwise
+        assert gathered["forwards"] == per_forward["forwards"] >= 2  # the prefill, then one per generated token
+        assert gathered["gathers"] == units, (strategy, gathered)
+        every = per_forward["forwards"]  # each block's all-gather every forward; the root's once (FSDP1) or every time
+        assert per_forward["gathers"] in (1 + (units - 1) * every, units * every), (strategy, per_forward)
+        assert gathered["printed"] == "" and "does not fit" in per_forward["printed"], strategy
+        assert results[strategy, "after"] <= 1  # the root (FSDP1 keeps it after a forward), no block
