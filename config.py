@@ -231,12 +231,19 @@ class LoraSettings(BaseConfig):
 
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig(BaseConfig):
-    """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing best with worst, training a pass."""
+    """Semi-online DPO (online.py): rounds of sampling the policy, scoring, pairing, training on the round's pairs."""
 
     rounds: Optional[int] = param(None, "sample-score-pair-train rounds; null = offline DPO on the data", POSITIVE)
     prompts_per_round: int = param(64, "prompts per round, next in order (cycling); each one pair at most", POSITIVE)
-    samples_per_prompt: int = param(
-        4, "completions sampled per prompt; the best and the worst make its pair", (lambda v: v >= 2, "at least 2")
+    samples_per_prompt: int = param(4, "completions sampled per prompt (best_worst: at least 2; spin: 1)", POSITIVE)
+    pairing: str = param(
+        "best_worst",
+        "how a prompt's samples become its pair: best_worst (best over worst by more than min_score_gap), spin (the "
+        "data's target over the policy's sample) or python (pair(prompts, targets, samples, scores) -> pairs)",
+        (
+            lambda v: bool(re.fullmatch(r"best_worst|spin|python=[^:]+:[^:]+", v)),
+            "best_worst, spin or python=<module>:<function>",
+        ),
     )
     scorer: str = param(
         "rule",
@@ -246,7 +253,9 @@ class OnlineConfig(BaseConfig):
     prompts: Optional[str] = param(
         None, "a .jsonl of {prompt: ...} rows (text or chat messages); null = the datasets' .jsonl train prompts"
     )
-    min_score_gap: float = param(0.0, "keep a pair whose best score beats its worst by more (ties never)", NON_NEGATIVE)
+    min_score_gap: float = param(
+        0.0, "best_worst: keep a pair whose best score beats its worst by more (ties never)", NON_NEGATIVE
+    )
     unfinished_penalty: float = param(1.0, "subtracted from the score of a completion without EOS", NON_NEGATIVE)
     max_new_tokens: int = param(64, "tokens sampled per completion (+ max_prompt_length <= max_length)", POSITIVE)
     temperature: float = param(1.0, "sampling temperature of the rounds", POSITIVE)

@@ -572,7 +572,8 @@ def help_text() -> str:
             "exit codes: 0 done; 2 bad input (refused before anything is loaded or written); 3 more than "
             "max_nonfinite_steps",
             "  non-finite steps in a row (checkpoint written); 4 a self-check failed before the first optimizer",
-            "  step (nothing trained; run_dir/self_check.json); 130 / 143 SIGINT / SIGTERM: stopped after a step,",
-            "  checkpoint written, resume command printed",
+            "  step (nothing trained; run_dir/self_check.json); 5 semi-online rounds made too few pairs for one step",
+            "  (nothing trained; run_dir/rounds/ kept, the message names the knobs); 130 / 143 SIGINT / SIGTERM:",
+            "  stopped after a step, checkpoint written, resume command printed",
         ]
     )

@@ -16,6 +16,9 @@ on top of the weights (+ an online reference) and optimizer state, sharded over 
               training (the reference is freed after it: training holds the policy alone)
   self check  before the first step, the reference still loaded: a few pairs' forwards and, with the tiled head,
               the model's own fp32 logits at the scored positions (at most tiled_head.HEAD_LOGITS_BYTES)
+  scoring     semi-online rounds scored by online.scorer=reward_model=<dir>: its weights, whole on every rank, as
+              transformers loads them (the checkpoint's dtype: its safetensors headers), beside the training state;
+              it leaves the device between rounds
 LoRA (lora.r): the frozen base in its dtype; fp32 adapters, their gradients and optimizer state; no reference copy.
 QLoRA (model.quantization): the blocks' linear weights as bitsandbytes holds them (quantized_bytes: the 4- or 8-bit
 codes and their constants; a mixture's fused experts are not quantized), everything else in the model's dtype, and
@@ -60,7 +63,7 @@ NOT_MODELLED = {
     "fsdp.forward_only": "counted as training (gradients, optimizer state, backward)",
     "fsdp.wrap_policy": "one FSDP unit per transformer block, not by size",
     "fsdp.entropy_checkpointing": "the entropy bonus's work counted as kept for backward, not recomputed",
-    "online.rounds": "training on pairs as given: the rounds' sampling and a reward model scorer are not counted",
+    "online.rounds": "the rounds' sampling not counted (FSDP gathers the whole policy for it where it fits)",
 }
 Geometry = namedtuple(
     "Geometry",
@@ -239,8 +242,9 @@ def _forward_logits(cfg, g: Geometry, tokens: int, c: int) -> int:
     return tokens * g.vocab * (2 * c + 3 * 4)
 
 
-def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
-    """{name: bytes or count} per rank for one optimizer step of `cfg` on the model of `config`, run on `device`."""
+def estimate(cfg, config: dict, world_size: int, device: str = "cuda", scorer_bytes: int = 0) -> dict:
+    """{name: bytes or count} per rank for one optimizer step of `cfg` on the model of `config`, run on `device`;
+    `scorer_bytes`: a reward model's weights (reward_model_bytes), on the device while it scores a round."""
     g = geometry(config)
     fsdp = cfg.trainer == "FSDPTrainer"
     fsdp2 = fsdp and cfg.fsdp.strategy == "fsdp2"
@@ -327,6 +331,9 @@ def estimate(cfg, config: dict, world_size: int, device: str = "cuda") -> dict:
         "optimizer step": static + optimizer,
         "evaluation": static + max(forward(c), kv_cache * cfg.sample_during_eval),
     }
+    if scorer_bytes:  # semi-online scoring: the training state stays, the policy's gathered units are freed
+        out["phases"]["scoring"] = static + scorer_bytes
+    out["reward model"] = scorer_bytes
     if needs_reference and cfg.precompute_ref_log_probs:  # before training: policy and reference, no optimizer state
         out["phases"]["reference pass"] = out["weights"] + reference + forward(ref_c)
     if cfg.self_check:  # before the first step, the reference still loaded (a resume: the optimizer state too): a few
@@ -373,7 +380,9 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     if gpu is not None and gpu not in DEVICES:
         raise EstimateError(f"--estimate gpu={gpu}: unknown device; expected one of {', '.join(DEVICES)}")
     device = "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
-    e = estimate(cfg, model, world, device)
+    scorer = cfg.online.scorer.partition("=")
+    scored = cfg.online.rounds and scorer[0] == "reward_model"  # online.pairing=spin refuses a scorer
+    e = estimate(cfg, model, world, device, reward_model_bytes(scorer[2]) if scored else 0)
     family = model.get("model_type")
     lora = f" + {e['adapters'] / 1e6:.2f}M LoRA r={cfg.lora.r} (trained)" if e["adapters"] else ""
     if cfg.model.quantization is not None:
@@ -389,8 +398,14 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     ]
     state = ("weights", "reference weights", "gradients", "accumulated gradients", "optimizer state")
     rows = {name: e[name] for name in (*state, "activations", "logits", "FSDP gathered")}  # then a micro-batch's
+    rows |= {"reward model": e["reward model"]} if e["reward model"] else {}
     rows.update({f"phase {name}": b for name, b in e["phases"].items()}, **{f"peak ({e['peak phase']})": e["peak"]})
     lines += [f"  {name:<22} {b / size:10.1f} {unit}" for name, b in rows.items()]
+    if e["reward model"]:
+        lines.append(
+            f"reward model: online.scorer={cfg.online.scorer} counted whole on every rank while it scores a round (phase scoring), "
+            "off the device between rounds"
+        )
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
         lines.append(f"attention masks: {dense if e['dense mask'] else 'FlexAttention block masks'}")
@@ -431,6 +446,33 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
                 f"gives a peak of {tiled / GiB:.2f} GiB"
             )
     return "\n".join(lines)
+
+
+def reward_model_bytes(path: str) -> int:
+    """Bytes of a reward model's weights as transformers loads them (in the checkpoint's dtype): its safetensors files'
+    tensors, from their headers; without them, config.json's parameters (a causal LM's, the LM head a score head) in
+    its dtype."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise EstimateError(
+            f"online.scorer=reward_model={path}: --estimate reads its config.json (and safetensors headers) from a "
+            "local directory, and there is none"
+        )
+    if files := sorted(folder.glob("*.safetensors")):
+        return sum(map(safetensors_bytes, files))
+    config = json.loads((folder / "config.json").read_text())
+    g = geometry(config)
+    params = g.params - (0 if g.tied else g.vocab * g.hidden) + config.get("num_labels", 1) * g.hidden
+    return params * dtype_of(config.get("dtype") or config.get("torch_dtype") or "float32").itemsize
+
+
+def safetensors_bytes(path: Path) -> int:
+    """The tensors' bytes of a .safetensors file, from its header: 8 bytes of length, then JSON with each tensor's
+    data offsets."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    tensors = [v for name, v in header.items() if name != "__metadata__"]
+    return sum(end - start for start, end in (v["data_offsets"] for v in tensors))
 
 
 def _switches(cfg, model: dict, world: int, device: str, e: dict, usable: float) -> list[str]:

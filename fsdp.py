@@ -42,11 +42,21 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     fully_shard,
 )
+from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from config import dtype_of
 from sharding import OneProcess, block_classes, checkpoint_blocks, loadable, unwrap
 from utils import all_gather_if_needed, all_ranks_true, rank0_print, wait_for_rank0
+
+# sampling gathers the whole model once where it takes at most this share of every rank's free memory: the rest is
+# for generation's KV cache and activations
+GATHER_SHARE = 0.75
+# FSDP1's strategies that free a unit's gathered parameters after its forward -> the same without that free
+KEEP_GATHERED = {
+    HandleShardingStrategy.FULL_SHARD: HandleShardingStrategy.SHARD_GRAD_OP,
+    HandleShardingStrategy.HYBRID_SHARD: HandleShardingStrategy._HYBRID_SHARD_ZERO2,
+}
 
 
 class Sharded(OneProcess):
@@ -66,6 +76,8 @@ class Sharded(OneProcess):
         self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
         mnp = fsdp.wrap_policy.get("min_num_params")  # a size policy, else the block classes that become units
         self.blocks = ("min_num_params", mnp) if mnp is not None else block_classes(policy, fsdp.wrap_policy)
+        self.gathered_bytes = {}  # sharded model -> bytes of all its parameters gathered, in the dtype it computes in
+        self.told = set()  # the models whose sampling fell back to gathering per forward, said once each
         units = self.blocks if isinstance(self.blocks, tuple) else sorted(b.__name__ for b in self.blocks)
         rank0_print(
             f"sharding policy with {fsdp.strategy} (units {units}, mesh {tuple(self.mesh.shape)}, "
@@ -99,6 +111,31 @@ class Sharded(OneProcess):
 
     def barrier(self) -> None:
         wait_for_rank0()
+
+    @contextlib.contextmanager
+    def sampling(self, model: nn.Module):
+        """Inside, a unit gathered by a forward stays gathered (keep_gathered): the first forward all-gathers each unit
+        once, and every later forward and generated token reuses them; on exit all reshard. Where the whole model in
+        the dtype it computes in does not fit in GATHER_SHARE of the free memory of every rank (one decision for all:
+        their forwards are collectives), each forward gathers its units as in training, as said once per model. The
+        forwards are training's own (FSDP's casts and hooks), so the samples do not change."""
+        need = self.gathered_bytes.get(model, 0)
+        free = -self.agree_max(-free_memory(self.device))  # the tightest rank's
+        if need > GATHER_SHARE * free:
+            if model not in self.told:
+                self.told.add(model)
+                rank0_print(
+                    f"sampling: {type(unwrap(model)).__name__} gathered whole ({need / 2**20:.1f} MiB) does not fit "
+                    f"in {GATHER_SHARE:.0%} of the {free / 2**20:.1f} MiB free on the tightest rank: each forward "
+                    "gathers its units (one all-gather per unit per generated token)"
+                )
+            yield
+            return
+        try:
+            with self.keep_gathered(model):
+                yield
+        finally:
+            self.reshard(model)
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:
         """Every rank runs as many forwards (synced_gpus: the original's sampling hung when ranks stopped at different
@@ -189,6 +226,7 @@ class FSDP1(Sharded):
                 "fsdp.offload_policy is FSDP2's CPUOffloadPolicy; with fsdp.strategy=fsdp use fsdp.param_offload"
             )
         dtypes = self.mixed_precision_dtypes() if mixed_precision else None
+        full = gathered_bytes(model, dtypes)  # before wrapping flattens the parameters into shards
         if isinstance(self.blocks, tuple):
             size_policy = functools.partial(size_based_auto_wrap_policy, min_num_params=self.blocks[1])
             kept = never_units(model)
@@ -238,7 +276,23 @@ class FSDP1(Sharded):
                 dist.broadcast(buffer, src=0)
         if checkpoint:  # as the original: after wrapping, each block recomputes its activations in backward
             checkpoint_blocks(wrapped, self.fsdp.wrap_policy)
+        self.gathered_bytes[wrapped] = full
         return wrapped
+
+    @contextlib.contextmanager
+    def keep_gathered(self, model: nn.Module):
+        """Every unit keeps its parameters gathered after a forward, as SHARD_GRAD_OP does: the strategy each unit's
+        handle reads after its forward (KEEP_GATHERED), swapped for the context (summon_full_params would gather
+        them in full precision, not in fsdp.mixed_precision's param_dtype the forwards compute in)."""
+        handles = [unit._handle for unit in FSDP.fsdp_modules(model) if unit._handle is not None]
+        kept = [handle._sharding_strategy for handle in handles]
+        for handle in handles:
+            handle._sharding_strategy = KEEP_GATHERED.get(handle._sharding_strategy, handle._sharding_strategy)
+        try:
+            yield
+        finally:
+            for handle, strategy in zip(handles, kept):
+                handle._sharding_strategy = strategy
 
     def gradient_sync(self, model: nn.Module, sync: bool):
         return contextlib.nullcontext() if sync else model.no_sync()
@@ -277,6 +331,7 @@ class FSDP2(Sharded):
         # constants, attributes of each layer, neither `to("meta")` nor a scatter keeps: sharded as they are
         scatter = not getattr(model, "is_quantized", False)
         ties = tied_slots(model)  # before `to("meta")`, which gives each module its own Parameter
+        self.gathered_bytes[model] = gathered_bytes(model, dtypes)
         full_state = model.state_dict() if self.rank == 0 and scatter else {}  # only rank 0 loaded weights
         buffers = {name: b.clone() for name, b in model.named_buffers()} if self.rank == 0 and scatter else {}
         if self.rank == 0 and scatter:
@@ -314,6 +369,22 @@ class FSDP2(Sharded):
     def gradient_sync(self, model: nn.Module, sync: bool):
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def keep_gathered(self, model: nn.Module):
+        """Every unit keeps its parameters gathered after a forward: what set_reshard_after_forward(False) sets (each
+        parameter group's post-forward mesh: None), put back as it was on exit (the root's is FSDP2's own choice)."""
+        groups = [
+            g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
+        kept = [group.post_forward_mesh_info for group in groups]
+        for group in groups:
+            group.post_forward_mesh_info = None
+        try:
+            yield
+        finally:
+            for group, mesh in zip(groups, kept):
+                group.post_forward_mesh_info = mesh
 
     def clip(self, model: nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -366,6 +437,23 @@ def spread(policy: nn.Module, reference: Optional[nn.Module], c, rank: int, worl
 
 
 # --- Helpers of the two ---
+def gathered_bytes(model: nn.Module, dtypes: Optional[dict]) -> int:
+    """Bytes of all `model`'s parameters (a tied one once; meta ones count too) in the dtype its forwards compute in:
+    fsdp.mixed_precision's param_dtype, else their own."""
+    return sum(p.numel() * (dtypes or {}).get("param_dtype", p.dtype).itemsize for p in model.parameters())
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes this rank can still allocate: on a GPU its free memory and the allocator's cached blocks not in use; on
+    CPU the machine's available memory (shared by the ranks on it)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return 0  # a device whose free memory this does not read: gather per forward, as in training
+
+
 def size_based_modules(model: nn.Module, min_num_params: int) -> list[nn.Module]:
     """Modules to shard under a size policy, leaves first, as FSDP1's size_based_auto_wrap_policy: a module is wrapped
     once the parameters no wrapped descendant holds reach min_num_params, unless never_units keeps it."""

@@ -125,15 +125,17 @@ def check_against(recorded_dir, cfg, splits: dict, what: str) -> None:
             "fingerprint hashes the raw file, the tokenizer, the lengths and the truncation); nothing "
             "was loaded or written:\n  " + "\n  ".join(drift)
         )
-    if cfg.online.rounds and "online" in recorded:  # a scorer whose code or weights changed samples other pairs
+    if cfg.online.rounds and "online" in recorded:  # a scorer or pairing whose code or weights changed: other pairs
         import online
 
-        if (now_scorer := online.record(cfg)["scorer"]) != recorded["online"].get("scorer"):
-            print(
-                f"warning: the online scorer differs from the recorded run's ({path}): the rounds it scores will "
-                f"differ:\n  then {recorded['online'].get('scorer')}\n  now  {now_scorer}",
-                file=sys.stderr,
-            )
+        now = online.record(cfg)
+        for key in ("scorer", "pairing"):
+            if now.get(key) != recorded["online"].get(key):
+                print(
+                    f"warning: the online {key} differs from the recorded run's ({path}): the rounds' pairs will "
+                    f"differ:\n  then {recorded['online'].get(key)}\n  now  {now.get(key)}",
+                    file=sys.stderr,
+                )
     if cfg.eval_scorer and "eval_scorer" in recorded:  # a scorer whose code or weights changed scores otherwise
         import scorers
 

@@ -29,15 +29,27 @@ def make(key: str, spec: str, c, device=None):
         return lambda prompts, completions: [float(rule(x)) for x in completions]
     if kind == "reward_model":
         return reward_model(f"{key}={spec}", arg, c, device)
+    return user_function(f"{key}={spec}", arg)
+
+
+def user_function(setting: str, arg: str):
+    """The function `arg` = <module>:<name> names (the user's scorer, or online.pairing's rule)."""
     module, _, name = arg.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
     except Exception as e:  # noqa: BLE001 - the user's module: whatever stops its import
-        raise ConfigError([f"{key}={spec}: cannot import {name} from {module} ({e!r})"]) from None
+        raise ConfigError([f"{setting}: cannot import {name} from {module} ({e!r})"]) from None
+
+
+def function_record(function) -> dict:
+    """What the run manifest keeps of the user's function: module, name and its source's sha256."""
+    source = hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+    return {"module": function.__module__, "function": function.__qualname__, "source_sha256": source}
 
 
 def reward_model(setting: str, path: str, c, device):
-    """A sequence-classification model's logit for prompt + completion, in batches of eval_batch_size on the device."""
+    """A sequence-classification model's logit for prompt + completion, in batches of eval_batch_size. The model
+    waits on CPU and comes to the device only while it scores: between rounds the training steps have the memory."""
     import transformers
 
     remote = c.model.trust_remote_code  # the policy's setting: off unless asked
@@ -51,18 +63,30 @@ def reward_model(setting: str, path: str, c, device):
         return None
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, truncation_side="left", trust_remote_code=remote)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote)
-    model = model.to(device).eval()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=remote).eval()
     model.config.pad_token_id = tokenizer.pad_token_id  # it scores the last token before the padding
-    options = dict(return_tensors="pt", padding=True, truncation=True, max_length=c.max_length)
     chat = lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)  # a chat prompt: its template
+
+    def encode(prompt, completion: str) -> list[int]:
+        """prompt + completion as the reward model reads it: a chat template's text already holds its special tokens
+        (a Llama-3 template begins with BOS: adding them again doubles it, and shifts the score)."""
+        if isinstance(prompt, str):
+            return tokenizer(prompt + completion, truncation=True, max_length=c.max_length)["input_ids"]
+        text = chat(prompt + [assistant(completion)])
+        return tokenizer(text, add_special_tokens=False, truncation=True, max_length=c.max_length)["input_ids"]
 
     @torch.no_grad()
     def score(prompts: list, completions: list[str]) -> list[float]:
-        texts = [p + x if isinstance(p, str) else chat(p + [assistant(x)]) for p, x in zip(prompts, completions)]
+        ids = [encode(p, x) for p, x in zip(prompts, completions)]
         step = c.eval_batch_size
-        batches = [tokenizer(texts[s : s + step], **options) for s in range(0, len(texts), step)]
-        return [v for b in batches for v in model(**b.to(device)).logits[:, 0].float().tolist()]
+        batches = [
+            tokenizer.pad({"input_ids": ids[s : s + step]}, return_tensors="pt") for s in range(0, len(ids), step)
+        ]
+        model.to(device)
+        try:
+            return [v for b in batches for v in model(**b.to(device)).logits[:, 0].float().tolist()]
+        finally:
+            model.to("cpu")
 
     return score
 
@@ -87,9 +111,7 @@ def record(key: str, spec: str, c) -> dict:
     kind, _, arg = spec.partition("=")
     scorer = {"spec": spec, "datasets": list(c.datasets)}
     if kind == "python":
-        function = make(key, spec, c)
-        source = hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
-        scorer.update(module=function.__module__, function=function.__qualname__, source_sha256=source)
+        scorer.update(function_record(make(key, spec, c)))
     if kind == "reward_model":
         files = sorted(p for p in Path(arg).rglob("*") if p.is_file())
         scorer["sha256"] = {str(p.relative_to(arg)): file_sha256(p) for p in files}

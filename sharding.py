@@ -31,8 +31,11 @@ class OneProcess:
     many collective forwards); gather: every rank's tensor along dim 0; gather_objects: every data-parallel rank's
     items; barrier: wait for rank 0's lone work (a timeout slow disks do not trip); forward: a whole forward of the
     model's (logps.forward_logps); reshard: free gathered parameters; params_on_device: offloaded parameters on device
-    for a phase; save / load: what a resume needs besides policy.pt (the optimizer state, or TR-DPO's reference);
-    release: a model's memory freed for good (a precomputed reference)."""
+    for a phase; sampling(model): the context of sampling from the model (its forwards and `generate`, no training
+    step in it): FSDP gathers the parameters once for the whole context where they fit beside the shards, else each
+    forward gathers its units as training does (one process: nothing); save / load: what a resume needs besides
+    policy.pt (the optimizer state, or TR-DPO's reference); release: a model's memory freed for good (a precomputed
+    reference)."""
 
     autocasts = True  # fsdp.mixed_precision in one process: torch.autocast (FSDP casts the parameters itself)
     saves_weights = False  # save writes no policy weights: a resume reads them from policy.pt (FSDP: its sharded files)
@@ -70,6 +73,9 @@ class OneProcess:
         pass
 
     def params_on_device(self, model: nn.Module):
+        return contextlib.nullcontext()
+
+    def sampling(self, model: nn.Module):
         return contextlib.nullcontext()
 
     def generate(self, model: nn.Module, **kwargs) -> torch.Tensor:

@@ -47,6 +47,8 @@ import utils  # noqa: E402
 # libraries read HF_HUB_OFFLINE once, when they are first imported.
 
 REPO = Path(__file__).resolve().parent
+# failures other than bad input (2), by their exit code (--help lists them)
+EXIT_CODES = {trainers.NonFiniteError: 3, self_check.SelfCheckError: 4, trainers.NothingTrained: 5}
 # Options that check the model's config.json before any model loads, each in its own file: {module: switch}
 MODEL_CHECKS = {
     "tiled_head": lambda c: c.tiled_lm_head,
@@ -347,6 +349,8 @@ def spawned_worker(rank: int, world_size: int, cfg, run_dir: str, port: int) -> 
         sys.exit(128 + e.signum)
     except self_check.SelfCheckError:  # every rank agreed; the launcher reads the message from run_dir/self_check.json
         sys.exit(4)
+    except trainers.NothingTrained:  # every rank agreed; the launcher reads the rounds' files for the message
+        sys.exit(5)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the launcher says so, once
         sys.exit(128 + signal.SIGINT)
 
@@ -416,6 +420,10 @@ def spawn_ranks(cfg, world_size: int, run_dir: Path) -> None:
     except torch.multiprocessing.ProcessExitedException as e:
         if e.exit_code == 4:
             raise self_check.SelfCheckError(self_check.failure(run_dir)) from None
+        if e.exit_code == 5:
+            import online  # only a semi-online run exits so
+
+            raise trainers.NothingTrained(online.starved(cfg, run_dir)) from None
         if e.exit_code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
             raise
         raise checkpoints.interrupted(e.exit_code - 128, run_dir, cfg.batch_size) from None
@@ -510,9 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints.CheckpointError,
         trainers.NonFiniteError,
         self_check.SelfCheckError,
+        trainers.NothingTrained,
     ) as e:
-        print(f"error: {e}", file=sys.stderr)  # 2 bad input (nothing loaded or written), 3 non-finite, 4 self-check
-        return 3 if isinstance(e, trainers.NonFiniteError) else 4 if isinstance(e, self_check.SelfCheckError) else 2
+        print(f"error: {e}", file=sys.stderr)  # the exit codes --help lists
+        return next((code for kind, code in EXIT_CODES.items() if isinstance(e, kind)), 2)  # 2: bad input
     except checkpoints.Interrupted as e:
         utils.rank0_print(checkpoints.interrupt_message(e, argv), file=sys.stderr)
         return 128 + e.signum

@@ -57,6 +57,11 @@ class NonFiniteError(RuntimeError):
     """More than max_nonfinite_steps non-finite steps in a row: the run stops (after a checkpoint)."""
 
 
+class NothingTrained(RuntimeError):
+    """The loop ended without one optimizer step: semi-online rounds that made fewer pairs than a step (offline data
+    always fills one: preference_datasets.num_steps refuses less). Nothing evaluated or saved after it."""
+
+
 class BasicTrainer:
     """The loop: micro-batches, loss, guarded optimizer step, logging, evaluation and checkpoint cadence. The
     reference is `self.reference`, checkpoints `self.checkpoints`, records `self.log`, the models' placement over
@@ -172,7 +177,8 @@ class BasicTrainer:
     def describe(self) -> None:
         """What the run derived, printed as nanoGPT prints its tokens per iteration: data, geometry, optimizer."""
         c = self.config
-        rank0_print(data.dataset_summary(self.splits["train"].stats))
+        if not c.online.rounds:  # semi-online DPO trains on its rounds' pairs, not the datasets' (online.batches)
+            rank0_print(data.dataset_summary(self.splits["train"].stats))
         unit = "completions" if self.unpaired else "pairs"
         ranks = f"world size {self.world_size}"
         doubled = ""
@@ -181,10 +187,11 @@ class BasicTrainer:
         if c.pairs_to_unpaired:
             doubled = " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)"
         micro = c.batch_size // self.dp_size // c.gradient_accumulation_steps
+        trained = f"train {unit} {self.n_train_pairs}{doubled}; total steps {self.total_steps}; "
         rank0_print(
             f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation "
-            f"{c.gradient_accumulation_steps} x micro-batch {micro}; train {unit} {self.n_train_pairs}{doubled}; "
-            f"total steps {self.total_steps}; eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
+            f"{c.gradient_accumulation_steps} x micro-batch {micro}; {'' if c.online.rounds else trained}"
+            f"eval pairs {self.n_eval_pairs} in batches of {self.eval_batch_size}"
         )
         config = unwrap(self.policy).config
         vocab = (getattr(config, "text_config", None) or config).vocab_size
@@ -326,6 +333,8 @@ class BasicTrainer:
                     if self.state.example_counter > 0:
                         self.save_checkpoint()
                 self.step_and_log(batch, bar)
+        if rounds is not None and not self.state.batch_counter:  # the rounds made fewer pairs than one step
+            raise NothingTrained(online.starved(c, self.run_dir))
         if self.state.example_counter != resumed_at:
             self.evaluate_and_log()
             self.save_checkpoint()
@@ -349,16 +358,16 @@ class BasicTrainer:
 
     def build_optimizer(self) -> None:
         """The optimizer of the trainable parameters; its schedule: linear warmup from 0 to the peak over warmup_steps,
-        then DECAYS[scheduler] until the last step."""
+        then DECAYS[scheduler] until the last step (self.total_steps, read at every step: semi-online rounds learn
+        theirs round by round)."""
         c = self.config
         warmup = c.warmup_steps
-        total = self.total_steps
         self.optimizer = OPTIMIZERS[c.optimizer]([p for p in self.policy.parameters() if p.requires_grad], c)
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / (warmup + 1)
-            return DECAYS[c.scheduler]((step - warmup) / max(1, total - warmup))
+            return DECAYS[c.scheduler]((step - warmup) / max(1, self.total_steps - warmup))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
@@ -387,12 +396,13 @@ class BasicTrainer:
         with self.sharding.params_on_device(self.policy):
             metrics = self.train_step(batch)
         seconds = time.time() - start
+        pairs = len(batch["chosen_input_ids"]) * self.dp_size  # batch_size; fewer in a semi-online run's last step
         self.state.batch_counter += 1
-        self.state.example_counter += c.batch_size
+        self.state.example_counter += pairs
         if c.ref_update.tau is not None:  # TR-DPO
             self.reference.update()
         tokens = metrics.pop("tokens")
-        metrics["throughput/pairs_per_second"] = c.batch_size / seconds
+        metrics["throughput/pairs_per_second"] = pairs / seconds
         metrics["throughput/tokens_per_second"] = tokens / seconds
         # the original's name: pairs over seconds since the loop started
         started, examples_then = self.loop_start

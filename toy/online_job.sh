@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Semi-online DPO on the toy task, with no preference pairs at all: from the SFT model, each round samples 4 answers to
 # each of the next prompts, scores them with the toy rule (online.scorer=rule: the answer does not shout), pairs the best
-# with the worst and trains one pass over those pairs (DPO; the SFT model stays the reference). The prompts come from a
+# with the worst and trains on every pair (DPO; the SFT model stays the reference): a round's pairs that do not fill a
+# step wait for the next round's, the last round's rest is one smaller step. The prompts come from a
 # prompt-only file made of toy/data/train.jsonl's prompts; datasets=[toy] still names the evaluation pairs and the rule.
 # SFT=<run dir>/LATEST/policy.pt reuses an SFT checkpoint (e.g. toy/main_job.sh's); without it, toy/main_job.sh's SFT
 # stage runs first. Extra arguments go to every command (e.g. wandb.enabled=false, or trainer=FSDPTrainer
