@@ -93,9 +93,7 @@ class FSDPEngineConfig(EngineConfig):
         "{param_dtype, reduce_dtype, buffer_dtype}, or one dtype for param_dtype; param_dtype defaults to fsdp.dtype, "
         "the others to fp32; null = compute in model_dtype (the original's model.fsdp_policy_mp)",
     )
-    ulysses_sequence_parallel_size: int = param(
-        1, "Ulysses: ranks that split each sequence (FSDPTrainer; divides world size and heads); 1 = off", SP_SIZE
-    )
+    ulysses_sequence_parallel_size: int = param(1, "Ulysses: ranks splitting each sequence; 1 = off", SP_SIZE)
     entropy_from_logits_with_chunking: bool = param(False, "the entropy bonus in row chunks (the logged one always is)")
     use_torch_compile: Optional[bool] = param(None, "torch.compile the entropy bonus's kernel; null = only on CUDA")
     entropy_checkpointing: bool = param(False, "recompute the entropy bonus in backward instead of storing it")
@@ -121,12 +119,8 @@ class ModelConfig(BaseConfig):
     tokenizer_name_or_path: Optional[str] = param(None, "tokenizer hub id or directory; null = name_or_path")
     archive: Optional[str] = param(None, "policy.pt of an earlier run (e.g. SFT) loaded into policy and reference")
     reference_dtype: Optional[str] = param(None, "null = the policy's (but fp16 overflows bf16-native models)", DTYPE)
-    reference_mixed_precision: Optional[bool] = param(
-        None, "compute the reference under fsdp.mixed_precision; null = as the policy does; false = in reference_dtype"
-    )
-    chat_template: Optional[str] = param(
-        None, "template of chat-form data: chatml, or a Jinja file; null = the tokenizer's (which it replaces)"
-    )
+    reference_mixed_precision: Optional[bool] = param(None, "null: as the policy computes; false: in reference_dtype")
+    chat_template: Optional[str] = param(None, "chat rows' template: chatml or a Jinja file; null = the tokenizer's")
     trust_remote_code: bool = param(False, "allow model repositories to run their own Python code (security risk)")
     quantization: Optional[str] = param(
         None,
@@ -160,51 +154,20 @@ class LossConfig(BaseConfig):
         (lambda v: v == "model" or not isinstance(v, str) and v >= 0, "model or a number >= 0"),
     )
     beta: float = param(0.1, "temperature of the implicit reward (DPO beta); 0.1-0.5 typical", POSITIVE)
-    label_smoothing: float = param(
-        0.0,
-        "flipped-label fraction assumed: cDPO with dpo (loss=cdpo, as the original); robust DPO's, EXO's epsilon",
-        "[0, 0.5)",
-    )
+    label_smoothing: float = param(0.0, "assumed flipped-label share: cDPO (loss=cdpo), robust DPO, EXO", "[0, 0.5)")
     gamma: float = param(1.0, "SimPO target reward margin gamma")
     orpo_lambda: float = param(0.1, "ORPO weight of the odds-ratio term")
-    f_divergence: str = param(
-        "reverse_kl", "f-DPO divergence", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-    )
-    f_alpha: float = param(
-        0.5, "f-DPO alpha_divergence's: 0 -> reverse KL, 1 forward; TRL 1.x's f_alpha_divergence_coef: 1 - it", "(0, 1]"
-    )
+    f_divergence: str = param("reverse_kl", "f-DPO", ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"))
+    f_alpha: float = param(0.5, "f-DPO alpha: 0 reverse KL, 1 forward (TRL: 1 - f_alpha_divergence_coef)", "(0, 1]")
     discopop_tau: float = param(0.05, "DiscoPOP temperature of the log-ratio modulation", POSITIVE)
     desirable_weight: float = param(1.0, "KTO lambda_D; keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]", POSITIVE)
     undesirable_weight: float = param(1.0, "KTO lambda_U, weight of undesirable completions", POSITIVE)
     # Modifiers of every paired loss (losses.compute_loss)
-    wpo: bool = param(
-        False,
-        "WPO (arXiv:2406.11827): weigh each pair by the policy's length-normalized probability of both responses, "
-        "aligned to its own sampling, clamped at 1 and detached",
-    )
-    ld_alpha: float = param(
-        1.0,
-        "LD-DPO (arXiv:2409.06411): weight of the tokens past the pair's shorter response, policy and reference "
-        "alike; 1 = off, 0.2-0.8 typical",
-        "[0, 1]",
-    )
-    dynamic_beta: float = param(
-        0.0,
-        "beta-DPO (arXiv:2407.08639): alpha in beta (1 + alpha (batch margin - running mean)); 0 = off, 0.2-1 typical",
-        NON_NEGATIVE,
-    )
-    dynamic_beta_filter: float = param(
-        0.0,
-        "beta-DPO's filter: the fraction of each batch's pairs left out, drawn by how far their margin lies from the "
-        "running mean; 0 = none, 0.2 in the paper",
-        "[0, 1)",
-    )
-    dpop_lambda: float = param(
-        0.0,
-        "DPOP (arXiv:2402.13228): penalty lambda * max(0, log ref(y_w) - log pi(y_w)) inside the chosen log-ratio; "
-        "0 = off, 50 in the paper",
-        NON_NEGATIVE,
-    )
+    wpo: bool = param(False, "WPO (arXiv:2406.11827): pairs weighted by the policy's probability of them")
+    ld_alpha: float = param(1.0, "LD-DPO (arXiv:2409.06411): weight of tokens past the shorter response", "[0, 1]")
+    dynamic_beta: float = param(0.0, "beta-DPO (arXiv:2407.08639) alpha; 0 = off, 0.2-1 typical", NON_NEGATIVE)
+    dynamic_beta_filter: float = param(0.0, "beta-DPO: share of pairs left out by margin; 0.2 in the paper", "[0, 1)")
+    dpop_lambda: float = param(0.0, "DPOP (arXiv:2402.13228) penalty weight; 0 = off, 50 in the paper", NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,14 +182,10 @@ class RefUpdateConfig(BaseConfig):
 class LoraSettings(BaseConfig):
     """LoRA adapters (optional: pip install peft); the reference is the base model with them disabled, not a copy."""
 
-    r: Optional[int] = param(
-        None, "LoRA rank; null = full fine-tuning", (lambda v: v >= 1, "a positive rank, or null (no adapters)")
-    )
+    r: Optional[int] = param(None, "LoRA rank; null = full fine-tuning", (lambda v: v >= 1, "a positive rank or null"))
     alpha: float = param(16.0, "LoRA scaling numerator: the update is (alpha / r) * B A", POSITIVE)
     dropout: float = param(0.0, "dropout on the adapters' input (0 keeps training deterministic)", "[0, 1)")
-    target_modules: Union[str, list] = param(
-        "all-linear", "names, or all-linear (peft: each linear but the LM head)", (bool, "module names or 'all-linear'")
-    )
+    target_modules: Union[str, list] = param("all-linear", "names, or all-linear (no LM head)", (bool, "names"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,26 +204,14 @@ class OnlineConfig(BaseConfig):
             "best_worst, spin or python=<module>:<function>",
         ),
     )
-    scorer: str = param(
-        "rule",
-        "rule (the toy's own), reward_model (a sequence classifier) or python (score(prompts, completions) -> floats)",
-        SCORER,
-    )
-    prompts: Optional[str] = param(
-        None, "a .jsonl of {prompt: ...} rows (text or chat messages); null = the datasets' .jsonl train prompts"
-    )
-    min_score_gap: float = param(
-        0.0, "best_worst: keep a pair whose best score beats its worst by more (ties never)", NON_NEGATIVE
-    )
+    scorer: str = param("rule", "rule (the toy's), reward_model=<dir> or python=<module>:<function>", SCORER)
+    prompts: Optional[str] = param(None, "a .jsonl of {prompt: ...} rows; null = the datasets' train prompts")
+    min_score_gap: float = param(0.0, "best_worst: a pair's best must beat its worst by more", NON_NEGATIVE)
     unfinished_penalty: float = param(1.0, "subtracted from the score of a completion without EOS", NON_NEGATIVE)
     max_new_tokens: int = param(64, "tokens sampled per completion (+ max_prompt_length <= max_length)", POSITIVE)
     temperature: float = param(1.0, "sampling temperature of the rounds", POSITIVE)
     top_p: float = param(1.0, "nucleus sampling threshold of the rounds", "(0, 1]")
-    prompts_per_generate: int = param(
-        8,
-        "prompts per generate call, each seeded apart (same samples at any world size); more: faster, more memory",
-        POSITIVE,
-    )
+    prompts_per_generate: int = param(8, "prompts per generate call, each seeded apart; more: faster", POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,16 +224,10 @@ class Config(BaseConfig):
     fsdp_port: Optional[int] = param(None, "rendezvous port of the single-node FSDP launcher; null = a free port")
     datasets: list = param(["toy"], "names, files, folders, Hub ids; NAME:N, NAME:F take N or F (sources.py)", DATASETS)
     wandb: WandbConfig = param(WandbConfig(), "Weights & Biases")
-    local_dirs: list = param(
-        [".cache"], "dirs for caches and runs: the first that exists or can be made", (bool, "at least one directory")
-    )
+    local_dirs: list = param([".cache"], "dirs for caches and runs: the first usable", (bool, "a directory"))
     sample_during_eval: bool = param(True, "generate samples from policy and reference at each evaluation")
     n_eval_model_samples: int = param(16, "prompts sampled at each evaluation", NON_NEGATIVE)
-    eval_scorer: Optional[str] = param(
-        None,
-        "score each evaluation's samples (scorers as online.scorer's): scores, win rate, lengths, KL (scored_eval.py)",
-        SCORER,
-    )
+    eval_scorer: Optional[str] = param(None, "score eval samples: win rate, KL (scored_eval.py); null = off", SCORER)
     do_first_eval: bool = param(True, "evaluate before the first training step")
     lr: float = param(5e-7, "peak learning rate (DPO paper: 1e-6 at batch 64; the original config: 5e-7)", POSITIVE)
     gradient_accumulation_steps: int = param(1, "micro-batches per optimizer step", POSITIVE)
@@ -298,56 +239,31 @@ class Config(BaseConfig):
     n_epochs: Optional[int] = param(1, "epochs over the training pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_examples: Optional[int] = param(None, "train on this many pairs (exactly one of n_epochs, n_examples)", POSITIVE)
     n_eval_examples: int = param(256, "held-out pairs evaluated (the fixed first ones of the test split)", POSITIVE)
-    trainer: str = param(
-        "BasicTrainer", "one process, or FSDPTrainer: sharded, one process per device", ("BasicTrainer", "FSDPTrainer")
-    )
+    trainer: str = param("BasicTrainer", "one process, or FSDPTrainer: one per device", ("BasicTrainer", "FSDPTrainer"))
     optimizer: str = param("RMSprop", "RMSprop (the original's choice), AdamW or SGD", ("RMSprop", "AdamW", "SGD"))
     weight_decay: float = param(0.0, "weight decay of AdamW (decoupled) and SGD", NON_NEGATIVE)
-    scheduler: str = param(
-        "constant", "after warmup: constant (the original's), linear or cosine to 0", ("constant", "linear", "cosine")
-    )
+    scheduler: str = param("constant", "after warmup; linear, cosine: to 0", ("constant", "linear", "cosine"))
     warmup_steps: int = param(150, "linear warmup, in optimizer steps", NON_NEGATIVE)
     activation_checkpointing: bool = param(False, "recompute each transformer block in backward (NO_REENTRANT)")
     eval_every: int = param(20_000, "evaluate and checkpoint every this many pairs, a multiple of batch_size", POSITIVE)
     log_every_steps: int = param(1, "metrics.jsonl and W&B records every this many steps (never by time)", POSITIVE)
-    minimum_log_interval_secs: float = param(
-        30.0,
-        "without a terminal, a progress line at most this often (the original timed W&B with it: now log_every_steps)",
-        NON_NEGATIVE,
-    )
+    minimum_log_interval_secs: float = param(30.0, "no terminal: seconds between progress lines", NON_NEGATIVE)
     max_new_tokens: int = param(64, "tokens generated per sample during evaluation", POSITIVE)
     temperature: float = param(1.0, "sampling temperature during evaluation", POSITIVE)
     top_p: float = param(1.0, "nucleus sampling threshold during evaluation", "(0, 1]")
     resume_from: Optional[str] = param(None, "run directory to resume from (its LATEST checkpoint), continuing exactly")
     run_dir: Optional[str] = param(None, "where this run writes; null = <local_dir>/runs/<exp_name>_<timestamp>")
     padding_free: bool = param(False, "pack a micro-batch's chosen and rejected sequences into rows, no padding")
-    prefix_sharing: bool = param(
-        False, "each pair one sequence, prompt + chosen + rejected: the prompt computed once, the same log-probs"
-    )
+    prefix_sharing: bool = param(False, "each pair one sequence, prompt + chosen + rejected: the prompt once")
     pairs_to_unpaired: bool = param(False, "kto on pairs: chosen desirable, rejected undesirable; eval keeps pairs")
-    tiled_lm_head: bool = param(
-        False,
-        "the backbone, then the LM head on scored positions only, in tiles: no (tokens, vocab) logits (tiled_head.py)",
-    )
+    tiled_lm_head: bool = param(False, "the LM head on scored positions only, in tiles (tiled_head.py)")
     precompute_ref_log_probs: bool = param(False, "compute the reference's log-probs of all data first, then free it")
-    self_check: bool = param(
-        True,
-        "before the first optimizer step, check on a few of the run's pairs that the tiled head, packed or shared rows "
-        "and the reference give the plain path's log-probs (self_check.py); a failure stops the run with exit code 4",
-    )
-    max_tokens_per_microbatch: Optional[int] = param(
-        None, "micro-batches of up to this many real tokens (replaces gradient_accumulation_steps)", POSITIVE
-    )
-    balance_batch: bool = param(
-        True, "each step, equal pair counts of near-equal tokens per rank; false: consecutive shares (the original)"
-    )
-    no_sync_accumulation: bool = param(
-        False, "FSDP: reduce-scatter gradients once per step, not per micro-batch (less traffic; unsharded grads held)"
-    )
+    self_check: bool = param(True, "check the run's own log-prob paths before the first step (exit 4)")
+    max_tokens_per_microbatch: Optional[int] = param(None, "micro-batches of this many real tokens", POSITIVE)
+    balance_batch: bool = param(True, "FSDP: equal pairs of near-equal tokens per rank; false: as the original")
+    no_sync_accumulation: bool = param(False, "FSDP: reduce-scatter gradients once per step, not per micro-batch")
     fused_optimizer: bool = param(False, "AdamW's fused kernel (one kernel for all parameters; fastest on GPU)")
-    peak_tflops: Optional[float] = param(
-        None, "device's dense bf16 peak, TFLOP/s, for the logged mfu; null = from known GPUs, else no mfu", POSITIVE
-    )
+    peak_tflops: Optional[float] = param(None, "dense bf16 peak TFLOP/s for mfu; null = known GPUs", POSITIVE)
     max_nonfinite_steps: int = param(3, "skip non-finite steps; more than this many in a row stop a run", NON_NEGATIVE)
     collective_timeout_secs: int = param(600, "a collective waiting longer raises (a dead rank ends the job)", POSITIVE)
     n_workers: Optional[int] = param(None, "FSDPTrainer's processes (no torchrun); null: 1 per GPU, 2 on CPU", POSITIVE)
