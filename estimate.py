@@ -403,8 +403,8 @@ def report(cfg, model_dir: str, world: int, gpu: str | None = None) -> str:
     lines += [f"  {name:<22} {b / size:10.1f} {unit}" for name, b in rows.items()]
     if e["reward model"]:
         lines.append(
-            f"reward model: online.scorer={cfg.online.scorer} counted whole on every rank while it scores a round (phase scoring), "
-            "off the device between rounds"
+            f"reward model: online.scorer={cfg.online.scorer} counted whole on every rank while it scores a round "
+            "(phase scoring), off the device between rounds"
         )
     if cfg.padding_free or cfg.prefix_sharing:
         dense = f"dense (R, 1, T, T), a float copy kept by every layer (no FlexAttention for {family} on {device})"
