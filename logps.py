@@ -129,10 +129,12 @@ def label_logps(model, call, rows: Rows, sum_sq: bool = False) -> tuple[Tensor, 
     """The plain head: each scored target's log-prob, log_softmax of the logits in fp32 and the label's entry; the
     entropy of each scored position (detached: logged) and, with `sum_sq`, log sum_v p_v^2 (WPO); the scored mask."""
     logits, labels, scored = scored_logits(call, rows)
+    with torch.no_grad():  # by tiles of 16M entries: whole, their three (N, V) temporaries set the step's peak
+        tiles = logits.split(max(1, 2**24 // logits.shape[-1]))
+        token_entropy = torch.cat([entropy(t) for t in tiles])
+        token_sq = torch.cat([log_sum_sq(t) for t in tiles]) if sum_sq else None
     logps = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
-    with torch.no_grad():
-        statistics = entropy(logits), log_sum_sq(logits) if sum_sq else None
-    return logps.gather(-1, labels[:, None])[:, 0], *statistics, scored
+    return logps.gather(-1, labels[:, None])[:, 0], token_entropy, token_sq, scored
 
 
 # ---------- Sequence log-probs ----------

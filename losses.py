@@ -466,8 +466,7 @@ def compute_loss(
         import modifiers as applied  # WPO, LD-DPO, DPOP, beta-DPO
 
         modifiers = applied.Modifiers(hp, policy, reference, labels, beta_dpo, step, specs, n)
-    total = 0
-    chosen_rewards, rejected_rewards = None, None
+    total, chosen_rewards, rejected_rewards = 0, None, None
     for name, spec, weight in zip(names, specs, weights, strict=True):
         policy_logps, reference_logps = (sequence_logps(x, counts, spec.average(hp)) for x in (sums, ref))
         logps = [policy_logps[:n], policy_logps[n:], reference_logps[:n], reference_logps[n:]]

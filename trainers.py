@@ -602,9 +602,7 @@ class Reference:
         t.sharding.reshard(self.model)  # forward only: no backward to keep gathered parameters for
         return out
 
-    def logps(
-        self, batch: dict, inputs: dict[str, torch.Tensor], split: str, per_token: bool = False
-    ) -> SequenceLogps | None:
+    def logps(self, batch: dict, inputs: dict, split: str, per_token: bool = False) -> SequenceLogps | None:
         """Reference log-probs of chosen then rejected (2B,): from the precomputed table (sums only), or a forward."""
         if self.tables:
             table = self.tables["test" if split == "eval" else "train"][batch["example_index"]]  # (B, 2)
