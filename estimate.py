@@ -41,7 +41,8 @@ import losses
 from utils import DEVICES
 from config import dtype_of
 from packing import FLEX_DEVICES
-from tiled_head import HEAD_LOGITS_BYTES, MAX_TILE_ROWS, head_tile_rows
+from logps import MAX_TILE_ROWS, head_tile_rows
+from tiled_head import HEAD_LOGITS_BYTES
 from preference_datasets import SAMPLE_GROUP
 from self_check import PROBE_PAIRS
 

@@ -24,6 +24,12 @@ from torch import Tensor
 
 IGNORE_INDEX = -100  # label of positions that are not scored (prompt, padding)
 PADS = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
+# Rows per tile of (rows, vocab) work (the tiled head, the plain head's logged statistics): at most 1024 (enough to
+# keep a GPU busy), fewer where a tile's fp32 logits pass HEAD_TILE_BYTES: a tile's scratch is its only (rows, vocab)
+# memory, so a fixed row count would grow with the vocabulary. 128 MiB is 1024 rows up to vocab 32768, 261 rows at
+# Llama-3's 128256.
+MAX_TILE_ROWS = 1024
+HEAD_TILE_BYTES = 128 * 2**20
 
 
 class SequenceLogps(NamedTuple):
@@ -92,6 +98,11 @@ def padded_rows(model, inputs: dict[str, Tensor]) -> Rows:
 
 
 # ---------- Log-probs of labels ----------
+def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per tile: MAX_TILE_ROWS, fewer where a tile of `dtype` (at least fp32) passes HEAD_TILE_BYTES."""
+    return max(1, min(MAX_TILE_ROWS, HEAD_TILE_BYTES // (vocab * torch.promote_types(dtype, torch.float32).itemsize)))
+
+
 def entropy(logits: Tensor) -> Tensor:
     """H(softmax(x)) in fp32 (fp64 stays), (rows, V) -> (rows,), as log s - sum exp(z) z / s with z = x - max(x),
     s = sum exp(z): both terms >= 0, nothing cancels (the textbook logsumexp(x) - sum softmax(x) x loses 3e-5 in fp32
@@ -129,8 +140,8 @@ def label_logps(model, call, rows: Rows, sum_sq: bool = False) -> tuple[Tensor, 
     """The plain head: each scored target's log-prob, log_softmax of the logits in fp32 and the label's entry; the
     entropy of each scored position (detached: logged) and, with `sum_sq`, log sum_v p_v^2 (WPO); the scored mask."""
     logits, labels, scored = scored_logits(call, rows)
-    with torch.no_grad():  # by tiles of 16M entries: whole, their three (N, V) temporaries set the step's peak
-        tiles = logits.split(max(1, 2**24 // logits.shape[-1]))
+    with torch.no_grad():  # by tiles: whole, their three (N, V) fp32 temporaries set the step's peak
+        tiles = logits.split(head_tile_rows(logits.shape[-1]))
         token_entropy = torch.cat([entropy(t) for t in tiles])
         token_sq = torch.cat([log_sum_sq(t) for t in tiles]) if sum_sq else None
     logps = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)

@@ -15,14 +15,9 @@ from torch import Tensor
 
 import self_check
 from config import ConfigError
-from logps import IGNORE_INDEX, Rows, entropy, label_logps, log_sum_sq
+from logps import IGNORE_INDEX, Rows, entropy, head_tile_rows, label_logps, log_sum_sq
 from sharding import unwrap
 
-# Rows per tile: at most 1024 (enough to keep a GPU busy), fewer where a tile's fp32 logits pass HEAD_TILE_BYTES: its
-# scratch is its only (rows, vocab) memory, so a fixed row count would grow with the vocabulary. 128 MiB is 1024 rows
-# up to vocab 32768, 261 rows at Llama-3's 128256.
-MAX_TILE_ROWS = 1024
-HEAD_TILE_BYTES = 128 * 2**20
 # The self-check holds the model's own logits at the scored positions it compares, what the tiled head exists to avoid:
 # each row's first scored tokens, at most this many bytes of fp32 logits in all (1 GiB: 261 of each of 4 pairs' 8 rows
 # at Llama-3's vocabulary of 128256).
@@ -152,11 +147,6 @@ HEAD_KEYS = {key: op for op, key in HEAD_POSTPROCESSING.values()} | {"logits_mup
 
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(start, start + size) for start in range(0, n, size)]
-
-
-def head_tile_rows(vocab: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows per tile of the tiled head: MAX_TILE_ROWS, fewer where a compute-dtype tile passes HEAD_TILE_BYTES."""
-    return max(1, min(MAX_TILE_ROWS, HEAD_TILE_BYTES // (vocab * torch.promote_types(dtype, torch.float32).itemsize)))
 
 
 def _tile_logits(hidden, weight, bias, logit_scale: float, softcap, dtype: torch.dtype) -> Tensor:

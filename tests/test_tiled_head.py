@@ -19,7 +19,8 @@ import architectures
 import logps
 import tiled_head
 from config import ConfigError
-from tiled_head import HEAD_TILE_BYTES, MAX_TILE_ROWS, _LabelLogProbs, head_tile_rows
+from logps import HEAD_TILE_BYTES, MAX_TILE_ROWS, head_tile_rows
+from tiled_head import _LabelLogProbs
 
 HEAD_PARAMS = ("hidden", "weight", "bias")  # the differentiable inputs of the head's kernel
 
