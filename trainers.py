@@ -187,7 +187,7 @@ class BasicTrainer:
         if c.pairs_to_unpaired:
             doubled = " (pairs_to_unpaired: 2 per pair, so an epoch has twice a paired loss's steps)"
         micro = c.batch_size // self.dp_size // c.gradient_accumulation_steps
-        drawn = f" ({c.n_examples} of them trained: n_examples)" if c.n_examples else ""
+        drawn = f" ({c.n_examples} trained: n_examples)" if c.n_examples else ""  # or more: the set repeats
         trained = f"train {unit} {self.n_train_pairs}{doubled}{drawn}; total steps {self.total_steps}; "
         rank0_print(
             f"batch geometry: {c.batch_size} {unit} per step = {ranks} x accumulation "

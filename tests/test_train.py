@@ -91,7 +91,7 @@ def test_documented_files_are_written(dpo_run):
     run_dir, result = dpo_run
     assert f"run directory: {run_dir}" in result.stdout and f"done; run directory: {run_dir}" in result.stdout
     assert "batch geometry: 8 pairs per step" in result.stdout
-    assert "train pairs 2000 (32 of them trained: n_examples); total steps 4;" in result.stdout  # not the set's 250
+    assert "train pairs 2000 (32 trained: n_examples); total steps 4;" in result.stdout  # not the set's 250
     assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-16", "step-32"]
     assert (run_dir / "LATEST").resolve() == (run_dir / "step-32").resolve()
